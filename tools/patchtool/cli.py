@@ -1,0 +1,108 @@
+"""``python tools/patches.py``: apply, refresh and check the patch series."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from .artifact import ArtifactError, Pin
+from .worktree import (SeriesError, dep3_problems, export_series, has_unexported, mark_current, materialise,
+                       read_series, write_series)
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_WORK = ROOT / "build" / "work"
+PATCHES = ROOT / "patches"
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    work = Path(args.work)
+    if has_unexported(work) and not args.force:
+        print(f"{work} has edits or commits not exported yet: run 'refresh' first, "
+              "or pass --force to throw them away", file=sys.stderr)
+        return 1
+    results = materialise(work, Path(args.patches))
+    for r in results:
+        print(f"{r.status:9} {r.name}")
+    print(f"{work}: upstream + {len(results)} patch(es); edit, commit, then 'refresh'")
+    return 0
+
+
+def cmd_refresh(args: argparse.Namespace) -> int:
+    patches = Path(args.patches)
+    exported = export_series(Path(args.work))
+    removed = write_series(patches, exported)
+    mark_current(Path(args.work), patches)
+    for name in exported:
+        print(f"wrote   {name}")
+    for name in removed:
+        print(f"removed {name}")
+    return 0
+
+
+def check_series(patches: Path) -> list[str]:
+    """Everything wrong with the series; an empty list means it is good."""
+    problems = []
+    listed = read_series(patches)
+    on_disk = {p.name for p in patches.glob("*.patch")}
+    problems += [f"{n}: listed in series but missing" for n in listed if n not in on_disk]
+    problems += [f"{n}: not listed in series" for n in sorted(on_disk - set(listed))]
+    if len(set(listed)) != len(listed):
+        problems.append("series lists a patch twice")
+    for name in listed:
+        if name in on_disk:
+            problems += dep3_problems(name, (patches / name).read_text())
+    if problems:
+        return problems
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp) / "work"
+        try:
+            materialise(work, patches, three_way=False)  # exact context, no 3-way help
+        except SeriesError as exc:
+            return [str(exc)]
+        for name, data in export_series(work).items():
+            if name not in listed:
+                problems.append(f"{name}: re-export names a patch the series does not have "
+                                "(subject and file name disagree)")
+            elif (patches / name).read_bytes() != data:
+                problems.append(f"{name}: stale (re-exporting it changes the file; run apply + refresh)")
+    return problems
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    patches = Path(args.patches)
+    problems = check_series(patches)
+    pin = Pin.load(patches / "upstream.json")
+    for p in problems:
+        print(f"FAIL {p}")
+    if problems:
+        return 1
+    print(f"ok: {len(read_series(patches))} patch(es) apply exactly to {pin.name} {pin.version}, "
+          "each has its DEP-3 header, none is stale")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tools/patches.py", description=__doc__)
+    ap.add_argument("--patches", default=str(PATCHES), help="the series folder (default: patches/)")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("apply", help="materialise upstream + series as a git work tree")
+    p.add_argument("--work", default=str(DEFAULT_WORK))
+    p.add_argument("--force", action="store_true", help="discard unexported work in the tree")
+    p.set_defaults(func=cmd_apply)
+    p = sub.add_parser("refresh", help="export the work tree's commits back to patches/")
+    p.add_argument("--work", default=str(DEFAULT_WORK))
+    p.set_defaults(func=cmd_refresh)
+    p = sub.add_parser("check", help="the series applies exactly, has headers, nothing stale")
+    p.set_defaults(func=cmd_check)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (SeriesError, ArtifactError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
