@@ -1,0 +1,309 @@
+"""vLLM 0.16 driven step by step, with capture between the two phases.
+
+Each step: ``execute_model`` -> ``speculators_capture_step`` on the workers
+(reads the runner's ``execute_model_state.aux_hidden_states``) ->
+``sample_tokens``. With async scheduling (the default) up to
+``max_concurrent_batches`` (2) steps are in flight, as in vLLM's own
+``EngineCore.step_with_batch_queue``; every call is non-blocking. Requests are
+admitted from an iterator into a bounded window, and each one is yielded as
+soon as all its prompt positions are captured, so memory stays bounded
+however long the input is.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from loguru import logger
+
+from speculators_v016.assembly import Assembler, AttributionError, expected_rows
+from speculators_v016.layers import LayerPlan
+from speculators_v016.vllm_check import require_vllm
+
+EXTENSION = "speculators_v016.capture.CaptureWorkerExtension"
+_IN_PROCESS_ENGINES = 0  # live engines whose worker runs in this process (uniprocess executor)
+
+
+class PromptError(ValueError):
+    """A prompt that cannot be run (empty, or token ids outside the vocabulary)."""
+
+
+@dataclass
+class EngineSettings:
+    model: str
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    max_model_len: int = 2048
+    max_num_batched_tokens: int | None = None  # default: max(8192, max_model_len)
+    max_num_seqs: int = 32
+    gpu_memory_utilization: float = 0.8
+    async_scheduling: bool = True
+    enforce_eager: bool = False
+    dtype: str = "auto"
+    executor: str | None = None  # "uni", "mp", "ray"; None: vLLM's choice
+    trust_remote_code: bool = False
+    seed: int = 0
+    capture_mode: str = "auto"  # "auto": built-in aux outputs where vLLM has them; "taps": ours only
+    extra_engine_args: dict = field(default_factory=dict)
+
+
+@dataclass
+class EngineStats:
+    prompts: int = 0
+    tokens: int = 0
+    truncated: int = 0
+    steps: int = 0
+    max_in_flight: int = 0
+
+
+@dataclass
+class _Step:
+    scheduler_output: Any
+    executed: Any  # future of execute_model
+    output: Any  # future of the ModelRunnerOutput
+    capture: Any = None  # future of the previous step's capture
+
+
+class _Single:
+    """A future of a collective RPC, reduced to the output rank's reply."""
+
+    def __init__(self, future, pick):
+        self._future, self._pick = future, pick
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self):
+        return self._pick(self._future.result())
+
+
+def _capture_executor(base: type) -> type:
+    """``base`` executor + capture set-up right after model load, + a capture RPC."""
+
+    class CaptureExecutor(base):
+        def _init_executor(self) -> None:
+            super()._init_executor()  # workers exist and hold the loaded model
+            cfg = self.vllm_config.additional_config["speculators_v016"]
+            par = self.vllm_config.parallel_config
+            self.capture_output_rank = getattr(
+                self, "output_rank", par.world_size - par.tensor_parallel_size)
+            self.capture_info = [i for i in self.collective_rpc(
+                "speculators_capture_setup",
+                args=(cfg["capture_ids"], self.capture_output_rank, cfg["capture_mode"]))]
+
+        def capture_rpc(self, method: str, args: tuple = (), non_block: bool = False):
+            if hasattr(self, "output_rank") and "Multiproc" in base.__name__:
+                res = self.collective_rpc(method, args=args, non_block=non_block,
+                                          unique_reply_rank=self.output_rank)
+                pick = lambda r: r  # noqa: E731
+            else:
+                res = self.collective_rpc(method, args=args, non_block=non_block)
+                pick = lambda rs: next((r for r in rs if r is not None), None)  # noqa: E731
+            return _Single(res, pick) if non_block else pick(res)
+
+    CaptureExecutor.__name__ = CaptureExecutor.__qualname__ = f"Capture{base.__name__}"
+    return CaptureExecutor
+
+
+class CaptureEngine:
+    """An in-process vLLM ``EngineCore`` whose steps we drive ourselves."""
+
+    def __init__(self, settings: EngineSettings, plan: LayerPlan):
+        self.vllm_version = require_vllm()
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.engine.core import EngineCore
+        from vllm.v1.executor.abstract import Executor
+
+        if settings.pipeline_parallel_size != 1:
+            raise ValueError("pipeline parallelism is not supported: vLLM 0.16 drops the aux hidden "
+                             "states of non-last stages; use tensor parallelism (across nodes: Ray)")
+        self.settings, self.plan = settings, plan
+        args = EngineArgs(
+            model=settings.model, dtype=settings.dtype, seed=settings.seed,
+            max_model_len=settings.max_model_len,
+            max_num_batched_tokens=settings.max_num_batched_tokens or max(8192, settings.max_model_len),
+            max_num_seqs=settings.max_num_seqs, tensor_parallel_size=settings.tensor_parallel_size,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            enforce_eager=settings.enforce_eager, trust_remote_code=settings.trust_remote_code,
+            distributed_executor_backend=settings.executor,
+            enable_prefix_caching=False,  # a cached prefix is not recomputed: no states for it
+            worker_extension_cls=EXTENSION,
+            # In the config (and so in its hash): compiled graphs cached on disk
+            # without these capture ids are never reused for this engine.
+            additional_config={"speculators_v016": {"capture_ids": list(plan.capture_ids),
+                                                    "capture_mode": settings.capture_mode}},
+            **settings.extra_engine_args,
+        )
+        config = args.create_engine_config()
+        backend = config.parallel_config.distributed_executor_backend
+        use_async = settings.async_scheduling
+        if use_async and backend == "ray":
+            logger.warning("vLLM 0.16's Ray executor does not support async scheduling: running sync")
+            use_async = False
+        # vLLM's CPU platform turns async scheduling off in its config hook; we
+        # own the loop (and the CPU output shim), so we set it back, before the
+        # executor exists and the workers receive the config.
+        config.scheduler_config.async_scheduling = use_async
+        global _IN_PROCESS_ENGINES
+        executor_class = Executor.get_class(config)
+        self._in_process = executor_class.__name__ == "UniProcExecutor"
+        self.core = EngineCore(config, _capture_executor(executor_class), log_stats=False)
+        _IN_PROCESS_ENGINES += self._in_process
+        self.scheduler = self.core.scheduler
+        self.executor = self.core.model_executor
+        self.depth = self.executor.max_concurrent_batches
+        self.capture_info = self.executor.capture_info
+        self.vocab_size = config.model_config.get_vocab_size()
+        self.dtype = config.model_config.dtype
+        self.max_prompt_len = config.model_config.max_model_len - 1  # room for the one sampled token
+        self.async_scheduling = use_async
+        self._sampling = SamplingParams(max_tokens=1, temperature=0.0)
+        self._next_id = 0
+        self._step = 0
+        self._broken: BaseException | None = None
+        self.stats = EngineStats()
+        layers = {i["num_layers"] for i in self.capture_info if i}
+        if layers != {plan.num_layers}:
+            self.shutdown()
+            raise ValueError(f"the loaded model has {layers} decoder layers, the layer plan {plan.num_layers}")
+        logger.info("engine ready: {} (async scheduling {}, {} steps in flight, capture {})",
+                    settings.model, use_async, self.depth, self.capture_info[0])
+
+    # -- requests ---------------------------------------------------------
+    def _admit(self, feed: Iterator, assembler: Assembler, window: int, waiting: set) -> bool:
+        """Move prompts from ``feed`` into the scheduler until ``window`` are open."""
+        from vllm.v1.request import Request
+
+        while len(waiting) < window:
+            try:
+                key, ids = next(feed)
+            except StopIteration:
+                return False
+            ids = self.check_prompt(key, ids)
+            rid = f"s{self._next_id}"
+            self._next_id += 1
+            assembler.add_request(rid, (key, ids), len(ids))
+            waiting.add(rid)
+            self.scheduler.add_request(Request(rid, ids, self._sampling, None, None, arrival_time=time.time(),
+                                               block_hasher=self.core.request_block_hasher))
+            self.stats.prompts += 1
+            self.stats.tokens += len(ids)
+        return True
+
+    def check_prompt(self, key: Any, ids, count: bool = True) -> list[int]:
+        """The prompt as a list, truncated to ``max_model_len - 1``; PromptError if unusable."""
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        if not ids:
+            raise PromptError(f"prompt {key!r} is empty")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise PromptError(f"prompt {key!r} has token ids outside the vocabulary "
+                              f"[0, {self.vocab_size}): {bad[:5]}")
+        if len(ids) > self.max_prompt_len and count:
+            logger.warning("prompt {!r}: {} tokens truncated to {} (max_model_len - 1)",
+                           key, len(ids), self.max_prompt_len)
+            self.stats.truncated += 1
+        return ids[: self.max_prompt_len]
+
+    # -- steps ------------------------------------------------------------
+    def _launch(self, assembler: Assembler) -> _Step:
+        so = self.scheduler.schedule()
+        executed = self.executor.execute_model(so, non_block=True)
+        if so.total_num_scheduled_tokens == 0:  # still carries finished request ids to the workers
+            return _Step(so, executed, executed)
+        self._step += 1
+        self.stats.steps += 1
+        assembler.expect(self._step, expected_rows(so))
+        capture = self.executor.capture_rpc("speculators_capture_step", (self._step,), non_block=True)
+        output = self.executor.sample_tokens(self.scheduler.get_grammar_bitmask(so), non_block=True)
+        return _Step(so, executed, output, capture)
+
+    def _retire(self, step: _Step, assembler: Assembler) -> None:
+        output = step.output.result()
+        if output is None:  # execute_model failed: raise its error
+            step.executed.result()
+            raise RuntimeError("vLLM returned no model output for a step")
+        if step.capture is not None and (previous := step.capture.result()) is not None:
+            assembler.add(previous)
+        self.scheduler.update_from_output(step.scheduler_output, output)
+
+    def stream(self, prompts: Iterable[tuple[Any, list[int]]], window: int | None = None
+               ) -> Iterator[tuple[Any, list[int], list]]:
+        """Yield ``(key, input_ids, states per requested layer)`` as each prompt completes.
+
+        If the caller stops early or a prompt is refused, the prompts already
+        admitted are aborted and the steps in flight are retired, so the
+        engine is ready for the next call. An error inside vLLM leaves the
+        engine unusable (it says so on the next call).
+        """
+        if self._broken is not None:
+            raise RuntimeError(f"this engine failed earlier and cannot be used again: {self._broken}")
+        assembler = Assembler(self.plan.capture_order)
+        feed, waiting, in_flight = iter(prompts), set(), deque()
+        window = window or 2 * self.settings.max_num_seqs
+        more = True
+        try:
+            while True:
+                more = more and self._admit(feed, assembler, window, waiting)
+                if self.scheduler.has_requests() and len(in_flight) < self.depth:
+                    in_flight.appendleft(self._launch(assembler))
+                    self.stats.max_in_flight = max(self.stats.max_in_flight, len(in_flight))
+                    if len(in_flight) < self.depth and not in_flight[-1].output.done():
+                        continue  # keep the pipeline full before waiting on the oldest step
+                if in_flight:
+                    self._retire(in_flight.pop(), assembler)
+                elif assembler.pending_steps:
+                    if (last := self.executor.capture_rpc("speculators_capture_flush")) is not None:
+                        assembler.add(last)
+                for (key, ids), states in assembler.pop_complete():
+                    yield key, ids, states
+                waiting.intersection_update(assembler.unfinished())
+                if not (more or waiting or in_flight or self.scheduler.has_requests()):
+                    return
+                if waiting and not (in_flight or self.scheduler.has_requests() or assembler.pending_steps):
+                    raise AttributionError(
+                        f"requests finished without complete hidden states: {assembler.unfinished()}")
+        except (GeneratorExit, PromptError):
+            self._abandon(waiting, in_flight)
+            raise
+        except BaseException as exc:
+            self._broken = exc
+            raise
+
+    def _abandon(self, waiting: set, in_flight: deque) -> None:
+        """Abort admitted prompts and retire the steps in flight (the engine stays usable)."""
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests(list(waiting), RequestStatus.FINISHED_ABORTED)
+        scratch = Assembler(self.plan.capture_order)
+        while in_flight:
+            step = in_flight.pop()
+            step.capture = None
+            self._retire(step, scratch)
+        while self.scheduler.has_requests():  # finished ids still have to reach the workers
+            self._retire(self._launch(scratch), scratch)
+        self.executor.capture_rpc("speculators_capture_flush")
+
+    def shutdown(self) -> None:
+        global _IN_PROCESS_ENGINES
+        core, self.core = getattr(self, "core", None), None
+        if core is None:
+            return
+        core.shutdown()
+        del core
+        gc.collect()  # release vLLM's native handles now, not inside a later engine's compile
+        if self._in_process:
+            # A uniprocess engine initialised vLLM's parallel state in this
+            # process; the next engine (maybe another model family, e.g. MoE
+            # with an expert-parallel group) needs it fresh.
+            _IN_PROCESS_ENGINES -= 1
+            if _IN_PROCESS_ENGINES == 0:
+                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+                cleanup_dist_env_and_memory()

@@ -1,0 +1,100 @@
+"""``VllmHiddenStatesGenerator`` with upstream speculators 0.3.0's contract, on vLLM 0.16.
+
+``generate(token_ids)`` returns, in input order, one dict per prompt with
+``input_ids`` (LongTensor), ``hidden_states`` (one ``[len, hidden]`` tensor
+per requested layer, in request order) and ``loss_mask`` (None), as upstream
+does. :meth:`VllmHiddenStatesGenerator.stream` yields the same dicts (plus
+``index``) as soon as each prompt completes, for writers that work while the
+engine runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+from loguru import logger
+
+from speculators_v016.engine import CaptureEngine, EngineSettings
+from speculators_v016.layers import LayerPlan
+
+
+def num_decoder_layers(model_path: str, trust_remote_code: bool = False) -> int:
+    """Decoder layer count from the model's config (text config for multimodal models)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    for cfg in (config, getattr(config, "text_config", None)):
+        if cfg is not None and getattr(cfg, "num_hidden_layers", None):
+            return int(cfg.num_hidden_layers)
+    raise ValueError(f"cannot tell how many decoder layers {model_path} has: its config "
+                     "has no num_hidden_layers (nor text_config.num_hidden_layers)")
+
+
+class VllmHiddenStatesGenerator:
+    """Captures hidden states of selected layers during prefill, with vLLM 0.16.
+
+    ``layer_ids`` use upstream's meaning: id ``L`` is the output of decoder
+    layer ``L`` before the final norm (see :mod:`speculators_v016.layers`);
+    default ``[2, n//2, n-3, n-1]``. Keyword arguments beyond upstream's
+    (``async_scheduling``, ``enforce_eager``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``dtype``, ``executor``, ...) go to
+    :class:`~speculators_v016.engine.EngineSettings`.
+    """
+
+    def __init__(self, model_path: str, layer_ids: Sequence[int] | None = None, max_model_len: int = 2048,
+                 gpu_memory_utilization: float = 0.8, tensor_parallel_size: int = 1, **engine_options):
+        trust = bool(engine_options.get("trust_remote_code", False))
+        self.model_path = model_path
+        self.plan = LayerPlan.build(num_decoder_layers(model_path, trust), layer_ids)
+        self.layer_ids = list(self.plan.layer_ids)
+        settings = EngineSettings(model=model_path, max_model_len=max_model_len,
+                                  gpu_memory_utilization=gpu_memory_utilization,
+                                  tensor_parallel_size=tensor_parallel_size, **engine_options)
+        logger.info("capturing layers {} of {} (vLLM aux ids {})", self.layer_ids, model_path,
+                    list(self.plan.vllm_ids))
+        self.engine = CaptureEngine(settings, self.plan)
+        # Attributes upstream's generator had and its DataGenerationConfig reads.
+        self.tensor_parallel_size = tensor_parallel_size
+        self.vllm_config = self.engine.core.vllm_config
+
+    @property
+    def layer_mapping(self) -> dict:
+        """The layer ids in both conventions, as data files record them."""
+        return self.plan.describe()
+
+    def stream(self, token_ids: Iterable[Sequence[int]] | torch.Tensor) -> Iterator[dict]:
+        """Yield ``{"index", "input_ids", "hidden_states", "loss_mask"}`` as each prompt completes."""
+        rows = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
+        for index, ids, states in self.engine.stream(enumerate(rows)):
+            yield {"index": index, "input_ids": torch.tensor(ids, dtype=torch.long),
+                   "hidden_states": states, "loss_mask": None}
+
+    def generate(self, token_ids: Sequence[Sequence[int]] | torch.Tensor) -> list[dict]:
+        """Upstream's call: all results, in input order."""
+        if len(token_ids) == 0:
+            raise ValueError("token_ids cannot be empty")
+        rows = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
+        for index, ids in enumerate(rows):  # refuse bad input before anything is scheduled
+            self.engine.check_prompt(index, ids, count=False)
+        results: list[dict | None] = [None] * len(token_ids)
+        for item in self.stream(rows):
+            results[item.pop("index")] = item
+        return results  # type: ignore[return-value]
+
+    def shutdown(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    def __enter__(self) -> VllmHiddenStatesGenerator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:  # interpreter shutdown: nothing left to release
+            pass

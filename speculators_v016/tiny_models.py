@@ -1,0 +1,86 @@
+"""Tiny random-weight causal LMs with a locally trained tokenizer.
+
+No model hub is needed: the demo and the tests build a model of a real
+architecture (random weights, fp32), train a byte-level BPE tokenizer on a
+few sentences, give it a ChatML-style chat template, and save everything to
+a folder that both transformers and vLLM load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+
+_COMMON = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+
+#: architecture name -> (transformers config class name, extra config fields)
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 64, "decoder_sparse_step": 1,
+                                     "norm_topk_prob": True}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+}
+
+DEFAULT_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "speculative decoding drafts several tokens and the target model verifies them",
+    "hidden states of a few layers are saved for every token of every conversation",
+    "user assistant system: how do I sort a list in python? use sorted(items).",
+    "0 1 2 3 4 5 6 7 8 9 + - * / = ( ) [ ] { } < > , . ; : ! ? ' \"",
+]
+
+
+def train_tokenizer(corpus: Iterable[str], vocab_size: int = 512):
+    """A byte-level BPE tokenizer (transformers' fast tokenizer) trained on ``corpus``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(corpus), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>", pad_token="</s>",
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model(out: str | Path, arch: str = "llama", *, num_layers: int = 8, seed: int = 0,
+                     corpus: Iterable[str] | None = None, vocab_size: int = 512, **overrides) -> Path:
+    """Save a tiny random ``arch`` model and its tokenizer to ``out``; return the path."""
+    import torch
+    import transformers
+
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {sorted(ARCHITECTURES)}")
+    out = Path(out)
+    config_cls, extra = ARCHITECTURES[arch]
+    tokenizer = train_tokenizer(corpus or DEFAULT_CORPUS, vocab_size)
+    fields = {**_COMMON, **extra, "vocab_size": len(tokenizer), "num_hidden_layers": num_layers,
+              **overrides}
+    config = getattr(transformers, config_cls)(**fields)
+    config.dtype = torch.float32  # saved as the checkpoint's dtype
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # random init is tiny in scale; widen it so layers differ visibly
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
