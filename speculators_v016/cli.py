@@ -1,0 +1,268 @@
+"""``speculators-data-gen``: a dataset in, verified EAGLE-3 training files out.
+
+Accepts the options of upstream speculators 0.3.0's
+``scripts/data_generation_offline.py`` with the same names and meanings, so
+launch scripts switch by changing the command name; adds resumable, sharded,
+atomic output and the ``verify``, ``check`` and ``demo`` subcommands.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+ENV_PREFIX = "SPECULATORS_DATA_GEN"
+EXIT_CODES = """\b
+Exit codes: 0 done (or verified); 1 verify/check found problems; 2 usage error;
+3 bad input data; 4 output folder refused (foreign files, locked, settings
+differ from the run being resumed); 5 generation failed (engine, model,
+NaN/Inf limit); 6 a file could not be written; 130 interrupted.
+Every option can also be set from the environment, e.g.
+SPECULATORS_DATA_GEN_TARGET_MODEL_PATH, SPECULATORS_DATA_GEN_OUTPUT_DIR."""
+
+
+def _configure_logging(level: str) -> None:
+    from loguru import logger
+
+    logger.remove()
+    logger.add(sys.stderr, level=level.upper(), format="{time:HH:mm:ss} | {level: <7} | {message}")
+    logger.enable("speculators_v016")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if level.upper() != "DEBUG" else "DEBUG")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+
+
+def _exit_code(exc: BaseException) -> int:
+    from speculators_v016.dataset import BadRowError
+    from speculators_v016.engine import PromptError
+    from speculators_v016.layers import LayerIdError
+    from speculators_v016.outdir import OutputDirError
+    from speculators_v016.run_config import ResumeMismatchError
+    from speculators_v016.writer import WriteError
+
+    if isinstance(exc, (BadRowError, PromptError, LayerIdError)):
+        return 3
+    if isinstance(exc, (OutputDirError, ResumeMismatchError)):
+        return 4
+    if isinstance(exc, WriteError):
+        return 6
+    return 5
+
+
+def _shard_defaults(num_shards: int | None, shard_index: int | None) -> tuple[int, int]:
+    """--num-shards/--shard-index, else a launcher's RANK/WORLD_SIZE (torchrun) or SLURM's."""
+    env = os.environ
+    if num_shards is None:
+        num_shards = int(env.get("WORLD_SIZE") or env.get("SLURM_NTASKS") or 1)
+    if shard_index is None:
+        shard_index = int(env.get("RANK") or env.get("SLURM_PROCID") or 0) if num_shards > 1 else 0
+    if not 0 <= shard_index < num_shards:
+        raise click.BadParameter(f"shard index {shard_index} is not in [0, {num_shards})", param_hint="--shard-index")
+    return num_shards, shard_index
+
+
+def _layer_ids(value: str | None) -> list[int] | None:
+    if not value:
+        return None
+    try:
+        return [int(v) for v in value.replace(",", " ").split()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: give integers, e.g. --layer-ids 2 16 29 31",
+                                 param_hint="--layer-ids") from None
+
+
+def run_and_report(opts, verify_after: bool = True) -> int:
+    from speculators_v016.pipeline import run
+    from speculators_v016.verify import verify
+
+    try:
+        summary = run(opts)
+    except KeyboardInterrupt:
+        click.echo("interrupted: finished samples are kept; run the same command again to resume", err=True)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - every failure gets a message and an exit code
+        code = _exit_code(exc)
+        click.echo(f"error: {exc}" if code != 5 else f"error: {type(exc).__name__}: {exc}", err=True)
+        return code
+    for line in summary.lines():
+        click.echo(line)
+    if verify_after:
+        report = verify(summary.output_dir, partial=opts.num_shards > 1)
+        click.echo(f"verify:     {'ok' if report.ok else 'FAILED'} ({report.samples} samples)")
+        for problem in report.problems[:20]:
+            click.echo(f"  {problem}", err=True)
+        if not report.ok:
+            return 1
+    return 0
+
+
+@click.group(invoke_without_command=True, epilog=EXIT_CODES,
+             context_settings={"auto_envvar_prefix": ENV_PREFIX, "show_default": True,
+                               "help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--target-model-path", help="Target model: local folder or hub id (what vLLM loads).")
+@click.option("--train-data-path", multiple=True,
+              help="Dataset: .json/.jsonl file (ShareGPT 'conversations', 'messages', or pre-tokenized "
+                   "'input_ids'+'loss_mask' rows) or a dataset name upstream knows (sharegpt, ultrachat). "
+                   "Repeat to combine.")
+@click.option("--output-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Folder for the samples; an interrupted run resumes in it.")
+@click.option("--seq-length", type=int, default=2048, help="Longest sample in tokens; longer ones are truncated.")
+@click.option("--max-samples", type=int, default=None, help="Use at most this many rows (after shuffling).")
+@click.option("--layer-ids", default=None,
+              help="Layers to capture: id L = output of decoder layer L, before the final norm "
+                   "(upstream's meaning). Space- or comma-separated. Default: 2, n//2, n-3, n-1.")
+@click.option("--batch-size", type=int, default=8, help="Prompts admitted ahead of the engine (at least 2 x max-num-seqs).")
+@click.option("--tensor-parallel-size", type=int, default=None, help="GPUs per model. Default: all visible GPUs, or 1.")
+@click.option("--gpu-memory-utilization", type=float, default=0.8, help="vLLM's GPU memory fraction.")
+@click.option("--token-freq-path", default="./token_freq.pt", help="Where upstream's token frequency file goes.")
+@click.option("--hf-cache-dir", default=None, help="Cache folder for hub datasets.")
+@click.option("--assistant-pattern", default=None, help="Regex of assistant spans (default: from the chat template).")
+@click.option("--turn-dropout", is_flag=True, help="Keep a random number of leading turns per conversation.")
+@click.option("--seed", type=int, default=0, help="Shuffle (and turn dropout) seed.")
+@click.option("--start-idx", type=int, default=0, help="Offset added to every sample index in file names.")
+@click.option("--num-preprocessing-workers", type=int, default=8, help="Processes for tokenization.")
+@click.option("--format", "fmt", type=click.Choice(["safetensors", "pt"]), default="safetensors",
+              help="safetensors (no pickle), or pt: upstream's data_{i}.pt layout for stock trainers.")
+@click.option("--num-shards", type=int, default=None, help="Split samples over this many runs (default: WORLD_SIZE).")
+@click.option("--shard-index", type=int, default=None, help="Which shard this run writes (default: RANK).")
+@click.option("--trust-remote-code", is_flag=True, help="Allow the model folder's own Python code to run.")
+@click.option("--skip-bad-rows", is_flag=True, help="Skip (and count) malformed dataset rows instead of failing.")
+@click.option("--max-bad-samples", type=int, default=10, help="Abort after more samples than this with NaN/Inf states.")
+@click.option("--dtype", default="auto", help="vLLM dtype (auto = the checkpoint's; on CPU auto means bfloat16).")
+@click.option("--enforce-eager", is_flag=True, help="Skip torch.compile / CUDA graphs (faster start, slower run).")
+@click.option("--sync-scheduling", is_flag=True, help="Turn vLLM's async scheduling off (one step in flight).")
+@click.option("--max-num-seqs", type=int, default=32, help="Prompts per engine step at most.")
+@click.option("--max-num-batched-tokens", type=int, default=None, help="Tokens per engine step (default: max(8192, seq-length+1)).")
+@click.option("--write-workers", type=int, default=2, help="Threads writing sample files.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.version_option(package_name="speculators-v016", message="%(prog)s %(version)s")
+@click.pass_context
+def cli(ctx, target_model_path, train_data_path, output_dir, layer_ids, tensor_parallel_size, fmt, num_shards,
+        shard_index, sync_scheduling, no_progress, log_level, **rest):
+    """Generate EAGLE-3 training data: hidden states of a target model, one file per sample.
+
+    \b
+    speculators-data-gen --target-model-path M --train-data-path data.jsonl --output-dir out/
+    speculators-data-gen verify out/          # every file intact and complete?
+    speculators-data-gen check --target-model-path M --train-data-path data.jsonl
+    speculators-data-gen demo                 # the whole pipeline on a tiny local model
+
+    Layer ids mean what upstream speculators means: id L is the output of decoder
+    layer L before the final norm. A draft trained on the data must be served by
+    vLLM with eagle_aux_hidden_state_layer_ids = [L+1 for all but the last id];
+    data_config.json records both.
+    """
+    _configure_logging(log_level)
+    if ctx.invoked_subcommand is not None:
+        return
+    missing = [name for name, value in (("--target-model-path", target_model_path),
+                                        ("--train-data-path", train_data_path), ("--output-dir", output_dir))
+               if not value]
+    if missing:
+        raise click.UsageError(f"missing {', '.join(missing)} (or a subcommand: verify, check, demo)")
+    from speculators_v016.pipeline import RunOptions
+
+    shards, index = _shard_defaults(num_shards, shard_index)
+    if tensor_parallel_size is None:
+        import torch
+
+        tensor_parallel_size = max(1, torch.cuda.device_count())
+    opts = RunOptions(target_model_path=target_model_path, train_data_path=list(train_data_path),
+                      output_dir=output_dir, layer_ids=_layer_ids(layer_ids),
+                      tensor_parallel_size=tensor_parallel_size, format=fmt, num_shards=shards, shard_index=index,
+                      async_scheduling=not sync_scheduling, progress=not no_progress, **rest)
+    ctx.exit(run_and_report(opts))
+
+
+@cli.command()
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--partial", is_flag=True, help="Check what is there, not that the run is complete.")
+def verify(directory, partial):
+    """Check DIRECTORY (and its shard-* folders): every sample present once, intact, as configured."""
+    from speculators_v016.verify import verify as run_verify
+
+    report = run_verify(directory, partial=partial)
+    for problem in report.problems:
+        click.echo(f"FAIL {problem}")
+    for note in report.notes:
+        click.echo(f"note {note}")
+    status = "ok" if report.ok else "FAILED"
+    click.echo(f"{status}: {report.samples} samples, {report.tokens} tokens in {len(report.folders)} folder(s), "
+               f"{len(report.problems)} problem(s)")
+    sys.exit(0 if report.ok else 1)
+
+
+@cli.command()
+@click.option("--target-model-path", required=True)
+@click.option("--train-data-path", multiple=True, required=True)
+@click.option("--samples", type=int, default=4, help="How many samples to compare.")
+@click.option("--seq-length", type=int, default=512)
+@click.option("--layer-ids", default=None)
+@click.option("--dtype", default="auto", help="The engine's dtype (transformers runs in fp32).")
+@click.option("--enforce-eager", is_flag=True)
+@click.option("--tensor-parallel-size", type=int, default=1)
+@click.option("--trust-remote-code", is_flag=True)
+def check(target_model_path, train_data_path, samples, seq_length, layer_ids, dtype, enforce_eager,
+          tensor_parallel_size, trust_remote_code):
+    """Compare the engine's hidden states with transformers' on a few samples, layer by layer."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from speculators_v016.dataset import prepare_samples
+    from speculators_v016.fidelity import compare, reference_layer_outputs
+    from speculators_v016.generator import VllmHiddenStatesGenerator
+
+    tokenizer = AutoTokenizer.from_pretrained(target_model_path, trust_remote_code=trust_remote_code)
+    prepared = prepare_samples(list(train_data_path), tokenizer, seq_length, max_samples=samples, num_proc=1)
+    prompts = prepared.input_ids[:samples]
+    with VllmHiddenStatesGenerator(target_model_path, layer_ids=_layer_ids(layer_ids), max_model_len=seq_length + 1,
+                                   dtype=dtype, enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
+                                   trust_remote_code=trust_remote_code) as gen:
+        results = gen.generate(prompts)
+        engine_dtype = str(gen.engine.dtype).removeprefix("torch.")
+        layers = list(gen.layer_ids)
+    reference = reference_layer_outputs(target_model_path, prompts, torch.float32, trust_remote_code)
+    errors = compare(results, reference, layers, engine_dtype)
+    click.echo(f"{len(prompts)} samples, engine dtype {engine_dtype}, reference transformers float32")
+    click.echo(f"{'layer':>6} {'max abs err':>12} {'relative':>10} {'tolerance':>10}  result")
+    for e in errors:
+        click.echo(f"{e.layer:>6} {e.max_abs:>12.3e} {e.relative:>10.3e} {e.tolerance:>10.1e}  "
+                   f"{'pass' if e.ok else 'FAIL'}")
+    sys.exit(0 if all(e.ok for e in errors) else 1)
+
+
+@cli.command()
+@click.option("--dir", "where", type=click.Path(file_okay=False, path_type=Path), default=Path("speculators-demo"),
+              help="Where the tiny model and the data go.")
+@click.option("--format", "fmt", type=click.Choice(["safetensors", "pt"]), default="safetensors")
+def demo(where, fmt):
+    """Run the whole pipeline on a tiny random model and bundled sample conversations."""
+    from speculators_v016.demo import run_demo
+
+    sys.exit(run_demo(where, fmt))
+
+
+def _join_multi_value(argv: list[str], option: str) -> list[str]:
+    """Upstream took ``--layer-ids 2 16 29 31`` (argparse nargs='+'); click takes one value."""
+    out, i = [], 0
+    while i < len(argv):
+        out.append(argv[i])
+        if argv[i] == option:
+            values = []
+            while i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+                values.append(argv[i + 1])
+                i += 1
+            out.append(" ".join(values))
+        i += 1
+    return out
+
+
+def main() -> None:
+    cli.main(args=_join_multi_value(sys.argv[1:], "--layer-ids"), prog_name="speculators-data-gen")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Sample files written atomically, by background workers behind a bounded queue.
+
+Each file is written under a temporary name in the output folder, fsynced,
+renamed to its final name (``data_{index}.{ext}``) and the folder fsynced;
+only then is its manifest line appended. The queue between the engine and
+the workers is bounded, so a slow disk slows generation instead of filling
+memory. The first write error stops the run: :meth:`SampleWriter.put`
+raises :class:`WriteError` naming the path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import threading
+from pathlib import Path
+
+from speculators_v016.manifest import Entry, Manifest
+from speculators_v016.sample_format import encode, sample_name
+
+TMP_PREFIX = ".tmp-"
+
+
+class WriteError(OSError):
+    """A sample could not be written; the message names the path."""
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(directory: Path, name: str, data: bytes) -> None:
+    """Write ``directory/name`` so that it is either absent, old, or complete."""
+    tmp = directory / f"{TMP_PREFIX}{name}.{os.getpid()}"
+    try:
+        with tmp.open("wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, directory / name)
+        fsync_dir(directory)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise WriteError(exc.errno, f"cannot write {directory / name}: {exc.strerror or exc}") from exc
+
+
+class SampleWriter:
+    """Workers that encode, write and record samples handed to :meth:`put`."""
+
+    def __init__(self, directory: Path, fmt: str, layer_ids: list[int], *, workers: int = 2, bound: int = 8):
+        self.directory, self.fmt, self.layer_ids = Path(directory), fmt, layer_ids
+        self.manifest = Manifest(self.directory)
+        self.queue: queue.Queue = queue.Queue(maxsize=bound)
+        self.error: BaseException | None = None
+        self.written = 0
+        self.bytes = 0
+        self._count_lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._work, name=f"sample-writer-{i}", daemon=True)
+                         for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def _work(self) -> None:
+        while (job := self.queue.get()) is not None:
+            index, sample = job
+            try:
+                if self.error is None:
+                    self._write(index, sample)
+            except BaseException as exc:  # noqa: BLE001 - handed to the producer
+                self.error = self.error or exc
+            finally:
+                self.queue.task_done()
+        self.queue.task_done()
+
+    def _write(self, index: int, sample: dict) -> None:
+        name = sample_name(index, self.fmt)
+        data = encode(sample, self.fmt, self.layer_ids)
+        write_atomic(self.directory, name, data)
+        self.manifest.append(Entry(index, name, len(data), hashlib.sha256(data).hexdigest(),
+                                   int(sample["input_ids"].shape[0])))
+        with self._count_lock:
+            self.written += 1
+            self.bytes += len(data)
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            if isinstance(self.error, WriteError):
+                raise self.error
+            raise WriteError(f"writing samples to {self.directory} failed: {self.error!r}") from self.error
+
+    def put(self, index: int, sample: dict) -> None:
+        """Queue a sample (blocks while the queue is full); raise the first write error."""
+        while True:
+            self._raise_if_failed()
+            try:
+                self.queue.put((index, sample), timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def close(self) -> None:
+        """Wait for every queued sample; raise the first write error."""
+        for _ in self._threads:
+            self.queue.put(None)
+        for thread in self._threads:
+            thread.join()
+        self._raise_if_failed()

@@ -1,0 +1,213 @@
+"""speculators-data-gen end to end on CPU vLLM: demo, upstream-style runs, resume, shards, verify."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TOLERANCE, hf_layer_outputs
+from speculators_v016.demo import corpus_lines
+from speculators_v016.manifest import Manifest
+from speculators_v016.sample_format import load_sample
+
+CPU = {"SPECULATORS_DATA_GEN_DTYPE": "float32", "SPECULATORS_DATA_GEN_ENFORCE_EAGER": "1",
+       "SPECULATORS_DATA_GEN_NO_PROGRESS": "1", "SPECULATORS_DATA_GEN_NUM_PREPROCESSING_WORKERS": "1"}
+
+
+def conversations(count: int, seed: int = 0) -> list[dict]:
+    """Synthetic chats from the demo corpus, in both row shapes."""
+    rng, lines = random.Random(seed), corpus_lines()
+    rows = []
+    for i in range(count):
+        turns = [(("human", "user"), rng.choice(lines)), (("gpt", "assistant"), " ".join(rng.sample(lines, 2)))]
+        if i % 2:
+            rows.append({"messages": [{"role": r[1], "content": t} for r, t in turns]})
+        else:
+            rows.append({"conversations": [{"from": r[0], "value": t} for r, t in turns]})
+    return rows
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+class Result:
+    def __init__(self, proc: subprocess.CompletedProcess):
+        self.exit_code, self.output = proc.returncode, proc.stdout + proc.stderr
+
+
+def invoke(*args, env=None) -> Result:
+    """Run the real command in a fresh process, as a user would."""
+    cmd = [sys.executable, "-m", "speculators_v016.cli", *map(str, args)]
+    return Result(subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **CPU, **(env or {})},
+                                 timeout=600))
+
+
+def load_all(folder: Path) -> dict[int, dict]:
+    return {i: load_sample(folder / e.file) for i, e in Manifest(folder).entries().items()}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("data") / "chats.jsonl", conversations(40))
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, model_dir, data_file):
+    """One uninterrupted run, the yardstick for resume and shards."""
+    out = tmp_path_factory.mktemp("ref") / "out"
+    result = invoke("--target-model-path", model_dir, "--train-data-path", data_file, "--output-dir", out,
+                    "--seq-length", 256, "--token-freq-path", out.parent / "tf.pt")
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_demo_runs_and_verifies(tmp_path):
+    """`speculators-data-gen demo` builds a model, generates, verifies, and explains the files."""
+    result = invoke("demo", "--dir", tmp_path)
+    assert result.exit_code == 0, result.output
+    assert "verify:     ok (20 samples)" in result.output
+    assert "eagle_aux_hidden_state_layer_ids = [3, 5, 6]" in result.output
+
+
+def test_reference_run_is_complete_and_exact(reference_run, model_dir):
+    """Every sample is written, verified, and equals transformers within 1e-5."""
+    config = json.loads((reference_run / "data_config.json").read_text())
+    assert config["hidden_states"]["layer_ids"] == [2, 4, 5, 7]  # upstream's field
+    assert config["speculators_v016"]["layers"]["eagle_aux_hidden_state_layer_ids"] == [3, 5, 6]
+    samples = load_all(reference_run)
+    assert sorted(samples) == list(range(40))
+    prompts = [samples[i]["input_ids"].tolist() for i in range(0, 40, 8)]
+    reference = hf_layer_outputs(model_dir, prompts)
+    for i, ref in zip(range(0, 40, 8), reference):
+        for state, layer in zip(samples[i]["hidden_states"], [2, 4, 5, 7]):
+            assert (state - ref[layer]).abs().max().item() < TOLERANCE
+        mask = samples[i]["loss_mask"]
+        assert mask.shape == samples[i]["input_ids"].shape and 0 < int(mask.sum()) < mask.numel()
+
+
+def test_upstream_invocation_with_pt_format(tmp_path, model_dir, data_file):
+    """Upstream's option names (nargs layer ids included) work; --format pt is upstream's layout."""
+    out = tmp_path / "out"
+    result = invoke("--target-model-path", model_dir, "--train-data-path", data_file, "--output-dir", out,
+                    "--seq-length", 256, "--max-samples", 6, "--layer-ids", "1 3 7", "--batch-size", 4,
+                    "--tensor-parallel-size", 1, "--gpu-memory-utilization", 0.5,
+                    "--token-freq-path", tmp_path / "token_freq.pt", "--seed", 3, "--start-idx", 100,
+                    "--num-preprocessing-workers", 1, "--format", "pt")
+    assert result.exit_code == 0, result.output
+    files = sorted(out.glob("data_*.pt"))
+    assert [f.name for f in files] == [f"data_{i}.pt" for i in (100, 101, 102, 103, 104, 105)]
+    sample = torch.load(files[0], weights_only=True)
+    assert set(sample) == {"input_ids", "hidden_states", "loss_mask"}
+    assert len(sample["hidden_states"]) == 3 and sample["hidden_states"][0].shape == (len(sample["input_ids"]), 128)
+    assert (tmp_path / "token_freq.pt").exists()
+
+
+def test_layer_ids_nargs_from_the_command_line():
+    """The real entry point turns upstream's `--layer-ids 2 16 29` into one value."""
+    from speculators_v016.cli import _join_multi_value
+
+    assert _join_multi_value(["--layer-ids", "2", "16", "29", "--seed", "1"], "--layer-ids") == \
+        ["--layer-ids", "2 16 29", "--seed", "1"]
+
+
+def test_environment_variables_set_options(tmp_path, model_dir, data_file):
+    """Options come from SPECULATORS_DATA_GEN_* variables too."""
+    out = tmp_path / "env-out"
+    result = invoke("--train-data-path", data_file, "--max-samples", 2, "--seq-length", 128,
+                    "--token-freq-path", "",
+                    env={"SPECULATORS_DATA_GEN_TARGET_MODEL_PATH": str(model_dir),
+                         "SPECULATORS_DATA_GEN_OUTPUT_DIR": str(out)})
+    assert result.exit_code == 0, result.output
+    assert len(Manifest(out).entries()) == 2
+
+
+def test_two_shards_verify_as_one(tmp_path, model_dir, data_file, reference_run):
+    """Shards 0 and 1 of 2, written separately, verify as one dataset equal to the unsharded one."""
+    out = tmp_path / "sharded"
+    for index in (0, 1):
+        result = invoke("--target-model-path", model_dir, "--train-data-path", data_file, "--output-dir", out,
+                        "--seq-length", 256, "--token-freq-path", "", "--num-shards", 2, "--shard-index", index)
+        assert result.exit_code == 0, result.output
+    result = invoke("verify", out)
+    assert result.exit_code == 0, result.output
+    assert "ok: 40 samples" in result.output and "in 2 folder(s)" in result.output
+    reference = load_all(reference_run)
+    for shard in (0, 1):
+        for i, sample in load_all(out / f"shard-{shard:05d}-of-00002").items():
+            assert i % 2 == shard
+            assert torch.equal(sample["input_ids"], reference[i]["input_ids"])
+
+
+def test_one_shard_alone_does_not_verify_as_complete(tmp_path, model_dir, data_file):
+    """A missing shard is reported by verify."""
+    out = tmp_path / "half"
+    result = invoke("--target-model-path", model_dir, "--train-data-path", data_file, "--output-dir", out,
+                    "--seq-length", 256, "--token-freq-path", "", "--num-shards", 2, "--shard-index", 1,
+                    "--max-samples", 8)
+    assert result.exit_code == 0, result.output
+    result = invoke("verify", out)
+    assert result.exit_code == 1 and "shards [0] of 2 are missing" in result.output
+
+
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path, model_dir, data_file, reference_run):
+    """A run killed with SIGKILL mid-way resumes to exactly the uninterrupted run's samples."""
+    out = tmp_path / "killed"
+    args = [sys.executable, "-m", "speculators_v016.cli", "--target-model-path", model_dir,
+            "--train-data-path", data_file, "--output-dir", out, "--seq-length", 256, "--token-freq-path", "",
+            "--max-num-seqs", 2, "--write-workers", 1]
+    env = {**os.environ, **CPU}
+    proc = subprocess.Popen([str(a) for a in args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if len(Manifest(out).entries()) >= 5:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    partial = len(Manifest(out).entries())
+    assert 5 <= partial < 40
+    result = invoke("verify", out, "--partial")
+    assert result.exit_code == 0, result.output  # what was written before the kill is intact
+    result = invoke("--target-model-path", model_dir, "--train-data-path", data_file, "--output-dir", out,
+                    "--seq-length", 256, "--token-freq-path", "")
+    assert result.exit_code == 0, result.output
+    assert f"({partial} already done before this run)" in result.output or partial >= 40
+    assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]
+    resumed, reference = load_all(out), load_all(reference_run)
+    assert sorted(resumed) == sorted(reference) == list(range(40))
+    for i in reference:
+        assert torch.equal(resumed[i]["input_ids"], reference[i]["input_ids"])
+        assert torch.equal(resumed[i]["loss_mask"], reference[i]["loss_mask"])
+        for a, b in zip(resumed[i]["hidden_states"], reference[i]["hidden_states"]):
+            assert (a - b).abs().max().item() < TOLERANCE
+
+
+def test_trainer_dataset_reads_both_formats(reference_run, tmp_path, model_dir, data_file):
+    """upstream's Eagle3SampleFileDataset loads our safetensors and pt folders."""
+    from speculators.train.data import Eagle3SampleFileDataset
+
+    pt_out = tmp_path / "pt"
+    result = invoke("--target-model-path", model_dir, "--train-data-path", data_file, "--output-dir", pt_out,
+                    "--seq-length", 256, "--token-freq-path", "", "--format", "pt", "--max-samples", 4)
+    assert result.exit_code == 0, result.output
+    for folder, count in ((reference_run, 40), (pt_out, 4)):
+        dataset = Eagle3SampleFileDataset(max_len=256, datapath=str(folder))
+        assert len(dataset) == count
+        item = dataset[0]
+        assert item["hidden_states"].shape[-1] == 3 * 128  # three input layers concatenated
+        assert item["verifier_last_hidden_states"].shape[-1] == 128
