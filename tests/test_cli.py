@@ -211,3 +211,25 @@ def test_trainer_dataset_reads_both_formats(reference_run, tmp_path, model_dir, 
         item = dataset[0]
         assert item["hidden_states"].shape[-1] == 3 * 128  # three input layers concatenated
         assert item["verifier_last_hidden_states"].shape[-1] == 128
+
+
+def test_eagle3_trainer_runs_on_generated_data(reference_run, model_dir, tmp_path):
+    """A few steps of upstream's EAGLE-3 Trainer run on CPU on our safetensors output."""
+    script = Path(__file__).with_name("eagle3_train_steps.py")
+    proc = subprocess.run([sys.executable, str(script), model_dir, str(reference_run),
+                           str(reference_run.parent / "tf.pt"), str(tmp_path / "ckpt")],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TORCHDYNAMO_DISABLE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"steps": 4, "changed": True, "finite": True}
+
+
+def test_check_compares_with_transformers(model_dir, data_file):
+    """`check` prints per-layer errors against transformers and passes for fp32."""
+    result = invoke("check", "--target-model-path", model_dir, "--train-data-path", data_file,
+                    "--samples", 3, "--dtype", "float32", "--enforce-eager", "--seq-length", 256)
+    assert result.exit_code == 0, result.output
+    rows = [line.split() for line in result.output.splitlines() if line.strip().endswith(("pass", "FAIL"))]
+    assert [int(r[0]) for r in rows] == [2, 4, 5, 7]
+    assert all(r[-1] == "pass" and float(r[1]) < TOLERANCE for r in rows)

@@ -83,6 +83,35 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rebase(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import asdict
+
+    from . import rebase
+
+    work, patches = Path(args.work), Path(args.patches)
+    if args.abort:
+        rebase.abort(work)
+        print(f"aborted: removed {work}; patches/ untouched")
+        return 0
+    if args.cont:
+        report = rebase.resume(work, patches)
+    else:
+        sources = [s for s in (args.onto, args.onto_artifact, args.onto_path) if s]
+        if len(sources) != 1:
+            print("error: give exactly one of --onto VERSION, --onto-artifact WHEEL, --onto-path DIR",
+                  file=sys.stderr)
+            return 2
+        new = (rebase.source_from_index(args.onto) if args.onto else
+               rebase.source_from_wheel(Path(args.onto_artifact)) if args.onto_artifact else
+               rebase.source_from_path(Path(args.onto_path)))
+        report = rebase.start(work, patches, new, args.dry_run)
+    print(json.dumps(asdict(report) | {"result": report.result}, indent=2) if args.json else rebase.render(report))
+    if report.finished and (args.dry_run or report.result != "conflict"):
+        rebase.abort(work) if not args.keep else None
+    return report.exit_code
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tools/patches.py", description=__doc__)
     ap.add_argument("--patches", default=str(PATCHES), help="the series folder (default: patches/)")
@@ -96,6 +125,17 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_refresh)
     p = sub.add_parser("check", help="the series applies exactly, has headers, nothing stale")
     p.set_defaults(func=cmd_check)
+    p = sub.add_parser("rebase", help="replay the series onto another upstream release and report")
+    p.add_argument("--onto", metavar="VERSION", help="an upstream release from the package index")
+    p.add_argument("--onto-artifact", metavar="WHEEL", help="a local upstream wheel")
+    p.add_argument("--onto-path", metavar="DIR", help="an unpacked upstream tree or a source checkout")
+    p.add_argument("--continue", dest="cont", action="store_true", help="carry on after resolving a conflict")
+    p.add_argument("--abort", action="store_true", help="drop the rebase; patches/ stays as it was")
+    p.add_argument("--dry-run", action="store_true", help="report only; never write patches/")
+    p.add_argument("--json", action="store_true", help="the report as JSON")
+    p.add_argument("--keep", action="store_true", help="keep the work tree after a finished rebase")
+    p.add_argument("--work", default=str(ROOT / "build" / "rebase"))
+    p.set_defaults(func=cmd_rebase)
     return ap
 
 

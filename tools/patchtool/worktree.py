@@ -95,6 +95,7 @@ class PatchResult:
 
 def am(work: Path, patch: Path, three_way: bool) -> PatchResult:
     """Apply one patch as a commit; on failure leave the am session open."""
+    head = git(work, "rev-parse", "HEAD").strip()
     args = ["am", "--keep", "--keep-cr", "--committer-date-is-author-date"]
     if three_way:
         args.append("--3way")
@@ -102,6 +103,8 @@ def am(work: Path, patch: Path, three_way: bool) -> PatchResult:
                           env={**os.environ, **_ENV, "GIT_CONFIG_GLOBAL": os.devnull})
     out = proc.stdout + proc.stderr
     if proc.returncode == 0:
+        if git(work, "rev-parse", "HEAD").strip() == head:  # merged to nothing: already upstream
+            return PatchResult(patch.name, "empty", detail=out.strip())
         status = "3way" if "Falling back to patching base and 3-way merge" in out else "clean"
         return PatchResult(patch.name, status)
     if "Patch is empty" in out or "No changes -- Patch already applied" in out:
@@ -168,12 +171,12 @@ def has_unexported(work: Path) -> bool:
     return len(stamp) != 2 or stamp[1] != git(work, "rev-parse", "HEAD").strip()
 
 
-def export_series(work: Path) -> dict[str, bytes]:
-    """The commits after ``upstream`` as patch files: {file name: content}, in order."""
+def export_series(work: Path, base: str = UPSTREAM_TAG) -> dict[str, bytes]:
+    """The commits after ``base`` as patch files: {file name: content}, in order."""
     if (work / ".git" / "rebase-apply").exists():
         raise SeriesError(f"a git am session is open in {work}: finish it (git am --continue) first")
     with tempfile.TemporaryDirectory() as tmp:
-        git(work, "format-patch", *FORMAT_FLAGS, "-o", tmp, f"{UPSTREAM_TAG}..HEAD")
+        git(work, "format-patch", *FORMAT_FLAGS, "-o", tmp, f"{base}..HEAD")
         out: dict[str, bytes] = {}
         for path in sorted(Path(tmp).glob("*.patch")):
             name = re.sub(r"^\d{4}-", "", path.name)

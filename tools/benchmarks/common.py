@@ -1,0 +1,43 @@
+"""Shared helpers of the benchmark scripts: a bench model, prompts, one measured child process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def bench_model(where: Path, hidden: int = 512, layers: int = 8) -> Path:
+    """A random Llama of benchmark size (built once)."""
+    from speculators_v016.tiny_models import build_tiny_model
+
+    where = Path(where)
+    if not (where / "config.json").exists():
+        build_tiny_model(where, "llama", num_layers=layers, hidden_size=hidden, intermediate_size=4 * hidden,
+                         num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128)
+    return where
+
+
+def prompts(count: int, length: int, vocab: int = 400, seed: int = 0) -> list[list[int]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(5, vocab, (count, length), generator=gen).tolist()
+
+
+def child(script: str, args: dict) -> dict:
+    """Run ``script`` with ``args`` (JSON) in a fresh process; return its last JSON line."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+           "VLLM_LOGGING_LEVEL": "WARNING"}
+    proc = subprocess.run([sys.executable, script, json.dumps(args)], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{script} {args} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

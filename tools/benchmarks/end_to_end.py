@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""speculators-data-gen end to end against the generator alone, on the same data, side by side.
+
+Both run in fresh processes on the same conversations, model and engine
+settings, interleaved over --rounds. "End to end" is the CLI's generation phase
+(engine + NaN check + encoding + atomic writes + manifest, as its summary
+reports it); "generator alone" streams the same token samples and drops them.
+
+    python tools/benchmarks/end_to_end.py [--samples 256] [--rounds 2] [--eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from common import bench_model, child  # noqa: E402
+
+SEQ = 1024
+
+
+def conversations(path: Path, count: int) -> Path:
+    from speculators_v016.demo import corpus_lines
+
+    rng, lines = random.Random(0), corpus_lines()
+    with path.open("w") as fh:
+        for _ in range(count):
+            turns = [{"from": "human", "value": " ".join(rng.sample(lines, 3))},
+                     {"from": "gpt", "value": " ".join(rng.sample(lines, 8))}]
+            fh.write(json.dumps({"conversations": turns}) + "\n")
+    return path
+
+
+def generator_alone(args: dict) -> dict:
+    from transformers import AutoTokenizer
+
+    from speculators_v016.dataset import prepare_samples
+    from speculators_v016.generator import VllmHiddenStatesGenerator
+
+    samples = prepare_samples([args["data"]], AutoTokenizer.from_pretrained(args["model"]), SEQ, num_proc=1)
+    gen = VllmHiddenStatesGenerator(args["model"], max_model_len=SEQ + 1, dtype="float32",
+                                    enforce_eager=args["eager"])
+    gen.generate(samples.input_ids[:4])
+    start = time.perf_counter()
+    for _ in gen.stream(samples.input_ids):
+        pass
+    seconds = time.perf_counter() - start
+    tokens = sum(map(len, samples.input_ids))
+    return {"samples_per_s": len(samples) / seconds, "tokens_per_s": tokens / seconds}
+
+
+def end_to_end(model: str, data: Path, eager: bool) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "speculators_v016.cli", "--target-model-path", model, "--train-data-path",
+               str(data), "--output-dir", f"{tmp}/out", "--seq-length", str(SEQ), "--dtype", "float32",
+               "--token-freq-path", "", "--no-progress", "--num-preprocessing-workers", "1"]
+        cmd += ["--enforce-eager"] if eager else []
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(proc.stderr[-3000:])
+    written = int(re.search(r"written:\s+(\d+) samples", proc.stdout).group(1))
+    tokens, seconds = re.search(r"tokens:\s+(\d+) in ([\d.]+) s of generation", proc.stdout).groups()
+    return {"samples_per_s": written / float(seconds), "tokens_per_s": int(tokens) / float(seconds)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--model-dir", default="/tmp/speculators-v016-bench/model")
+    opts = ap.parse_args()
+    model = str(bench_model(Path(opts.model_dir)))
+    with tempfile.TemporaryDirectory() as tmp:
+        data = conversations(Path(tmp) / "chats.jsonl", opts.samples)
+        runs = {"cli": [], "gen": []}
+        for _ in range(opts.rounds):
+            runs["cli"].append(end_to_end(model, data, opts.eager))
+            runs["gen"].append(child(__file__, {"model": model, "data": str(data), "eager": opts.eager}))
+    med = {k: {m: statistics.median(r[m] for r in v) for m in ("samples_per_s", "tokens_per_s")}
+           for k, v in runs.items()}
+    print(f"{opts.samples} conversations, seq length {SEQ}, {'eager' if opts.eager else 'compiled'}, "
+          f"{opts.rounds} round(s), medians")
+    for key, label in (("cli", "speculators-data-gen (written)"), ("gen", "generator alone (dropped)")):
+        print(f"  {label:32} {med[key]['samples_per_s']:8.1f} samples/s {med[key]['tokens_per_s']:10,.0f} tokens/s")
+    print(f"  ratio end-to-end / generator   {med['cli']['tokens_per_s'] / med['gen']['tokens_per_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 2 and sys.argv[1].startswith("{"):
+        print(json.dumps(generator_alone(json.loads(sys.argv[1]))))
+    else:
+        main()
