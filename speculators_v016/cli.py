@@ -37,12 +37,13 @@ def _configure_logging(level: str) -> None:
 def _exit_code(exc: BaseException) -> int:
     from speculators_v016.dataset import BadRowError
     from speculators_v016.engine import PromptError
+    from speculators_v016.generator import RemoteCodeError
     from speculators_v016.layers import LayerIdError
     from speculators_v016.outdir import OutputDirError
     from speculators_v016.run_config import ResumeMismatchError
     from speculators_v016.writer import WriteError
 
-    if isinstance(exc, (BadRowError, PromptError, LayerIdError)):
+    if isinstance(exc, (BadRowError, PromptError, LayerIdError, RemoteCodeError)):
         return 3
     if isinstance(exc, (OutputDirError, ResumeMismatchError)):
         return 4
@@ -135,6 +136,8 @@ def run_and_report(opts, verify_after: bool = True) -> int:
 @click.option("--sync-scheduling", is_flag=True, help="Turn vLLM's async scheduling off (one step in flight).")
 @click.option("--max-num-seqs", type=int, default=32, help="Prompts per engine step at most.")
 @click.option("--max-num-batched-tokens", type=int, default=None, help="Tokens per engine step (default: max(8192, seq-length+1)).")
+@click.option("--executor", type=click.Choice(["uni", "mp", "ray"]), default=None,
+              help="vLLM executor (default: vLLM's choice: uni for one device, mp for tensor parallelism).")
 @click.option("--write-workers", type=int, default=2, help="Threads writing sample files.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))

@@ -154,11 +154,10 @@ def prepare_samples(paths: list[str], tokenizer, seq_length: int, *, max_samples
     if max_samples is not None:
         order = order[:max_samples]
     picked = [rows[i][1] for i in order]
-    truncated = 0
     if kind == "pretokenized":
         ids = [r[0][:seq_length] for r in picked]
         masks = [r[1][:seq_length] for r in picked]
-        truncated = sum(len(r[0]) > seq_length for r in picked)
+        cut = [len(r[0]) > seq_length for r in picked]
     else:
         from speculators.data_generation.preprocessing import build_eagle3_dataset
 
@@ -171,9 +170,10 @@ def prepare_samples(paths: list[str], tokenizer, seq_length: int, *, max_samples
         rejected = len(picked) - len(ids)
         if rejected:
             skipped["rejected by the chat template or tokenizer"] += rejected
-        truncated = sum(len(x) >= seq_length for x in ids)
+        cut = [len(x) >= seq_length for x in ids]  # tokenized with truncation at seq_length
     keep = [i for i, m in enumerate(masks) if any(m)]
     if len(keep) != len(masks):
         skipped["no assistant (trainable) tokens"] += len(masks) - len(keep)
-        ids, masks = [ids[i] for i in keep], [masks[i] for i in keep]
+        ids, masks, cut = [ids[i] for i in keep], [masks[i] for i in keep], [cut[i] for i in keep]
+    truncated = sum(cut)
     return PreparedSamples(ids, masks, kind, sources, skipped, truncated)

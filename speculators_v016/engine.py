@@ -33,6 +33,10 @@ class PromptError(ValueError):
     """A prompt that cannot be run (empty, or token ids outside the vocabulary)."""
 
 
+class EngineDeadError(RuntimeError):
+    """vLLM's executor failed (e.g. a worker process died); the engine cannot continue."""
+
+
 @dataclass
 class EngineSettings:
     model: str
@@ -153,7 +157,9 @@ class CaptureEngine:
         global _IN_PROCESS_ENGINES
         executor_class = Executor.get_class(config)
         self._in_process = executor_class.__name__ == "UniProcExecutor"
-        self.core = EngineCore(config, _capture_executor(executor_class), log_stats=False)
+        self._executor_failed = False
+        self.core = EngineCore(config, _capture_executor(executor_class), log_stats=False,
+                               executor_fail_callback=self._on_executor_failure)
         _IN_PROCESS_ENGINES += self._in_process
         self.scheduler = self.core.scheduler
         self.executor = self.core.model_executor
@@ -174,6 +180,11 @@ class CaptureEngine:
             raise ValueError(f"the loaded model has {layers} decoder layers, the layer plan {plan.num_layers}")
         logger.info("engine ready: {} (async scheduling {}, {} steps in flight, capture {})",
                     settings.model, use_async, self.depth, self.capture_info[0])
+
+    def _on_executor_failure(self) -> None:
+        """Called by vLLM's executor monitor when a worker process dies."""
+        self._executor_failed = True
+        logger.error("a vLLM worker process died: stopping")
 
     # -- requests ---------------------------------------------------------
     def _admit(self, feed: Iterator, assembler: Assembler, window: int, waiting: set) -> bool:
@@ -274,6 +285,9 @@ class CaptureEngine:
             raise
         except BaseException as exc:
             self._broken = exc
+            if self._executor_failed or getattr(self.executor, "is_failed", False):
+                raise EngineDeadError(f"a vLLM worker process died, so the engine stopped "
+                                      f"({type(exc).__name__}: {exc}); finished samples are kept") from exc
             raise
 
     def _abandon(self, waiting: set, in_flight: deque) -> None:

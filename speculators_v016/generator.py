@@ -19,11 +19,21 @@ from speculators_v016.engine import CaptureEngine, EngineSettings
 from speculators_v016.layers import LayerPlan
 
 
+class RemoteCodeError(ValueError):
+    """The model needs code from its own folder or repository, and the user did not allow it."""
+
+
 def num_decoder_layers(model_path: str, trust_remote_code: bool = False) -> int:
     """Decoder layer count from the model's config (text config for multimodal models)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if "trust_remote_code" not in str(exc):
+            raise
+        raise RemoteCodeError(f"{model_path} needs its own Python code to load (auto_map); refused. "
+                              "Pass --trust-remote-code (trust_remote_code=True) only if you trust it.") from exc
     for cfg in (config, getattr(config, "text_config", None)):
         if cfg is not None and getattr(cfg, "num_hidden_layers", None):
             return int(cfg.num_hidden_layers)

@@ -18,7 +18,7 @@ import torch
 from loguru import logger
 from tqdm import tqdm
 
-from speculators_v016 import run_config
+from speculators_v016 import faults, run_config
 from speculators_v016.dataset import PreparedSamples, prepare_samples
 from speculators_v016.engine import PromptError
 from speculators_v016.manifest import Manifest
@@ -61,6 +61,7 @@ class RunOptions:
     async_scheduling: bool = True
     max_num_seqs: int = 32
     max_num_batched_tokens: int | None = None
+    executor: str | None = None
     write_workers: int = 2
     progress: bool = True
 
@@ -154,7 +155,7 @@ def run(opts: RunOptions) -> RunSummary:
             gpu_memory_utilization=opts.gpu_memory_utilization, tensor_parallel_size=opts.tensor_parallel_size,
             dtype=opts.dtype, enforce_eager=opts.enforce_eager, async_scheduling=opts.async_scheduling,
             max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=opts.max_num_batched_tokens,
-            trust_remote_code=opts.trust_remote_code, seed=opts.seed)
+            trust_remote_code=opts.trust_remote_code, seed=opts.seed, executor=opts.executor)
         try:
             config = existing or _new_config(generator, opts, samples, fp, len(mine))
             run_config.save(directory, config)
@@ -179,6 +180,8 @@ def _generate(generator, samples: PreparedSamples, pending: list[int], directory
     try:
         feed = ((i, samples.input_ids[i]) for i in pending)
         for index, ids, states in generator.engine.stream(feed, window=window):
+            if faults.armed_value("nan-sample"):  # fault injection (tests only)
+                states[-1][len(ids) // 2, 0] = float("nan")
             bad = [layer for layer, h in zip(layer_ids, states) if not torch.isfinite(h).all()]
             if bad:
                 summary.non_finite.append({"index": index + opts.start_idx, "layers": bad})

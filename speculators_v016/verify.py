@@ -89,7 +89,9 @@ def verify_folder(folder: Path, report: Report, seen: dict[int, Path], partial: 
     for name in names:
         parsed = parse_sample_name(name)
         if parsed and (name not in listed or parsed[1] != fmt):
-            report.problems.append(f"{folder / name}: sample file not in the manifest (or of another format)")
+            finding = f"{folder / name}: sample file not in the manifest (or of another format)"
+            # a crash between rename and manifest line leaves one; the next run rewrites it
+            (report.notes if partial and parsed[1] == fmt else report.problems).append(finding)
     for index, entry in sorted(entries.items()):
         path = folder / entry.file
         if parse_sample_name(entry.file) != (index, fmt):

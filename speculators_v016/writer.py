@@ -16,6 +16,7 @@ import queue
 import threading
 from pathlib import Path
 
+from speculators_v016 import faults
 from speculators_v016.manifest import Entry, Manifest
 from speculators_v016.sample_format import encode, sample_name
 
@@ -34,12 +35,16 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(directory: Path, name: str, data: bytes) -> None:
+def write_atomic(directory: Path, name: str, data: bytes, sample: bool = False) -> None:
     """Write ``directory/name`` so that it is either absent, old, or complete."""
     tmp = directory / f"{TMP_PREFIX}{name}.{os.getpid()}"
     try:
         with tmp.open("wb") as fh:
-            fh.write(data)
+            fh.write(data[: len(data) // 2])
+            if sample:  # fault points of the fault-injection tests
+                faults.hit("kill-mid-write")
+                faults.hit("enospc-write", str(tmp))
+            fh.write(data[len(data) // 2:])
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, directory / name)
@@ -80,7 +85,8 @@ class SampleWriter:
     def _write(self, index: int, sample: dict) -> None:
         name = sample_name(index, self.fmt)
         data = encode(sample, self.fmt, self.layer_ids)
-        write_atomic(self.directory, name, data)
+        write_atomic(self.directory, name, data, sample=True)
+        faults.hit("kill-before-manifest")
         self.manifest.append(Entry(index, name, len(data), hashlib.sha256(data).hexdigest(),
                                    int(sample["input_ids"].shape[0])))
         with self._count_lock:

@@ -2,7 +2,6 @@
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -12,48 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_helpers import CPU, conversations, invoke, load_all, write_jsonl
 from conftest import TOLERANCE, hf_layer_outputs
-from speculators_v016.demo import corpus_lines
 from speculators_v016.manifest import Manifest
-from speculators_v016.sample_format import load_sample
-
-CPU = {"SPECULATORS_DATA_GEN_DTYPE": "float32", "SPECULATORS_DATA_GEN_ENFORCE_EAGER": "1",
-       "SPECULATORS_DATA_GEN_NO_PROGRESS": "1", "SPECULATORS_DATA_GEN_NUM_PREPROCESSING_WORKERS": "1"}
-
-
-def conversations(count: int, seed: int = 0) -> list[dict]:
-    """Synthetic chats from the demo corpus, in both row shapes."""
-    rng, lines = random.Random(seed), corpus_lines()
-    rows = []
-    for i in range(count):
-        turns = [(("human", "user"), rng.choice(lines)), (("gpt", "assistant"), " ".join(rng.sample(lines, 2)))]
-        if i % 2:
-            rows.append({"messages": [{"role": r[1], "content": t} for r, t in turns]})
-        else:
-            rows.append({"conversations": [{"from": r[0], "value": t} for r, t in turns]})
-    return rows
-
-
-def write_jsonl(path: Path, rows) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-class Result:
-    def __init__(self, proc: subprocess.CompletedProcess):
-        self.exit_code, self.output = proc.returncode, proc.stdout + proc.stderr
-
-
-def invoke(*args, env=None) -> Result:
-    """Run the real command in a fresh process, as a user would."""
-    cmd = [sys.executable, "-m", "speculators_v016.cli", *map(str, args)]
-    return Result(subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **CPU, **(env or {})},
-                                 timeout=600))
-
-
-def load_all(folder: Path) -> dict[int, dict]:
-    return {i: load_sample(folder / e.file) for i, e in Manifest(folder).entries().items()}
-
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_model):
