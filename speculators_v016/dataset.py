@@ -12,7 +12,6 @@ counted by reason.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from collections import Counter
@@ -20,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loguru import logger
+
+from speculators_v016.run_config import file_sha256
 
 
 class BadRowError(ValueError):
@@ -37,14 +38,6 @@ class PreparedSamples:
 
     def __len__(self) -> int:
         return len(self.input_ids)
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _read_rows(path: Path):
@@ -111,7 +104,7 @@ def load_rows(paths: list[str], skip_bad_rows: bool, hf_cache_dir: str | None):
             continue
         if not path.is_file():
             raise BadRowError(f"--train-data-path {given}: no such file")
-        sources.append({"path": str(path.resolve()), "sha256": _file_sha256(path)})
+        sources.append({"path": str(path.resolve()), "sha256": file_sha256(path)})
         for where, row in _read_rows(path):
             try:
                 if isinstance(row, Exception):

@@ -25,8 +25,13 @@ class ResumeMismatchError(RuntimeError):
     """The folder holds samples made with other settings."""
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, read in blocks (dataset files can be large)."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def model_fingerprint(model: str) -> dict:
@@ -38,8 +43,8 @@ def model_fingerprint(model: str) -> dict:
                if p.suffix in (".safetensors", ".bin", ".pt") or p.name.endswith(".index.json")}
     return {
         "path": str(path.resolve()),
-        "config_sha256": _sha256(path / "config.json") if (path / "config.json").exists() else None,
-        "tokenizer_sha256": {n: _sha256(path / n) for n in _TOKENIZER_FILES if (path / n).exists()},
+        "config_sha256": file_sha256(path / "config.json") if (path / "config.json").exists() else None,
+        "tokenizer_sha256": {n: file_sha256(path / n) for n in _TOKENIZER_FILES if (path / n).exists()},
         "weight_files": weights,
     }
 

@@ -193,3 +193,23 @@ def test_check_compares_with_transformers(model_dir, data_file):
     rows = [line.split() for line in result.output.splitlines() if line.strip().endswith(("pass", "FAIL"))]
     assert [int(r[0]) for r in rows] == [2, 4, 5, 7]
     assert all(r[-1] == "pass" and float(r[1]) < TOLERANCE for r in rows)
+
+
+def test_shards_default_from_the_launcher(monkeypatch):
+    """--num-shards/--shard-index default to torchrun's WORLD_SIZE/RANK, else SLURM's, else 1/0."""
+    import click
+
+    from speculators_v016.cli import _shard_defaults
+
+    for name in ("WORLD_SIZE", "RANK", "SLURM_NTASKS", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    assert _shard_defaults(None, None) == (1, 0)
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_PROCID", "2")
+    assert _shard_defaults(None, None) == (4, 2)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "5")
+    assert _shard_defaults(None, None) == (8, 5)
+    assert _shard_defaults(2, 1) == (2, 1)
+    with pytest.raises(click.BadParameter, match="shard index 3 is not in"):
+        _shard_defaults(2, 3)

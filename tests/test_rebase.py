@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -189,3 +190,19 @@ def test_real_next_release_from_the_index(tmp_path):
         "speculators/data_generation/vllm_hidden_states_generator.py"}
     assert "added" in report["dependencies"]
     assert snapshot(ROOT / "patches") == before
+
+
+def test_real_pinned_release_is_a_noop(tmp_path):
+    """Rebasing the real series onto its own pinned release from the index: exit 0, all clean, no byte changed."""
+    patches = tmp_path / "patches"
+    shutil.copytree(ROOT / "patches", patches)
+    before = snapshot(patches)
+    version = Pin.load(patches / "upstream.json").version
+    proc, report = rebase(patches, tmp_path / "rebase", "--onto", version, "--json")
+    if proc.returncode == 2 and "could not download upstream artifact" in proc.stderr:
+        pytest.skip(f"package index unreachable: {proc.stderr.strip()[:200]}")
+    assert proc.returncode == 0, proc.stderr
+    assert report["result"] == "clean" and {p["status"] for p in report["patches"]} == {"clean"}
+    assert not any(m["changed"] for m in report["wrapped_modules"])
+    assert report["dependencies"] == {"added": [], "removed": []}
+    assert snapshot(patches) == before
