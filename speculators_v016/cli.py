@@ -90,8 +90,9 @@ def run_and_report(opts, verify_after: bool = True) -> int:
     for line in summary.lines():
         click.echo(line)
     if verify_after:
-        report = verify(summary.output_dir, partial=opts.num_shards > 1)
-        click.echo(f"verify:     {'ok' if report.ok else 'FAILED'} ({report.samples} samples)")
+        report = verify(summary.output_dir, partial=opts.num_shards > 1, deep=opts.deep_verify)
+        kind = "" if opts.deep_verify else "; names, sizes, completeness: `verify DIR` reads every file"
+        click.echo(f"verify:     {'ok' if report.ok else 'FAILED'} ({report.samples} samples{kind})")
         for problem in report.problems[:20]:
             click.echo(f"  {problem}", err=True)
         if not report.ok:
@@ -140,6 +141,8 @@ def run_and_report(opts, verify_after: bool = True) -> int:
               help="vLLM executor (default: vLLM's choice: uni for one device, mp for tensor parallelism).")
 @click.option("--write-workers", type=int, default=2, help="Threads writing sample files.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--deep-verify", is_flag=True,
+              help="After the run, re-read every file of the folder (sha256, shapes, NaN), not just the manifest.")
 @click.option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 @click.version_option(package_name="speculators-v016", message="%(prog)s %(version)s")
 @click.pass_context

@@ -44,7 +44,8 @@ def run_demo(where: Path, fmt: str = "safetensors") -> int:
     data = where / f"data-{fmt}"
     opts = RunOptions(target_model_path=str(model), train_data_path=[str(bundled_conversations())],
                       output_dir=data, seq_length=512, dtype="float32", enforce_eager=True, max_num_seqs=8,
-                      format=fmt, token_freq_path=str(where / "token_freq.pt"), num_preprocessing_workers=1)
+                      format=fmt, token_freq_path=str(where / "token_freq.pt"), num_preprocessing_workers=1,
+                      deep_verify=True)
     code = run_and_report(opts)
     if code != 0:
         return code

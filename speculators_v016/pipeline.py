@@ -64,6 +64,7 @@ class RunOptions:
     executor: str | None = None
     write_workers: int = 2
     progress: bool = True
+    deep_verify: bool = False
 
 
 @dataclass

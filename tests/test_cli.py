@@ -213,3 +213,20 @@ def test_shards_default_from_the_launcher(monkeypatch):
     assert _shard_defaults(2, 1) == (2, 1)
     with pytest.raises(click.BadParameter, match="shard index 3 is not in"):
         _shard_defaults(2, 3)
+
+
+def test_quick_verify_after_a_run_skips_reading_files(reference_run, tmp_path):
+    """The post-run check compares sizes with the manifest; `verify` reads contents and finds a flipped byte."""
+    import shutil
+
+    from speculators_v016.verify import verify
+
+    copy = tmp_path / "copy"
+    shutil.copytree(reference_run, copy)
+    target = copy / "data_3.safetensors"
+    data = bytearray(target.read_bytes())
+    data[-1] ^= 0xFF  # same size, other content
+    target.write_bytes(bytes(data))
+    assert verify(copy, deep=False).ok
+    deep = verify(copy)
+    assert not deep.ok and deep.problems == [f"{target}: size or sha256 differs from the manifest"]
