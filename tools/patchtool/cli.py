@@ -107,8 +107,8 @@ def cmd_rebase(args: argparse.Namespace) -> int:
                rebase.source_from_path(Path(args.onto_path)))
         report = rebase.start(work, patches, new, args.dry_run)
     print(json.dumps(asdict(report) | {"result": report.result}, indent=2) if args.json else rebase.render(report))
-    if report.finished and (args.dry_run or report.result != "conflict"):
-        rebase.abort(work) if not args.keep else None
+    if report.finished and not args.keep:  # nothing waits in the work tree any more
+        rebase.abort(work)
     return report.exit_code
 
 

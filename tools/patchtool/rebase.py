@@ -14,6 +14,7 @@ replayed the refreshed series and the new pin are written to ``patches/``.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -240,7 +241,7 @@ def resume(work: Path, patches: Path) -> Report:
     state = _load_state(work)
     if (work / ".git" / "rebase-apply").exists():
         proc = subprocess.run(["git", "-C", str(work), "am", "--continue"], capture_output=True, text=True,
-                              env={**__import__("os").environ, "GIT_CONFIG_GLOBAL": "/dev/null",
+                              env={**os.environ, "GIT_CONFIG_GLOBAL": os.devnull,
                                    "GIT_COMMITTER_NAME": "speculators-v016",
                                    "GIT_COMMITTER_EMAIL": "patches@speculators-v016.invalid"})
         if proc.returncode != 0:
