@@ -130,7 +130,8 @@ def test_conflict_then_continue(setup):
     new = make_wheel(wheels, "2.0", {"speculators/a.py": replace_line(10, "line 10 upstream")})
     proc, report = rebase(patches, work, "--onto-artifact", str(new), "--json")
     assert proc.returncode == 1
-    [conflict] = report["patches"]
+    conflict, pending = report["patches"]
+    assert pending["status"] == "pending" and pending["forecast"]["status"] == "clean"
     assert conflict["status"] == "conflict" and conflict["files"] == ["speculators/a.py"]
     assert conflict["hunks"] == {"speculators/a.py": 1} and conflict["work_tree"] == str(work)
     assert "line 10 patched" in conflict["current_patch"]
@@ -206,3 +207,77 @@ def test_real_pinned_release_is_a_noop(tmp_path):
     assert not any(m["changed"] for m in report["wrapped_modules"])
     assert report["dependencies"] == {"added": [], "removed": []}
     assert snapshot(patches) == before
+
+
+@pytest.fixture
+def series_of_four(tmp_path, monkeypatch):
+    """Upstream 1.0 with a.py, b.py, c.py, d.py; four patches: a:10, b:5, b:15, c:3 (c.py is wrapped)."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    monkeypatch.setenv(LOCAL_ARTIFACT_ENV, str(wheels))
+    extra = {f"speculators/{n}.py": (lambda _, n=n: "\n".join(f"{n} {line}" for line in LINES) + "\n")
+             for n in ("c", "d")}
+    base = make_wheel(wheels, "1.0", extra)
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    Pin("speculators", "1.0", base.name, sha256_of(base)).save(patches / "upstream.json")
+    (patches / "series").write_text("")
+    (patches / "wrapped-modules.json").write_text(json.dumps({"ours/c_rewrite.py": ["speculators/c.py"]}))
+    work = tmp_path / "author"
+    materialise(work, patches)
+    for path, number, subject in (("a.py", 10, "Patch a"), ("b.py", 5, "Patch b"), ("b.py", 15, "Patch b again"),
+                                  ("c.py", 3, "Patch c"), ("d.py", 3, "Patch d")):
+        target = work / "speculators" / path
+        target.write_text(replace_line(number, f"line {number} patched")(target.read_text()))
+        git(work, "commit", "-qam", subject + HEADER)
+    write_series(patches, export_series(work))
+    return wheels, patches, tmp_path / "rebase", extra
+
+
+def test_forecast_covers_every_patch_when_the_first_conflicts(series_of_four):
+    """First patch conflicts: later ones are forecast clean, conflicting, target-deleted, target-renamed."""
+    wheels, patches, work, extra = series_of_four
+    before = snapshot(patches)
+    d_text = extra["speculators/d.py"]("")
+    new = make_wheel(wheels, "2.0", {**extra, "speculators/a.py": replace_line(10, "line 10 upstream"),
+                                     "speculators/b.py": replace_line(15, "line 15 upstream")})
+    new = rebuild_without(  # upstream 2.0 deleted c.py and renamed d.py
+        new, {"speculators/c.py": None, "speculators/d.py": "speculators/d_new.py"}, d_text)
+    proc, report = rebase(patches, work, "--onto-artifact", str(new), "--json")
+    assert proc.returncode == 1, proc.stderr  # exit codes unchanged: a conflict is 1
+    names = read_series(patches)
+    assert [p["name"] for p in report["patches"]] == names  # every patch of the series is listed
+    assert [p["status"] for p in report["patches"]] == ["conflict", "pending", "pending", "pending", "pending"]
+    assert [p["forecast"]["status"] for p in report["patches"]] == [
+        "conflict", "clean", "conflict", "target-deleted", "target-renamed"]
+    assert report["summary"] == "2 conflict, 1 target deleted, 1 target renamed, 1 clean"
+    deleted = report["patches"][3]["forecast"]
+    assert deleted["moved"] == [{"path": "speculators/c.py", "to": None, "meaning":
+                                 "upstream removed the module ours/c_rewrite.py replaces: "
+                                 "the patch (and any redirect to our module) must move or go"}]
+    assert deleted["hunks"] == {"speculators/c.py": "deleted upstream"}  # not "0 hunks"
+    renamed = report["patches"][4]["forecast"]
+    assert renamed["moved"][0]["to"] == "speculators/d_new.py"
+    assert [m["upstream_state"] for m in report["wrapped_modules"]] == ["deleted"]
+    text, _ = rebase(patches, tmp_path_of(work) / "again", "--onto-artifact", str(new), "--dry-run")
+    assert "forecast for the whole series: 2 conflict, 1 target deleted, 1 target renamed, 1 clean" in text.stdout
+    assert "pending (target-deleted)" in text.stdout and "(DELETED) -> review ours/c_rewrite.py" in text.stdout
+    assert snapshot(patches) == before
+
+
+def tmp_path_of(work: Path) -> Path:
+    return work.parent
+
+
+def rebuild_without(wheel: Path, moves: dict, renamed_text: str) -> Path:
+    """The same wheel with files deleted (None) or renamed (new path)."""
+    with zipfile.ZipFile(wheel) as zf:
+        files = {n: zf.read(n) for n in zf.namelist()}
+    for old, new in moves.items():
+        files.pop(old)
+        if new:
+            files[new] = renamed_text.encode()
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+    return wheel

@@ -75,15 +75,16 @@ def _local_copy(pin: Pin) -> Path | None:
     return _verified(path, pin)
 
 
-def download(name: str, version: str, dest: Path) -> Path:
-    """Download the wheel of ``name==version`` with pip (honours pip's config)."""
+def download(name: str, version: str | None, dest: Path) -> Path:
+    """Download the wheel of ``name==version`` (None: the newest) with pip (honours pip's config)."""
+    spec = name if version is None else f"{name}=={version}"
     cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-           "--only-binary=:all:", "--dest", str(dest), f"{name}=={version}"]
+           "--only-binary=:all:", "--dest", str(dest), spec]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(dest.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
         raise ArtifactError(
-            f"could not download upstream artifact {name}=={version} from the package index "
+            f"could not download upstream artifact {spec} from the package index "
             f"(set {LOCAL_ARTIFACT_ENV} to a local copy for offline builds):\n{proc.stderr.strip()}"
         )
     return wheels[0]

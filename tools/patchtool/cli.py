@@ -126,7 +126,8 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="the series applies exactly, has headers, nothing stale")
     p.set_defaults(func=cmd_check)
     p = sub.add_parser("rebase", help="replay the series onto another upstream release and report")
-    p.add_argument("--onto", metavar="VERSION", help="an upstream release from the package index")
+    p.add_argument("--onto", metavar="VERSION",
+                   help="an upstream release from the package index ('latest': the newest it serves)")
     p.add_argument("--onto-artifact", metavar="WHEEL", help="a local upstream wheel")
     p.add_argument("--onto-path", metavar="DIR", help="an unpacked upstream tree or a source checkout")
     p.add_argument("--continue", dest="cont", action="store_true", help="carry on after resolving a conflict")

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .artifact import ArtifactError, Pin, download, fetch, sha256_of, unpack_wheel
+from .forecast import conflict_hunks, forecast, summary, upstream_moves
 from .worktree import PatchResult, SeriesError, am, export_series, git, read_series, write_series
 
 STATE = "speculators-rebase.json"
@@ -44,6 +45,8 @@ class Report:
     old: str
     new: str
     patches: list[dict] = field(default_factory=list)
+    forecast: list[dict] = field(default_factory=list)
+    summary: str = ""
     wrapped_modules: list[dict] = field(default_factory=list)
     dependencies: dict = field(default_factory=dict)
     range_diff: str = ""
@@ -66,8 +69,10 @@ class Report:
 
 
 def source_from_index(version: str, name: str = "speculators") -> Source:
+    """``version`` from the package index; ``latest`` is the newest release it serves."""
     tmp = Path(tempfile.mkdtemp(prefix="speculators-rebase-"))
-    wheel = download(name, version, tmp)
+    wheel = download(name, None if version == "latest" else version, tmp)
+    version = wheel.name.split("-")[1]
     return Source(f"{name} {version} (index)", Pin(name, version, wheel.name, sha256_of(wheel)), wheel=wheel)
 
 
@@ -125,26 +130,29 @@ def _dependency_changes(old: Source, new: Source) -> dict:
     return {"added": sorted(after - before), "removed": sorted(before - after)}
 
 
-def _wrapped(work: Path, patches: Path) -> list[dict]:
+def _wrapped_table(patches: Path) -> dict[str, str]:
+    """{upstream module: our module that replaces or wraps it}."""
     table = patches / "wrapped-modules.json"
     if not table.exists():
-        return []
+        return {}
+    return {path: ours for ours, paths in json.loads(table.read_text()).items() if not ours.startswith("_")
+            for path in paths}
+
+
+def _wrapped(work: Path, patches: Path) -> list[dict]:
+    moves = upstream_moves(work, "old-upstream", "new-upstream")
     out = []
-    for ours, paths in json.loads(table.read_text()).items():
-        if ours.startswith("_"):
-            continue
-        for path in paths:
-            stat = git(work, "diff", "--stat", "old-upstream", "new-upstream", "--", path).strip()
-            out.append({"ours": ours, "upstream": path, "changed": bool(stat), "diffstat": stat})
+    for path, ours in _wrapped_table(patches).items():
+        stat = git(work, "diff", "--stat", "old-upstream", "new-upstream", "--", path).strip()
+        state = ("deleted" if moves[path] is None else f"renamed to {moves[path]}") if path in moves else \
+            "changed" if stat else "unchanged"
+        out.append({"ours": ours, "upstream": path, "changed": bool(stat), "diffstat": stat, "upstream_state": state})
     return out
 
 
 def _conflict_detail(work: Path, res: PatchResult) -> dict:
     files = res.files
-    hunks = {}
-    for name in files:
-        path = work / name
-        hunks[name] = path.read_text(errors="replace").count("<<<<<<<") if path.is_file() else 0
+    hunks = conflict_hunks(work, files, upstream_moves(work, "old-upstream", "new-upstream"))
     shown = git(work, "am", "--show-current-patch=diff", check=False)
     return {"files": files, "hunks": hunks, "work_tree": str(work), "current_patch": shown,
             "detail": res.detail[-2000:]}
@@ -169,13 +177,15 @@ def _replay(work: Path, patches: Path, state: dict) -> Report:
         name = names[state["next"]]
         res = am(work, patches / name, three_way=True)
         status = {"clean": "clean", "3way": "3way", "empty": "already-upstream", "conflict": "conflict"}[res.status]
-        entry = {"name": name, "status": status}
+        entry = {"name": name, "status": status, "forecast": _forecast_of(report, name)}
         if status == "conflict":
             entry.update(_conflict_detail(work, res))
             report.patches.append(entry)
             state["report"] = asdict(report) | {"patches": report.patches[:-1]}
             state["conflicted"] = entry
             _save_state(work, state)
+            report.patches += [{"name": n, "status": "pending", "forecast": _forecast_of(report, n)}
+                               for n in names[state["next"] + 1:]]
             return report
         report.patches.append(entry)
         state["next"] += 1
@@ -229,10 +239,12 @@ def _start(work: Path, patches: Path, old: Source, new: Source, dry_run: bool) -
     report = Report(old=old.label, new=new.label, work_tree=str(work))
     report.dependencies = _dependency_changes(old, new)
     report.wrapped_modules = _wrapped(work, patches)
+    report.forecast = forecast(work, patches, _wrapped_table(patches))
+    report.summary = summary(report.forecast)
     state = {"next": 0, "dry_run": dry_run, "report": asdict(report),
              "new_pin": asdict(new.pin) if new.pin else None, "new_wheel": str(new.wheel or "")}
     report = _replay(work, patches, state)
-    if report.patches and report.patches[-1]["status"] == "conflict":
+    if any(p["status"] == "conflict" for p in report.patches):  # stopped: pending patches follow it
         return report
     return _finish(work, patches, state, report, dry_run)
 
@@ -255,7 +267,7 @@ def resume(work: Path, patches: Path) -> Report:
         state["next"] += 1
     state["report"] = report_state
     report = _replay(work, patches, state)
-    if report.patches and report.patches[-1]["status"] == "conflict":
+    if any(p["status"] == "conflict" for p in report.patches):  # stopped: pending patches follow it
         return report
     return _finish(work, patches, state, report, state["dry_run"])
 
@@ -266,18 +278,36 @@ def abort(work: Path) -> None:
         shutil.rmtree(work)
 
 
+def _forecast_of(report: Report, name: str) -> dict:
+    return next((f for f in report.forecast if f["name"] == name), {"status": "unknown"})
+
+
+def _files(hunks: dict) -> str:
+    return ", ".join(f"{f} ({n if isinstance(n, str) else f'{n} hunk(s)'})" for f, n in hunks.items())
+
+
 def render(report: Report) -> str:
     lines = [f"rebase {report.old} -> {report.new}: {report.result}"]
+    if report.summary:
+        lines.append(f"  forecast for the whole series: {report.summary}")
     for p in report.patches:
-        lines.append(f"  {p['status']:17} {p['name']}")
+        fc = p.get("forecast") or {}
+        shown = p["status"] if p["status"] != "pending" else f"pending ({fc.get('status')})"
+        lines.append(f"  {shown:26} {p['name']}")
         if p["status"] == "conflict":
-            lines.append(f"      files: {', '.join(f'{f} ({n} hunk(s))' for f, n in p['hunks'].items())}")
+            lines.append(f"      files: {_files(p['hunks'])}")
             lines.append(f"      resolve in {p['work_tree']}, git add, then: tools/patches.py rebase --continue")
+        elif p["status"] == "pending" and fc.get("hunks"):
+            lines.append(f"      files: {_files(fc['hunks'])}")
+        lines += [f"      {m['meaning']}" for m in fc.get("moved", [])]
+        lines += [f"      note: {n}" for n in fc.get("notes", [])]
     changed = [m for m in report.wrapped_modules if m["changed"]]
     lines.append(f"  upstream modules we replace or wrap: {len(changed)} changed of {len(report.wrapped_modules)}")
     for m in changed:
         last = m["diffstat"].splitlines()[-1].strip() if m["diffstat"] else ""
-        lines.append(f"      {m['upstream']} ({last}) -> review {m['ours']}")
+        state = m.get("upstream_state", "changed")
+        what = state.upper() if state != "changed" else last
+        lines.append(f"      {m['upstream']} ({what}) -> review {m['ours']}")
     deps = report.dependencies
     if "added" in deps:
         lines.append(f"  upstream requirements: +{len(deps['added'])} -{len(deps['removed'])}")
