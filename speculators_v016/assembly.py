@@ -5,6 +5,10 @@ own batch order, token offsets and chunk starts) and by the engine (the
 scheduler output of that step). Any disagreement is an error, never a guess.
 A request is complete when its rows cover positions ``0 .. len(prompt)-1``
 contiguously; chunked prefill pieces are stitched in order.
+
+Each captured byte is copied once on this side: from the step's states
+(usually a view of a ring slot, released right after :meth:`Assembler.add`)
+straight into the request's own per-layer tensors, which are what callers get.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ class AttributionError(RuntimeError):
 class _Request:
     key: Any
     prompt_len: int
-    chunks: dict[int, torch.Tensor] = field(default_factory=dict)  # start -> [rows, ids, hidden]
+    chunks: dict[int, int] = field(default_factory=dict)  # start -> rows
     rows: int = 0
+    out: list[torch.Tensor] | None = None  # one [prompt_len, hidden] per requested layer
 
 
 def expected_rows(scheduler_output) -> dict[str, tuple[int, int]]:
@@ -65,20 +70,21 @@ class Assembler:
             raise AttributionError(
                 f"step {capture.step}: the runner computed {got} (request: (start, rows)), "
                 f"the scheduler scheduled {expected}")
-        if sum(capture.counts) != capture.states.shape[0]:
-            raise AttributionError(f"step {capture.step}: {capture.states.shape[0]} rows for "
+        if capture.states is None or sum(capture.counts) != capture.states.shape[1]:
+            held = None if capture.states is None else capture.states.shape[1]
+            raise AttributionError(f"step {capture.step}: {held} rows for "
                                    f"{sum(capture.counts)} scheduled tokens")
         offset = 0
         for req_id, start, count in zip(capture.req_ids, capture.starts, capture.counts):
-            rows = capture.states[offset: offset + count]
+            self._add_rows(req_id, start, capture.states[:, offset: offset + count])
             offset += count
-            self._add_rows(req_id, start, rows)
 
     def _add_rows(self, req_id: str, start: int, rows: torch.Tensor) -> None:
+        """Copy ``rows`` (``[capture ids, count, hidden]``) into the request's tensors at ``start``."""
         req = self._requests.get(req_id)
         if req is None:
             raise AttributionError(f"rows for unknown request {req_id}")
-        keep = max(0, min(rows.shape[0], req.prompt_len - start))  # rows past the prompt are decode steps
+        keep = max(0, min(rows.shape[1], req.prompt_len - start))  # rows past the prompt are decode steps
         if keep == 0:
             return
         if start == 0 and req.chunks:  # preempted and recomputed from the start (no prefix cache)
@@ -86,7 +92,11 @@ class Assembler:
             req.rows = 0
         if start in req.chunks:
             raise AttributionError(f"request {req_id}: positions from {start} captured twice")
-        req.chunks[start] = rows[:keep]
+        if req.out is None:
+            req.out = [torch.empty((req.prompt_len, rows.shape[2]), dtype=rows.dtype) for _ in self.capture_order]
+        for out, j in zip(req.out, self.capture_order):
+            out[start: start + keep].copy_(rows[j, :keep])
+        req.chunks[start] = keep
         req.rows += keep
         if req.rows == req.prompt_len:
             self._complete.append(req_id)
@@ -103,9 +113,8 @@ class Assembler:
             for start in sorted(req.chunks):
                 if start != position:
                     raise AttributionError(f"request {req_id}: rows jump from position {position} to {start}")
-                position += req.chunks[start].shape[0]
-            stacked = torch.cat([req.chunks[s] for s in sorted(req.chunks)], dim=0)
-            out.append((req.key, [stacked[:, j].clone() for j in self.capture_order]))
+                position += req.chunks[start]
+            out.append((req.key, req.out))
         return out
 
     def unfinished(self) -> dict[str, tuple[int, int]]:

@@ -10,8 +10,11 @@ Two sources, combined in ascending id order:
 * **built-in**: models implementing vLLM's ``SupportsEagle3`` compute ids
   ``1 .. n-1`` in their own forward (``set_aux_hidden_state_layers``);
 * **taps** (our adapter): forward pre-hooks on the decoder layers and on the
-  final norm record ``hidden_states + residual`` as the model itself passes
-  them on. They serve models without ``SupportsEagle3`` (Mixtral,
+  final norm record the residual stream as the model itself passes it on:
+  ``hidden_states + residual`` where the layer takes a ``residual`` (fused
+  add-norm), ``hidden_states`` where it takes the stream whole. Sandwich norms
+  (Gemma-2/3) and embedding scaling need nothing more: they act inside the
+  layers and before the first one. They serve models without ``SupportsEagle3`` (Mixtral,
   DeepSeek-V2/V3, Kimi-K2.5, Qwen2-MoE, ...) and id ``n`` for every model.
   The model's own forward runs unchanged (so model-specific steps such as
   embedding scaling are kept); only the outermost model's class is swapped
@@ -97,20 +100,42 @@ def _arg_index(module: nn.Module, names: Sequence[str]) -> tuple[int, str]:
         "cannot read the residual stream there")
 
 
+def _residual_arg(module: nn.Module) -> tuple[int, str] | None:
+    """Where a layer receives the residual stream's second half, or None if it takes the stream whole.
+
+    Two conventions are known: a ``residual`` parameter (vLLM's fused add-norm:
+    the stream is ``hidden_states + residual``), or none (the layer's input is
+    the stream). Any other parameter that names a residual is an unknown
+    convention, refused rather than guessed.
+    """
+    try:
+        return _arg_index(module, ("residual",))
+    except UnsupportedModelError:
+        forward = type(module).forward
+        names = list(inspect.signature(getattr(type(module), "forward_native", forward)).parameters)
+        names += list(inspect.signature(forward).parameters)
+        odd = sorted({n for n in names if "residual" in n.lower()})
+        if odd:
+            raise UnsupportedModelError(
+                f"{type(module).__name__}.forward has parameters {odd} but none named 'residual'; "
+                "cannot tell how the residual stream arrives there") from None
+        return None
+
+
 class _Tap:
-    """Forward pre-hook: record ``hidden_states (+ residual)`` at a module's input."""
+    """Forward pre-hook: record the residual stream at a module's input (``hidden_states`` [+ ``residual``])."""
 
     def __init__(self, module: nn.Module, sink: list, hidden_names: Sequence[str]):
         self.sink = sink
         self.h_at, self.h_name = _arg_index(module, hidden_names)
-        self.r_at, self.r_name = _arg_index(module, ("residual",))
+        self.r_at, self.r_name = _residual_arg(module) or (None, None)
 
     def _get(self, args, kwargs, at, name):
         return args[at] if len(args) > at else kwargs.get(name)
 
     def __call__(self, module, args, kwargs):
         hidden = self._get(args, kwargs, self.h_at, self.h_name)
-        residual = self._get(args, kwargs, self.r_at, self.r_name)
+        residual = None if self.r_at is None else self._get(args, kwargs, self.r_at, self.r_name)
         self.sink.append(hidden if residual is None else hidden + residual)
 
 

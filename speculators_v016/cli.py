@@ -24,34 +24,6 @@ Every option can also be set from the environment, e.g.
 SPECULATORS_DATA_GEN_TARGET_MODEL_PATH, SPECULATORS_DATA_GEN_OUTPUT_DIR."""
 
 
-def _configure_logging(level: str) -> None:
-    from loguru import logger
-
-    logger.remove()
-    logger.add(sys.stderr, level=level.upper(), format="{time:HH:mm:ss} | {level: <7} | {message}")
-    logger.enable("speculators_v016")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if level.upper() != "DEBUG" else "DEBUG")
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
-
-
-def _exit_code(exc: BaseException) -> int:
-    from speculators_v016.dataset import BadRowError
-    from speculators_v016.engine import PromptError
-    from speculators_v016.generator import RemoteCodeError
-    from speculators_v016.layers import LayerIdError
-    from speculators_v016.outdir import OutputDirError
-    from speculators_v016.run_config import ResumeMismatchError
-    from speculators_v016.writer import WriteError
-
-    if isinstance(exc, (BadRowError, PromptError, LayerIdError, RemoteCodeError)):
-        return 3
-    if isinstance(exc, (OutputDirError, ResumeMismatchError)):
-        return 4
-    if isinstance(exc, WriteError):
-        return 6
-    return 5
-
-
 def _shard_defaults(num_shards: int | None, shard_index: int | None) -> tuple[int, int]:
     """--num-shards/--shard-index, else a launcher's RANK/WORLD_SIZE (torchrun) or SLURM's."""
     env = os.environ
@@ -72,32 +44,6 @@ def _layer_ids(value: str | None) -> list[int] | None:
     except ValueError:
         raise click.BadParameter(f"{value!r}: give integers, e.g. --layer-ids 2 16 29 31",
                                  param_hint="--layer-ids") from None
-
-
-def run_and_report(opts, verify_after: bool = True) -> int:
-    from speculators_v016.pipeline import run
-    from speculators_v016.verify import verify
-
-    try:
-        summary = run(opts)
-    except KeyboardInterrupt:
-        click.echo("interrupted: finished samples are kept; run the same command again to resume", err=True)
-        return 130
-    except Exception as exc:  # noqa: BLE001 - every failure gets a message and an exit code
-        code = _exit_code(exc)
-        click.echo(f"error: {exc}" if code != 5 else f"error: {type(exc).__name__}: {exc}", err=True)
-        return code
-    for line in summary.lines():
-        click.echo(line)
-    if verify_after:
-        report = verify(summary.output_dir, partial=opts.num_shards > 1, deep=opts.deep_verify)
-        kind = "" if opts.deep_verify else "; names, sizes, completeness: `verify DIR` reads every file"
-        click.echo(f"verify:     {'ok' if report.ok else 'FAILED'} ({report.samples} samples{kind})")
-        for problem in report.problems[:20]:
-            click.echo(f"  {problem}", err=True)
-        if not report.ok:
-            return 1
-    return 0
 
 
 @click.group(invoke_without_command=True, epilog=EXIT_CODES,
@@ -140,14 +86,20 @@ def run_and_report(opts, verify_after: bool = True) -> int:
 @click.option("--executor", type=click.Choice(["uni", "mp", "ray"]), default=None,
               help="vLLM executor (default: vLLM's choice: uni for one device, mp for tensor parallelism).")
 @click.option("--write-workers", type=int, default=2, help="Threads writing sample files.")
+@click.option("--logit-check-samples", type=int, default=4,
+              help="Samples whose captured last layer, normed and projected, must reproduce vLLM's own prompt "
+                   "logprobs (needs only the final norm and lm_head; 0: off).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("--deep-verify", is_flag=True,
               help="After the run, re-read every file of the folder (sha256, shapes, NaN), not just the manifest.")
-@click.option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+              help="Our messages kept in the log file.")
+@click.option("-v", "--verbose", is_flag=True, help="Everything on the terminal (vLLM, torch, workers), no log file.")
+@click.option("-q", "--quiet", is_flag=True, help="Only the summary and errors on the terminal.")
 @click.version_option(package_name="speculators-v016", message="%(prog)s %(version)s")
 @click.pass_context
 def cli(ctx, target_model_path, train_data_path, output_dir, layer_ids, tensor_parallel_size, fmt, num_shards,
-        shard_index, sync_scheduling, no_progress, log_level, **rest):
+        shard_index, sync_scheduling, no_progress, log_level, verbose, quiet, **rest):
     """Generate EAGLE-3 training data: hidden states of a target model, one file per sample.
 
     \b
@@ -161,7 +113,9 @@ def cli(ctx, target_model_path, train_data_path, output_dir, layer_ids, tensor_p
     vLLM with eagle_aux_hidden_state_layer_ids = [L+1 for all but the last id];
     data_config.json records both.
     """
-    _configure_logging(log_level)
+    if verbose and quiet:
+        raise click.UsageError("--verbose and --quiet exclude each other")
+    ctx.obj = {"mode": "verbose" if verbose else "quiet" if quiet else "normal", "log_level": log_level}
     if ctx.invoked_subcommand is not None:
         return
     missing = [name for name, value in (("--target-model-path", target_model_path),
@@ -180,24 +134,33 @@ def cli(ctx, target_model_path, train_data_path, output_dir, layer_ids, tensor_p
                       output_dir=output_dir, layer_ids=_layer_ids(layer_ids),
                       tensor_parallel_size=tensor_parallel_size, format=fmt, num_shards=shards, shard_index=index,
                       async_scheduling=not sync_scheduling, progress=not no_progress, **rest)
-    ctx.exit(run_and_report(opts))
+    from speculators_v016.console import Console, run_log_path
+    from speculators_v016.run_report import run_and_report
+
+    suffix = f"-shard-{index:05d}-of-{shards:05d}" if shards > 1 else ""
+    with Console(run_log_path(output_dir, "run", suffix), ctx.obj["mode"], log_level) as console:
+        code = run_and_report(opts, console)
+    ctx.exit(code)
 
 
 @cli.command()
 @click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--partial", is_flag=True, help="Check what is there, not that the run is complete.")
-def verify(directory, partial):
+@click.pass_obj
+def verify(obj, directory, partial):
     """Check DIRECTORY (and its shard-* folders): every sample present once, intact, as configured."""
+    from speculators_v016.console import Console, scratch_log_path
     from speculators_v016.verify import verify as run_verify
 
-    report = run_verify(directory, partial=partial)
-    for problem in report.problems:
-        click.echo(f"FAIL {problem}")
-    for note in report.notes:
-        click.echo(f"note {note}")
-    status = "ok" if report.ok else "FAILED"
-    click.echo(f"{status}: {report.samples} samples, {report.tokens} tokens in {len(report.folders)} folder(s), "
-               f"{len(report.problems)} problem(s)")
+    with Console(scratch_log_path("verify"), obj["mode"], obj["log_level"]) as console:
+        report = run_verify(directory, partial=partial)
+        for problem in report.problems:
+            console.echo(f"FAIL {problem}", summary=True)
+        for note in report.notes:
+            console.echo(f"note {note}")
+        status = "ok" if report.ok else "FAILED"
+        console.echo(f"{status}: {report.samples} samples, {report.tokens} tokens in {len(report.folders)} "
+                     f"folder(s), {len(report.problems)} problem(s)", summary=True)
     sys.exit(0 if report.ok else 1)
 
 
@@ -211,44 +174,81 @@ def verify(directory, partial):
 @click.option("--enforce-eager", is_flag=True)
 @click.option("--tensor-parallel-size", type=int, default=1)
 @click.option("--trust-remote-code", is_flag=True)
-def check(target_model_path, train_data_path, samples, seq_length, layer_ids, dtype, enforce_eager,
-          tensor_parallel_size, trust_remote_code):
-    """Compare the engine's hidden states with transformers' on a few samples, layer by layer."""
+@click.option("--no-transformers", is_flag=True,
+              help="Only the logit check (final norm + lm_head vs vLLM's logits): for targets that do not fit "
+                   "in memory here.")
+@click.pass_obj
+def check(obj, target_model_path, train_data_path, samples, seq_length, layer_ids, dtype, enforce_eager,
+          tensor_parallel_size, trust_remote_code, no_transformers):
+    """Check captured states: against vLLM's own logits (any size), and transformers' layers (if it fits)."""
+    from speculators_v016.console import Console, scratch_log_path
+    from speculators_v016.run_report import exit_code
+
+    with Console(scratch_log_path("check"), obj["mode"], obj["log_level"]) as console:
+        try:
+            ok = _check(console, target_model_path, list(train_data_path), samples, seq_length,
+                        _layer_ids(layer_ids), dtype, enforce_eager, tensor_parallel_size, trust_remote_code,
+                        not no_transformers)
+        except Exception as exc:  # noqa: BLE001 - explained, logged, exit code by kind
+            console.failure(f"error: {type(exc).__name__}: {exc}")
+            sys.exit(exit_code(exc))
+        console.where()
+    sys.exit(0 if ok else 1)
+
+
+def _check(console, target_model_path, train_data_path, samples, seq_length, layer_ids, dtype, enforce_eager,
+           tensor_parallel_size, trust_remote_code, with_transformers=True) -> bool:
     import torch
     from transformers import AutoTokenizer
 
     from speculators_v016.dataset import prepare_samples
     from speculators_v016.fidelity import compare, reference_layer_outputs
     from speculators_v016.generator import VllmHiddenStatesGenerator
+    from speculators_v016.logit_check import LogitChecker
 
     tokenizer = AutoTokenizer.from_pretrained(target_model_path, trust_remote_code=trust_remote_code)
     prepared = prepare_samples(list(train_data_path), tokenizer, seq_length, max_samples=samples, num_proc=1)
     prompts = prepared.input_ids[:samples]
-    with VllmHiddenStatesGenerator(target_model_path, layer_ids=_layer_ids(layer_ids), max_model_len=seq_length + 1,
+    with VllmHiddenStatesGenerator(target_model_path, layer_ids=layer_ids, max_model_len=seq_length + 1,
                                    dtype=dtype, enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
                                    trust_remote_code=trust_remote_code) as gen:
-        results = gen.generate(prompts)
-        engine_dtype = str(gen.engine.dtype).removeprefix("torch.")
-        layers = list(gen.layer_ids)
+        engine, layers = gen.engine, list(gen.layer_ids)
+        last = layers.index(gen.plan.num_layers - 1) if gen.plan.num_layers - 1 in layers else None
+        checker = LogitChecker(target_model_path, engine.dtype, last)
+        results: list = [None] * len(prompts)
+        for index, ids, states in engine.stream(enumerate(prompts), prompt_logprobs=lambda _: checker.active):
+            results[index] = {"input_ids": torch.tensor(ids), "hidden_states": states}
+            if checker.active:
+                checker.add(index, results[index]["input_ids"], states, engine.prompt_logprobs.pop(index))
+        engine_dtype = str(engine.dtype).removeprefix("torch.")
+    console.echo(f"logit check: {checker.result.line()}", summary=True)
+    logits_ok = checker.result.ok or (bool(checker.result.unavailable) and with_transformers)
+    if not with_transformers:
+        return logits_ok
     reference = reference_layer_outputs(target_model_path, prompts, torch.float32, trust_remote_code)
     errors = compare(results, reference, layers, engine_dtype)
-    click.echo(f"{len(prompts)} samples, engine dtype {engine_dtype}, reference transformers float32")
-    click.echo(f"{'layer':>6} {'max abs err':>12} {'relative':>10} {'tolerance':>10}  result")
+    console.echo(f"{len(prompts)} samples, engine dtype {engine_dtype}, reference transformers float32",
+                 summary=True)
+    console.echo(f"{'layer':>6} {'max abs err':>12} {'relative':>10} {'tolerance':>10}  result", summary=True)
     for e in errors:
-        click.echo(f"{e.layer:>6} {e.max_abs:>12.3e} {e.relative:>10.3e} {e.tolerance:>10.1e}  "
-                   f"{'pass' if e.ok else 'FAIL'}")
-    sys.exit(0 if all(e.ok for e in errors) else 1)
+        console.echo(f"{e.layer:>6} {e.max_abs:>12.3e} {e.relative:>10.3e} {e.tolerance:>10.1e}  "
+                     f"{'pass' if e.ok else 'FAIL'}", summary=True)
+    return logits_ok and all(e.ok for e in errors)
 
 
 @cli.command()
 @click.option("--dir", "where", type=click.Path(file_okay=False, path_type=Path), default=Path("speculators-demo"),
               help="Where the tiny model and the data go.")
 @click.option("--format", "fmt", type=click.Choice(["safetensors", "pt"]), default="safetensors")
-def demo(where, fmt):
+@click.pass_obj
+def demo(obj, where, fmt):
     """Run the whole pipeline on a tiny random model and bundled sample conversations."""
+    from speculators_v016.console import Console, log_path
     from speculators_v016.demo import run_demo
 
-    sys.exit(run_demo(where, fmt))
+    with Console(log_path(where, "demo"), obj["mode"], obj["log_level"]) as console:
+        code = run_demo(where, fmt, console)
+    sys.exit(code)
 
 
 def _join_multi_value(argv: list[str], option: str) -> list[str]:

@@ -13,7 +13,6 @@ import os
 from importlib import resources
 from pathlib import Path
 
-import click
 
 CONVERSATIONS = "conversations.jsonl"
 
@@ -29,8 +28,8 @@ def corpus_lines() -> list[str]:
     return lines
 
 
-def run_demo(where: Path, fmt: str = "safetensors") -> int:
-    from speculators_v016.cli import run_and_report
+def run_demo(where: Path, fmt: str, console) -> int:
+    from speculators_v016.run_report import run_and_report
     from speculators_v016.pipeline import RunOptions
     from speculators_v016.sample_format import load_sample
     from speculators_v016.tiny_models import DEFAULT_CORPUS, build_tiny_model
@@ -39,27 +38,27 @@ def run_demo(where: Path, fmt: str = "safetensors") -> int:
     where = Path(where)
     model = where / "model"
     if not (model / "config.json").exists():
-        click.echo(f"building a tiny random Llama in {model} ...")
+        console.echo(f"building a tiny random Llama in {model} ...")
         build_tiny_model(model, "llama", corpus=DEFAULT_CORPUS + corpus_lines())
     data = where / f"data-{fmt}"
     opts = RunOptions(target_model_path=str(model), train_data_path=[str(bundled_conversations())],
                       output_dir=data, seq_length=512, dtype="float32", enforce_eager=True, max_num_seqs=8,
                       format=fmt, token_freq_path=str(where / "token_freq.pt"), num_preprocessing_workers=1,
                       deep_verify=True)
-    code = run_and_report(opts)
+    code = run_and_report(opts, console)
     if code != 0:
         return code
     config = json.loads((data / "data_config.json").read_text())
     layers = config["speculators_v016"]["layers"]
     first = sorted(data.glob(f"data_*.{'safetensors' if fmt == 'safetensors' else 'pt'}"))[0]
     sample = load_sample(first)
-    click.echo("")
-    click.echo(f"model:      {model} ({layers['num_hidden_layers']} layers)")
+    console.echo("", summary=True)
+    console.echo(summary=True, line=f"model:      {model} ({layers['num_hidden_layers']} layers)")
     count = len((data / "manifest.jsonl").read_text().splitlines())
-    click.echo(f"data:       {data} ({count} sample files, manifest.jsonl, data_config.json)")
-    click.echo(f"layers:     {layers['layer_ids']} (output of layer L, before the final norm)")
-    click.echo(f"serve with: eagle_aux_hidden_state_layer_ids = {layers['eagle_aux_hidden_state_layer_ids']}")
-    click.echo(f"a sample:   {first.name}: input_ids {tuple(sample['input_ids'].shape)}, "
+    console.echo(summary=True, line=f"data:       {data} ({count} sample files, manifest.jsonl, data_config.json)")
+    console.echo(summary=True, line=f"layers:     {layers['layer_ids']} (output of layer L, before the final norm)")
+    console.echo(summary=True, line=f"serve with: eagle_aux_hidden_state_layer_ids = {layers['eagle_aux_hidden_state_layer_ids']}")
+    console.echo(summary=True, line=f"a sample:   {first.name}: input_ids {tuple(sample['input_ids'].shape)}, "
                f"loss_mask {tuple(sample['loss_mask'].shape)} ({int(sample['loss_mask'].sum())} trainable), "
                f"hidden_states {len(sample['hidden_states'])} x {tuple(sample['hidden_states'][0].shape)} "
                f"{sample['hidden_states'][0].dtype}")

@@ -4,7 +4,11 @@ Each step: ``execute_model`` -> ``speculators_capture_step`` on the workers
 (reads the runner's ``execute_model_state.aux_hidden_states``) ->
 ``sample_tokens``. With async scheduling (the default) up to
 ``max_concurrent_batches`` (2) steps are in flight, as in vLLM's own
-``EngineCore.step_with_batch_queue``; every call is non-blocking. Requests are
+``EngineCore.step_with_batch_queue``; every call is non-blocking. Each step
+gets a slot of the engine's :class:`~speculators_v016.slot_ring.SlotRing`,
+which the worker fills and the capture reply names; the slot comes back once
+its rows are copied into the requests' tensors (no free slot: the oldest step
+is retired first). Requests are
 admitted from an iterator into a bounded window, and each one is yielded as
 soon as all its prompt positions are captured, so memory stays bounded
 however long the input is.
@@ -23,6 +27,8 @@ from loguru import logger
 
 from speculators_v016.assembly import Assembler, AttributionError, expected_rows
 from speculators_v016.layers import LayerPlan
+from speculators_v016.shm_sweep import sweep
+from speculators_v016.slot_ring import SlotRing
 from speculators_v016.vllm_check import require_vllm
 
 EXTENSION = "speculators_v016.capture.CaptureWorkerExtension"
@@ -86,8 +92,8 @@ class _Single:
         return self._pick(self._future.result())
 
 
-def _capture_executor(base: type) -> type:
-    """``base`` executor + capture set-up right after model load, + a capture RPC."""
+def _capture_executor(base: type, ring: SlotRing | None) -> type:
+    """``base`` executor + capture set-up (and ring mapping) right after model load, + a capture RPC."""
 
     class CaptureExecutor(base):
         def _init_executor(self) -> None:
@@ -98,7 +104,8 @@ def _capture_executor(base: type) -> type:
                 self, "output_rank", par.world_size - par.tensor_parallel_size)
             self.capture_info = [i for i in self.collective_rpc(
                 "speculators_capture_setup",
-                args=(cfg["capture_ids"], self.capture_output_rank, cfg["capture_mode"]))]
+                args=(cfg["capture_ids"], self.capture_output_rank, cfg["capture_mode"],
+                      ring.spec if ring is not None else None))]
 
         def capture_rpc(self, method: str, args: tuple = (), non_block: bool = False):
             if hasattr(self, "output_rank") and "Multiproc" in base.__name__:
@@ -158,18 +165,32 @@ class CaptureEngine:
         executor_class = Executor.get_class(config)
         self._in_process = executor_class.__name__ == "UniProcExecutor"
         self._executor_failed = False
-        self.core = EngineCore(config, _capture_executor(executor_class), log_stats=False,
-                               executor_fail_callback=self._on_executor_failure)
+        self.ring = self._make_ring(config, backend, use_async)
+        try:
+            self.core = EngineCore(config, _capture_executor(executor_class, self.ring), log_stats=False,
+                                   executor_fail_callback=self._on_executor_failure)
+        except BaseException:
+            if self.ring is not None:
+                self.ring.close()
+            raise
+        if self.ring is not None:
+            self.ring.unlink()  # the output-rank worker has mapped it: a crash now leaves no file
         _IN_PROCESS_ENGINES += self._in_process
         self.scheduler = self.core.scheduler
         self.executor = self.core.model_executor
         self.depth = self.executor.max_concurrent_batches
+        if self.ring is not None and self.ring.spec.slots < self.depth + 1:
+            self.shutdown()
+            raise RuntimeError(f"{self.depth} steps in flight need {self.depth + 1} capture slots")
         self.capture_info = self.executor.capture_info
         self.vocab_size = config.model_config.get_vocab_size()
         self.dtype = config.model_config.dtype
         self.max_prompt_len = config.model_config.max_model_len - 1  # room for the one sampled token
         self.async_scheduling = use_async
         self._sampling = SamplingParams(max_tokens=1, temperature=0.0)
+        self._sampling_logprobs = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        self._logprob_keys: dict[str, Any] = {}  # request id -> key, for prompts whose logprobs are wanted
+        self.prompt_logprobs: dict[Any, Any] = {}  # key -> vLLM's log p(token t+1 | ..t), [len - 1]
         self._next_id = 0
         self._step = 0
         self._broken: BaseException | None = None
@@ -181,13 +202,29 @@ class CaptureEngine:
         logger.info("engine ready: {} (async scheduling {}, {} steps in flight, capture {})",
                     settings.model, use_async, self.depth, self.capture_info[0])
 
+    def _make_ring(self, config, backend: str | None, use_async: bool) -> SlotRing | None:
+        """The capture slots: depth + 1 steps of ``max_num_batched_tokens`` rows (none for Ray)."""
+        if backend == "ray":  # workers may sit on other hosts: states travel in the reply
+            return None
+        reclaimed = sweep()
+        if reclaimed.removed:
+            logger.info("reclaimed {} stale shared-memory segments of dead runs ({:,} bytes) in /dev/shm",
+                        len(reclaimed.removed), reclaimed.bytes)
+        ring = SlotRing.create(
+            slots=(2 if use_async else 1) + 1, num_ids=len(self.plan.capture_ids),
+            max_rows=config.scheduler_config.max_num_batched_tokens,
+            hidden=config.model_config.get_hidden_size(), dtype=config.model_config.dtype,
+            shared=not self._in_process)
+        logger.debug("capture ring {}: {}", ring.spec.name, ring.spec.describe())
+        return ring
+
     def _on_executor_failure(self) -> None:
         """Called by vLLM's executor monitor when a worker process dies."""
         self._executor_failed = True
         logger.error("a vLLM worker process died: stopping")
 
     # -- requests ---------------------------------------------------------
-    def _admit(self, feed: Iterator, assembler: Assembler, window: int, waiting: set) -> bool:
+    def _admit(self, feed: Iterator, assembler: Assembler, window: int, waiting: set, want=None) -> bool:
         """Move prompts from ``feed`` into the scheduler until ``window`` are open."""
         from vllm.v1.request import Request
 
@@ -201,7 +238,10 @@ class CaptureEngine:
             self._next_id += 1
             assembler.add_request(rid, (key, ids), len(ids))
             waiting.add(rid)
-            self.scheduler.add_request(Request(rid, ids, self._sampling, None, None, arrival_time=time.time(),
+            params = self._sampling
+            if want is not None and want(key):
+                params, self._logprob_keys[rid] = self._sampling_logprobs, key
+            self.scheduler.add_request(Request(rid, ids, params, None, None, arrival_time=time.time(),
                                                block_hasher=self.core.request_block_hasher))
             self.stats.prompts += 1
             self.stats.tokens += len(ids)
@@ -231,22 +271,51 @@ class CaptureEngine:
         self._step += 1
         self.stats.steps += 1
         assembler.expect(self._step, expected_rows(so))
-        capture = self.executor.capture_rpc("speculators_capture_step", (self._step,), non_block=True)
+        slot = self.ring.acquire() if self.ring is not None else None
+        capture = self.executor.capture_rpc("speculators_capture_step", (self._step, slot), non_block=True)
         output = self.executor.sample_tokens(self.scheduler.get_grammar_bitmask(so), non_block=True)
         return _Step(so, executed, output, capture)
 
-    def _retire(self, step: _Step, assembler: Assembler) -> None:
+    def _retire(self, step: _Step, assembler: Assembler, keep: bool = True) -> None:
         output = step.output.result()
         if output is None:  # execute_model failed: raise its error
             step.executed.result()
             raise RuntimeError("vLLM returned no model output for a step")
-        if step.capture is not None and (previous := step.capture.result()) is not None:
-            assembler.add(previous)
-        self.scheduler.update_from_output(step.scheduler_output, output)
+        if step.capture is not None:
+            self._consume(step.capture.result(), assembler, keep)
+        outputs = self.scheduler.update_from_output(step.scheduler_output, output)
+        if self._logprob_keys:
+            self._keep_prompt_logprobs(outputs)
 
-    def stream(self, prompts: Iterable[tuple[Any, list[int]]], window: int | None = None
+    def _keep_prompt_logprobs(self, outputs: dict) -> None:
+        """vLLM's prompt logprobs of the prompts that asked for them (they come whole, with the first token)."""
+        for batch in outputs.values():
+            for out in batch.outputs:
+                tensors = out.new_prompt_logprobs_tensors
+                if tensors is not None and out.request_id in self._logprob_keys:
+                    key = self._logprob_keys.pop(out.request_id)
+                    self.prompt_logprobs[key] = tensors.logprobs[:, 0].clone()
+
+    def _consume(self, capture, assembler: Assembler, keep: bool = True) -> None:
+        """Hand a capture's rows to ``assembler`` (unless dropped), then give its slot back."""
+        if capture is None:
+            return
+        try:
+            if keep:
+                if capture.slot is not None:
+                    capture.states = self.ring.slot(capture.slot)[:, : sum(capture.counts)]
+                assembler.add(capture)
+        finally:
+            capture.states = None
+            if capture.slot is not None:
+                self.ring.release(capture.slot)
+
+    def stream(self, prompts: Iterable[tuple[Any, list[int]]], window: int | None = None, prompt_logprobs=None
                ) -> Iterator[tuple[Any, list[int], list]]:
         """Yield ``(key, input_ids, states per requested layer)`` as each prompt completes.
+
+        ``prompt_logprobs(key) -> bool`` picks prompts whose vLLM prompt logprobs
+        are kept in :attr:`prompt_logprobs` (by key) before they are yielded.
 
         If the caller stops early or a prompt is refused, the prompts already
         admitted are aborted and the steps in flight are retired, so the
@@ -261,8 +330,8 @@ class CaptureEngine:
         more = True
         try:
             while True:
-                more = more and self._admit(feed, assembler, window, waiting)
-                if self.scheduler.has_requests() and len(in_flight) < self.depth:
+                more = more and self._admit(feed, assembler, window, waiting, prompt_logprobs)
+                if self.scheduler.has_requests() and len(in_flight) < self.depth and self._slot_free():
                     in_flight.appendleft(self._launch(assembler))
                     self.stats.max_in_flight = max(self.stats.max_in_flight, len(in_flight))
                     if len(in_flight) < self.depth and not in_flight[-1].output.done():
@@ -270,8 +339,7 @@ class CaptureEngine:
                 if in_flight:
                     self._retire(in_flight.pop(), assembler)
                 elif assembler.pending_steps:
-                    if (last := self.executor.capture_rpc("speculators_capture_flush")) is not None:
-                        assembler.add(last)
+                    self._consume(self.executor.capture_rpc("speculators_capture_flush"), assembler)
                 for (key, ids), states in assembler.pop_complete():
                     yield key, ids, states
                 waiting.intersection_update(assembler.unfinished())
@@ -295,21 +363,30 @@ class CaptureEngine:
         from vllm.v1.request import RequestStatus
 
         self.scheduler.finish_requests(list(waiting), RequestStatus.FINISHED_ABORTED)
+        self._logprob_keys.clear()
         scratch = Assembler(self.plan.capture_order)
         while in_flight:
-            step = in_flight.pop()
-            step.capture = None
-            self._retire(step, scratch)
+            self._retire(in_flight.pop(), scratch, keep=False)
         while self.scheduler.has_requests():  # finished ids still have to reach the workers
-            self._retire(self._launch(scratch), scratch)
-        self.executor.capture_rpc("speculators_capture_flush")
+            self._retire(self._launch(scratch), scratch, keep=False)
+        self._consume(self.executor.capture_rpc("speculators_capture_flush"), scratch, keep=False)
+
+    def _slot_free(self) -> bool:
+        return self.ring is None or self.ring.free > 0
 
     def shutdown(self) -> None:
         global _IN_PROCESS_ENGINES
+        ring, self.ring = getattr(self, "ring", None), None
         core, self.core = getattr(self, "core", None), None
         if core is None:
+            if ring is not None:
+                ring.close()
             return
-        core.shutdown()
+        try:
+            core.shutdown()
+        finally:
+            if ring is not None:
+                ring.close()
         del core
         gc.collect()  # release vLLM's native handles now, not inside a later engine's compile
         if self._in_process:

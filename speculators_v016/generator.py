@@ -69,6 +69,18 @@ class VllmHiddenStatesGenerator:
         self.vllm_config = self.engine.core.vllm_config
 
     @property
+    def quantization(self) -> dict | None:
+        """How the target is quantized, as data files record it: vLLM's method and the checkpoint's config."""
+        model_config = self.vllm_config.model_config
+        method = model_config.quantization
+        if method is None:
+            return None
+        hf_config = getattr(model_config.hf_config, "quantization_config", None) or {}
+        if not isinstance(hf_config, dict):
+            hf_config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else vars(hf_config)
+        return {"vllm_method": str(method), "checkpoint": hf_config}
+
+    @property
     def layer_mapping(self) -> dict:
         """The layer ids in both conventions, as data files record them."""
         return self.plan.describe()

@@ -14,6 +14,8 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from speculators_v016.atomic_files import write_atomic
+
 NAME = "manifest.jsonl"
 
 
@@ -58,8 +60,6 @@ class Manifest:
 
     def compact(self, keep: dict[int, Entry]) -> None:
         """Rewrite the manifest with exactly ``keep`` (atomically): drops torn or stale lines."""
-        from speculators_v016.writer import write_atomic
-
         text = "".join(json.dumps(asdict(keep[i]), sort_keys=True) + "\n" for i in sorted(keep))
         with self._lock:
             write_atomic(self.path.parent, NAME, text.encode())

@@ -16,12 +16,13 @@ from pathlib import Path
 
 from speculators_v016.manifest import NAME as MANIFEST
 from speculators_v016.sample_format import parse_sample_name
-from speculators_v016.writer import TMP_PREFIX
+from speculators_v016.atomic_files import TMP_PREFIX
 
 CONFIG = "data_config.json"
 LOCK = ".speculators-data-gen.lock"
 SHARD_DIR = re.compile(r"^shard-(\d{5})-of-(\d{5})$")
-OURS = {CONFIG, MANIFEST, LOCK, "sample_lengths.json"}
+LOGS = "logs"  # the CLI's log files (speculators_v016.console)
+OURS = {CONFIG, MANIFEST, LOCK, "sample_lengths.json", LOGS}
 
 
 class OutputDirError(RuntimeError):

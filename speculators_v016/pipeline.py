@@ -63,6 +63,7 @@ class RunOptions:
     max_num_batched_tokens: int | None = None
     executor: str | None = None
     write_workers: int = 2
+    logit_check_samples: int = 4
     progress: bool = True
     deep_verify: bool = False
 
@@ -79,6 +80,7 @@ class RunSummary:
     bytes: int = 0
     seconds: float = 0.0
     generation_seconds: float = 0.0
+    logit_check: dict = field(default_factory=dict)
 
     def lines(self) -> list[str]:
         rate = self.tokens / self.generation_seconds if self.generation_seconds else 0.0
@@ -89,6 +91,8 @@ class RunSummary:
                f"bytes:      {self.bytes:,}",
                f"truncated:  {self.truncated} (to --seq-length; loss masks cut alongside)"]
         out += [f"skipped:    {n} {reason}" for reason, n in sorted(self.skipped.items())] or ["skipped:    0"]
+        if self.logit_check:
+            out.append(f"logit check: {self.logit_check['line']}")
         return out
 
 
@@ -115,7 +119,8 @@ def completed(directory: Path, manifest: Manifest) -> dict:
     return good
 
 
-def run(opts: RunOptions) -> RunSummary:
+def run(opts: RunOptions, progress_to=None) -> RunSummary:
+    """Make the samples of ``opts``; a progress bar goes to ``progress_to`` (a text stream) if given."""
     from transformers import AutoTokenizer
 
     from speculators_v016.generator import VllmHiddenStatesGenerator, num_decoder_layers
@@ -160,7 +165,8 @@ def run(opts: RunOptions) -> RunSummary:
         try:
             config = existing or _new_config(generator, opts, samples, fp, len(mine))
             run_config.save(directory, config)
-            _generate(generator, samples, pending, directory, opts, summary)
+            _announce(generator, opts, len(pending), summary.already_done)
+            _generate(generator, samples, pending, directory, opts, summary, progress_to)
         finally:
             generator.shutdown()
         summary.seconds = time.monotonic() - started
@@ -169,18 +175,45 @@ def run(opts: RunOptions) -> RunSummary:
     return summary
 
 
+def _announce(generator, opts: RunOptions, pending: int, done: int) -> None:
+    """The start line: what runs, with the settings that matter."""
+    engine = generator.engine
+    s = engine.settings
+    executor = {"UniProcExecutor": "uni", "MultiprocExecutor": "mp", "RayDistributedExecutor": "ray"}.get(
+        type(engine.executor).__name__.removeprefix("Capture"), type(engine.executor).__name__)
+    logger.bind(terminal=True).info(
+        "{}: layers {} (vLLM aux ids {}), {}, TP {}, {} executor, async scheduling {}, {}, "
+        "max_num_seqs {}, max_num_batched_tokens {}; {} samples to write{}",
+        opts.target_model_path, list(generator.plan.layer_ids), list(generator.plan.vllm_ids),
+        str(engine.dtype).removeprefix("torch."), s.tensor_parallel_size, executor,
+        "on" if engine.async_scheduling else "OFF", "eager" if s.enforce_eager else "compiled",
+        s.max_num_seqs, engine.scheduler.scheduler_config.max_num_batched_tokens, pending,
+        f" ({done} already done)" if done else "")
+
+
 def _generate(generator, samples: PreparedSamples, pending: list[int], directory: Path, opts: RunOptions,
-              summary: RunSummary) -> None:
+              summary: RunSummary, progress_to=None) -> None:
     layer_ids = list(generator.plan.layer_ids)
     writer = SampleWriter(directory, opts.format, layer_ids, workers=opts.write_workers)
     window = max(opts.batch_size, 2 * opts.max_num_seqs)
+    checked = set(pending[: opts.logit_check_samples])
+    checker = _logit_checker(generator, opts) if checked else None
+    engine = generator.engine
     total_tokens = sum(len(samples.input_ids[i]) for i in pending)
     started = time.monotonic()
-    bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, disable=not opts.progress,
-               desc=f"{len(pending)} samples", dynamic_ncols=True)
+    bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, disable=not opts.progress or progress_to is None,
+               desc=f"0/{len(pending)} samples", dynamic_ncols=True, file=progress_to, mininterval=1.0)
     try:
         feed = ((i, samples.input_ids[i]) for i in pending)
-        for index, ids, states in generator.engine.stream(feed, window=window):
+        for index, ids, states in engine.stream(feed, window=window, prompt_logprobs=checked.__contains__):
+            theirs = engine.prompt_logprobs.pop(index, None) if index in checked else None
+            if theirs is not None and checker is not None and checker.active:
+                seen = list(states)
+                if faults.armed_value("shift-check"):  # fault injection (tests only): rows one position off
+                    seen[checker.last] = torch.roll(seen[checker.last], 1, 0)
+                if checker.add(index, torch.tensor(ids), seen, theirs) > checker.result.tolerance:
+                    logger.error("sample {}: the captured last layer does not reproduce vLLM's own logits "
+                                 "(logit check)", index + opts.start_idx)
             if faults.armed_value("nan-sample"):  # fault injection (tests only)
                 states[-1][len(ids) // 2, 0] = float("nan")
             bad = [layer for layer, h in zip(layer_ids, states) if not torch.isfinite(h).all()]
@@ -200,14 +233,26 @@ def _generate(generator, samples: PreparedSamples, pending: list[int], directory
             bar.update(len(ids))
             bar.set_description(f"{writer.written}/{len(pending)} samples")
     finally:
-        bar.close()
         summary.generation_seconds = time.monotonic() - started
         try:
             writer.close()
         finally:
             summary.written, summary.bytes = writer.written, writer.bytes
+            bar.set_description(f"{writer.written}/{len(pending)} samples")
+            bar.close()
     if summary.non_finite:
         summary.skipped["NaN/Inf hidden states"] = len(summary.non_finite)
+    if checker is not None:
+        summary.logit_check = {"ok": not checker.result.failures, "line": checker.result.line()}
+
+
+def _logit_checker(generator, opts: RunOptions):
+    """The logit check of this run, if the last layer is captured (see speculators_v016.logit_check)."""
+    from speculators_v016.logit_check import LogitChecker
+
+    layers = list(generator.plan.layer_ids)
+    last = layers.index(generator.plan.num_layers - 1) if generator.plan.num_layers - 1 in layers else None
+    return LogitChecker(opts.target_model_path, generator.engine.dtype, last)
 
 
 def _check_vocabulary(samples: PreparedSamples, pending: list[int], tokenizer, opts: RunOptions) -> None:
@@ -248,6 +293,7 @@ def _new_config(generator, opts: RunOptions, samples: PreparedSamples, fp: dict,
         "layers": generator.layer_mapping,
         "format": opts.format,
         "dtype": str(generator.engine.dtype).removeprefix("torch."),
+        "target_quantization": generator.quantization,  # None: unquantized
         "start_idx": opts.start_idx,
         "shard": {"index": opts.shard_index, "count": opts.num_shards, "samples": shard_samples},
         "dataset_samples": len(samples),

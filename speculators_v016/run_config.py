@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from speculators_v016.outdir import CONFIG
-from speculators_v016.writer import write_atomic
+from speculators_v016.atomic_files import write_atomic
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                     "chat_template.jinja", "vocab.json", "merges.txt")

@@ -17,7 +17,9 @@ File names come from the sample index alone: ``data_{index}.{ext}``.
 from __future__ import annotations
 
 import io
+import json
 import re
+import struct
 from pathlib import Path
 
 import torch
@@ -39,21 +41,51 @@ def parse_sample_name(name: str) -> tuple[int, str] | None:
     return (int(match.group(1)), match.group(2)) if match else None
 
 
-def encode(sample: dict, fmt: str, layer_ids: list[int]) -> bytes:
-    """The file contents of one sample."""
-    if fmt == "safetensors":
-        from safetensors.torch import save
+_SAFETENSORS_DTYPES = {
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+    torch.bfloat16: "BF16",
+}
 
+
+def _raw(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without copying them."""
+    return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def safetensors_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> list:
+    """A safetensors file as ``[header, tensor bytes...]``: the tensors' own memory, never joined.
+
+    The layout is the format's: 8-byte little-endian header length, the JSON
+    header (padded with spaces to 8 bytes), then each tensor's data in header order.
+    """
+    header: dict = {"__metadata__": metadata}
+    buffers, offset = [], 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name}: dtype {tensor.dtype} has no safetensors name")
+        raw = _raw(tensor)
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + raw.nbytes]}
+        offset += raw.nbytes
+        buffers.append(raw)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return [struct.pack("<Q", len(text)) + text, *buffers]
+
+
+def encode_parts(sample: dict, fmt: str, layer_ids: list[int]) -> list:
+    """The file contents of one sample, as buffers to write in order."""
+    if fmt == "safetensors":
         tensors = {"input_ids": sample["input_ids"], "loss_mask": sample["loss_mask"]}
         tensors.update({f"hidden_states.{j}": h for j, h in enumerate(sample["hidden_states"])})
-        return save({k: v.contiguous() for k, v in tensors.items()},
-                    metadata={"format": FORMAT_TAG, "layer_ids": ",".join(map(str, layer_ids))})
+        return safetensors_parts(tensors, {"format": FORMAT_TAG, "layer_ids": ",".join(map(str, layer_ids))})
     if fmt == "pt":
         buffer = io.BytesIO()
         torch.save({"input_ids": sample["input_ids"],
                     "hidden_states": [h.contiguous() for h in sample["hidden_states"]],
                     "loss_mask": sample["loss_mask"]}, buffer)
-        return buffer.getvalue()
+        return [buffer.getbuffer()]
     raise ValueError(f"unknown sample format {fmt!r}; choose from {sorted(FORMATS)}")
 
 

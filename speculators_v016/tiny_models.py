@@ -31,6 +31,40 @@ ARCHITECTURES = {
                                      "moe_intermediate_size": 64, "decoder_sparse_step": 1,
                                      "norm_topk_prob": True}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # DeepSeek-V3 (and Kimi-K2's text model): dense first layer, then grouped noaux_tc MoE with a
+    # shared expert; MLA with q LoRA. vLLM's CPU backend runs it with VLLM_MLA_DISABLE=1.
+    "deepseek_v3": ("DeepseekV3Config", {
+        "num_key_value_heads": 4, "q_lora_rank": 96, "kv_lora_rank": 64, "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 32, "v_head_dim": 32, "moe_intermediate_size": 64, "n_routed_experts": 8,
+        "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+        "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+        # Real checkpoints name both in config.json; transformers' class hard-codes them, vLLM reads
+        # them (without scoring_func it routes with softmax; without topk_method it cannot load the bias).
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid"}),
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                     "shared_expert_intermediate_size": 64, "decoder_sparse_step": 1}),
+    # Sandwich norms (extra norms after attention and MLP), embeddings scaled by sqrt(hidden).
+    # (vLLM's Gemma-2 requires tied embeddings, as every released Gemma has.)
+    "gemma2": ("Gemma2Config", {"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 64,
+                                "hidden_act": "gelu_pytorch_tanh",
+                                "tie_word_embeddings": True}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 64,
+                                    "sliding_window_pattern": 2, "tie_word_embeddings": True}),
+    "glm4_moe": ("Glm4MoeConfig", {"head_dim": 32, "moe_intermediate_size": 64, "n_routed_experts": 8,
+                                   "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+                                   "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+                                   "partial_rotary_factor": 0.5}),
+    "phi3": ("Phi3Config", {"num_key_value_heads": 4, "pad_token_id": 0}),
+    # Post-norm blocks without fused add-norm: each layer takes the residual stream as one tensor.
+    "olmo2": ("Olmo2Config", {"num_key_value_heads": 4, "pad_token_id": 0}),
+    "gpt_oss": ("GptOssConfig", {"head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                 "sliding_window": 64}),
+    # DeepSeek-V2-Lite-like: no q LoRA, greedy softmax routing over 2 shared + 8 routed experts.
+    "deepseek_v2": ("DeepseekV2Config", {
+        "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 64, "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 32, "v_head_dim": 32, "moe_intermediate_size": 64, "n_routed_experts": 8,
+        "n_shared_experts": 2, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "topk_method": "greedy",
+        "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": False}),
 }
 
 DEFAULT_CORPUS = [
@@ -81,6 +115,9 @@ def build_tiny_model(out: str | Path, arch: str = "llama", *, num_layers: int = 
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.05)
+        for name, buffer in model.named_buffers():  # routing that a zero bias would not exercise
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out

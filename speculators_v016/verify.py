@@ -22,7 +22,7 @@ from speculators_v016 import run_config
 from speculators_v016.manifest import Manifest
 from speculators_v016.outdir import CONFIG, SHARD_DIR, is_ours
 from speculators_v016.sample_format import FORMATS, load_sample, parse_sample_name
-from speculators_v016.writer import TMP_PREFIX
+from speculators_v016.atomic_files import TMP_PREFIX
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Sample files written atomically, by background workers behind a bounded queue.
 
 Each file is written under a temporary name in the output folder, fsynced,
-renamed to its final name (``data_{index}.{ext}``) and the folder fsynced;
-only then is its manifest line appended. The queue between the engine and
+renamed to its final name (``data_{index}.{ext}``) and the folder fsynced
+(:mod:`~speculators_v016.atomic_files`); only then is its manifest line
+appended. Safetensors files are written straight from the tensors' memory. The queue between the engine and
 the workers is bounded, so a slow disk slows generation instead of filling
 memory. The first write error stops the run: :meth:`SampleWriter.put`
 raises :class:`WriteError` naming the path.
@@ -10,48 +11,16 @@ raises :class:`WriteError` naming the path.
 
 from __future__ import annotations
 
-import hashlib
-import os
 import queue
 import threading
 from pathlib import Path
 
 from speculators_v016 import faults
+from speculators_v016.atomic_files import TMP_PREFIX, WriteError, write_atomic
 from speculators_v016.manifest import Entry, Manifest
-from speculators_v016.sample_format import encode, sample_name
+from speculators_v016.sample_format import encode_parts, sample_name
 
-TMP_PREFIX = ".tmp-"
-
-
-class WriteError(OSError):
-    """A sample could not be written; the message names the path."""
-
-
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(directory: Path, name: str, data: bytes, sample: bool = False) -> None:
-    """Write ``directory/name`` so that it is either absent, old, or complete."""
-    tmp = directory / f"{TMP_PREFIX}{name}.{os.getpid()}"
-    try:
-        with tmp.open("wb") as fh:
-            fh.write(data[: len(data) // 2])
-            if sample:  # fault points of the fault-injection tests
-                faults.hit("kill-mid-write")
-                faults.hit("enospc-write", str(tmp))
-            fh.write(data[len(data) // 2:])
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, directory / name)
-        fsync_dir(directory)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise WriteError(exc.errno, f"cannot write {directory / name}: {exc.strerror or exc}") from exc
+__all__ = ["TMP_PREFIX", "SampleWriter", "WriteError"]
 
 
 class SampleWriter:
@@ -84,14 +53,13 @@ class SampleWriter:
 
     def _write(self, index: int, sample: dict) -> None:
         name = sample_name(index, self.fmt)
-        data = encode(sample, self.fmt, self.layer_ids)
-        write_atomic(self.directory, name, data, sample=True)
+        size, sha256 = write_atomic(self.directory, name, encode_parts(sample, self.fmt, self.layer_ids),
+                                    sample=True)
         faults.hit("kill-before-manifest")
-        self.manifest.append(Entry(index, name, len(data), hashlib.sha256(data).hexdigest(),
-                                   int(sample["input_ids"].shape[0])))
+        self.manifest.append(Entry(index, name, size, sha256, int(sample["input_ids"].shape[0])))
         with self._count_lock:
             self.written += 1
-            self.bytes += len(data)
+            self.bytes += size
 
     def _raise_if_failed(self) -> None:
         if self.error is not None:

@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,3 +50,23 @@ def load_all(folder: Path) -> dict[int, dict]:
     return {i: load_sample(folder / e.file) for i, e in Manifest(folder).entries().items()}
 
 
+
+
+# What third-party code prints during a run; none of it may reach the terminal.
+THIRD_PARTY = ["[Gloo]", "NUMA binding", "No CUDA runtime", "torch_dtype", "Map (num_proc", "logging_utils",
+               "[core.py", "[scheduler.py", "empty_cache", "Loading safetensors checkpoint", "Counting token"]
+
+
+def assert_one_voice(output: str, log_dirs) -> Path:
+    """Terminal: our start line, progress, summary and log path only; the log: vLLM's lines. Returns the log."""
+    for line in THIRD_PARTY:
+        assert line not in output, f"{line!r} reached the terminal:\n{output[-3000:]}"
+    assert re.search(r"layers \[[\d, ]+\] \(vLLM aux ids \[[\d, ]+\]\), float32, TP 1, uni executor", output)
+    assert re.search(r"\d+/\d+ samples: .*tok/s", output), output[-2000:]  # the progress bar
+    assert "written:" in output and "verify:" in output
+    logs = sorted(p for d in log_dirs for p in Path(d).glob("*.log"))
+    assert len(logs) == 1, logs
+    assert f"log:        {logs[0]}" in output
+    text = logs[0].read_text(errors="replace")
+    assert "Initializing a V1 LLM engine" in text and "[Gloo]" in text  # vLLM's and C++ lines, kept
+    return logs[0]

@@ -8,14 +8,15 @@ from speculators_v016.capture import StepCapture
 
 
 def rows(start, count, layers=2, hidden=3):
-    """Rows whose values encode their prompt position."""
+    """``[layers, count, hidden]`` rows whose values encode prompt position + 1000 x captured layer."""
     pos = torch.arange(start, start + count, dtype=torch.float32)
-    return pos[:, None, None].expand(count, layers, hidden).clone()
+    layer = 1000 * torch.arange(layers, dtype=torch.float32)
+    return (layer[:, None, None] + pos[None, :, None]).expand(layers, count, hidden).clone()
 
 
 def capture(step, parts):
     return StepCapture(step, [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts],
-                       torch.cat([rows(s, n) for _, s, n in parts]))
+                       states=torch.cat([rows(s, n) for _, s, n in parts], dim=1))
 
 
 def test_chunks_are_stitched_in_order():
@@ -30,7 +31,8 @@ def test_chunks_are_stitched_in_order():
     asm.add(capture(2, [("a", 2, 3)]))
     [(key, states)] = asm.pop_complete()
     assert key == "A" and len(states) == 2
-    assert states[0][:, 0].tolist() == [0, 1, 2, 3, 4]
+    assert states[0][:, 0].tolist() == [1000, 1001, 1002, 1003, 1004]  # requested layer 0 = captured row 1
+    assert states[1][:, 0].tolist() == [0, 1, 2, 3, 4]
     assert states[0].is_contiguous()
 
 
@@ -59,7 +61,7 @@ def test_recompute_after_preemption_restarts():
     asm.expect(2, {"a": (0, 4)})
     asm.add(capture(2, [("a", 0, 4)]))
     [(_, states)] = asm.pop_complete()
-    assert states[1][:, 0].tolist() == [0, 1, 2, 3]
+    assert states[1][:, 0].tolist() == [1000, 1001, 1002, 1003]
 
 
 def test_decode_rows_past_the_prompt_are_dropped():
@@ -72,3 +74,24 @@ def test_decode_rows_past_the_prompt_are_dropped():
     asm.add(capture(2, [("a", 2, 1)]))
     [(_, states)] = asm.pop_complete()
     assert states[0].shape[0] == 2
+
+
+def test_rows_are_copied_out_of_the_slot():
+    """What add() received can be overwritten at once (the slot is reused): results keep their values."""
+    asm = Assembler((0, 1))
+    asm.add_request("a", "A", 3)
+    asm.expect(1, {"a": (0, 3)})
+    step = capture(1, [("a", 0, 3)])
+    asm.add(step)
+    step.states.fill_(-1.0)
+    [(_, states)] = asm.pop_complete()
+    assert states[0][:, 0].tolist() == [0, 1, 2] and states[1][:, 0].tolist() == [1000, 1001, 1002]
+
+
+def test_capture_without_rows_is_an_error():
+    """A capture whose states are missing (slot not resolved) is refused, not guessed."""
+    asm = Assembler((0,))
+    asm.add_request("a", "A", 2)
+    asm.expect(1, {"a": (0, 2)})
+    with pytest.raises(AttributionError, match="None rows for 2 scheduled tokens"):
+        asm.add(StepCapture(1, ["a"], [0], [2], slot=0))

@@ -144,3 +144,60 @@ def test_ids_out_of_range_are_refused():
     """vLLM aux ids must be distinct, ascending and within 1..n."""
     with pytest.raises(ValueError, match="1..4"):
         install_aux_outputs(DeepseekV3ForCausalLM(4), [0, 2])
+
+
+class StreamLayer(nn.Module):
+    """A pre-norm layer without fused add-norm: it receives the stream whole and returns it."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, positions, hidden_states):
+        return hidden_states + self.scale * torch.tanh(hidden_states) + positions[:, None]
+
+
+class StreamModel(nn.Module):
+    def __init__(self, n, layer=StreamLayer):
+        super().__init__()
+        self.layers = nn.ModuleList(layer(0.5 + i) for i in range(n))
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, input_ids, positions):
+        hidden = input_ids.float()[:, None].repeat(1, 4)
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
+        return self.norm(hidden)
+
+
+class StreamForCausalLM(nn.Module):
+    def __init__(self, n, layer=StreamLayer):
+        super().__init__()
+        self.model = StreamModel(n, layer)
+
+    def forward(self, input_ids, positions):
+        return self.model(input_ids, positions)
+
+
+def test_layers_taking_the_stream_whole_are_tapped():
+    """Layers without a residual argument: the tap reads their input, which is the stream."""
+    model = StreamForCausalLM(3)
+    install_aux_outputs(model, [1, 2, 3])
+    ids, pos = torch.tensor([3, 5]), torch.tensor([0, 1])
+    out, aux = model(ids, pos)
+    hidden, want = ids.float()[:, None].repeat(1, 4), []
+    for layer in model.model.layers:
+        hidden = layer(pos, hidden)
+        want.append(hidden)
+    assert all(torch.equal(a, w) for a, w in zip(aux, want))
+    assert torch.equal(out, model.model.norm(want[-1]))
+
+
+def test_an_unknown_residual_convention_is_refused():
+    """A layer whose residual arrives under another name fails clearly instead of being half-read."""
+    class OddLayer(StreamLayer):
+        def forward(self, positions, hidden_states, residual_in=None):
+            return super().forward(positions, hidden_states)
+
+    with pytest.raises(UnsupportedModelError, match=r"parameters \['residual_in'\] but none named 'residual'"):
+        install_aux_outputs(StreamForCausalLM(2, OddLayer), [1])

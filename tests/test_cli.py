@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_helpers import CPU, conversations, invoke, load_all, write_jsonl
+from cli_helpers import assert_one_voice, CPU, conversations, invoke, load_all, write_jsonl
 from conftest import TOLERANCE, hf_layer_outputs
 from speculators_v016.manifest import Manifest
 
@@ -41,6 +41,7 @@ def test_demo_runs_and_verifies(tmp_path):
     assert result.exit_code == 0, result.output
     assert "verify:     ok (20 samples)" in result.output
     assert "eagle_aux_hidden_state_layer_ids = [3, 5, 6]" in result.output
+    assert_one_voice(result.output, [tmp_path / "logs"])
 
 
 def test_reference_run_is_complete_and_exact(reference_run, model_dir):
@@ -193,6 +194,15 @@ def test_check_compares_with_transformers(model_dir, data_file):
     rows = [line.split() for line in result.output.splitlines() if line.strip().endswith(("pass", "FAIL"))]
     assert [int(r[0]) for r in rows] == [2, 4, 5, 7]
     assert all(r[-1] == "pass" and float(r[1]) < TOLERANCE for r in rows)
+    assert "logit check: ok (3 samples" in result.output
+
+
+def test_check_without_transformers_uses_only_the_final_head(model_dir, data_file):
+    """`check --no-transformers` (targets too big to load) runs the logit check alone."""
+    result = invoke("check", "--target-model-path", model_dir, "--train-data-path", data_file,
+                    "--samples", 2, "--dtype", "float32", "--enforce-eager", "--seq-length", 256, "--no-transformers")
+    assert result.exit_code == 0, result.output
+    assert "logit check: ok (2 samples" in result.output and "max abs err" not in result.output
 
 
 def test_shards_default_from_the_launcher(monkeypatch):

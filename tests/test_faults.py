@@ -116,6 +116,9 @@ def test_worker_death_aborts_promptly_and_resumes(tmp_path, model_dir, reference
     assert time.monotonic() - killed_at < 120
     assert proc.returncode == 5, output[-2000:]
     assert re.search(r"error: .*(died|dead|Worker|worker)", output), output[-2000:]
+    log = re.search(r"last lines of the log \((\S+\.log)\):", output)  # the cause, then where to read more
+    assert log and Path(log.group(1)).is_file() and Path(log.group(1)).parent == out / "logs", output[-2000:]
+    assert "Initializing a V1 LLM engine" in Path(log.group(1)).read_text(errors="replace")
     assert invoke("verify", out, "--partial").exit_code == 0
     result = generate(model_dir, data, out, "--max-num-seqs", 8)
     assert result.exit_code == 0, result.output
@@ -134,6 +137,14 @@ def test_nan_states_are_not_written_and_reported(tmp_path, model_dir, data_file)
     strict = generate(model_dir, data_file, tmp_path / "strict", "--max-bad-samples", 0,
                       env={FAULT: "nan-sample:2"})
     assert strict.exit_code == 5 and "limit --max-bad-samples 0" in strict.output
+
+
+def test_logit_check_catches_rows_one_position_off(tmp_path, model_dir, data_file):
+    """States shifted by one position (a misattribution) fail the logit check: named, exit 1."""
+    result = generate(model_dir, data_file, tmp_path / "out", env={FAULT: "shift-check:2"})
+    assert result.exit_code == 1, result.output
+    assert re.search(r"sample \d+: the captured last layer does not reproduce vLLM's own logits", result.output)
+    assert "logit check: FAILED for 1 sample(s)" in result.output
 
 
 def test_unusable_rows_are_skipped_by_reason(tmp_path, model_dir):
@@ -234,6 +245,7 @@ def test_foreign_files_and_a_second_writer_are_refused(tmp_path, model_dir, data
     (foreign / "notes.txt").write_text("mine")
     result = generate(model_dir, data_file, foreign)
     assert result.exit_code == 4 and "holds files this tool did not write (notes.txt)" in result.output
+    assert sorted(os.listdir(foreign)) == ["notes.txt"]  # refused and left as it was: no log put inside
     locked = tmp_path / "locked"
     locked.mkdir()
     with open(locked / LOCK, "w") as fh:
@@ -257,8 +269,11 @@ def test_path_like_fields_never_name_files(tmp_path, model_dir):
     result = generate(model_dir, data, out)
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["data_0.safetensors", "data_1.safetensors", "manifest.jsonl", "data_config.json", LOCK])
-    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(before + [p.name for p in out.iterdir()] + ["out"])
+        ["data_0.safetensors", "data_1.safetensors", "manifest.jsonl", "data_config.json", LOCK, "logs"])
+    [log] = [p.name for p in (out / "logs").iterdir()]
+    assert re.fullmatch(r"run-\d{8}-\d{6}\.log", log)  # named from the clock alone
+    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(
+        before + [p.name for p in out.iterdir()] + ["out", log])
     assert not Path("/tmp/absolute").exists()
 
 

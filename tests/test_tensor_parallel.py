@@ -3,6 +3,7 @@
 import os
 
 import pytest
+import torch
 
 from conftest import NUM_LAYERS, TOLERANCE, random_prompts
 
@@ -21,13 +22,19 @@ def two_cpu_workers(monkeypatch):
 def test_tp2_equals_tp1(tiny_model, two_cpu_workers):
     """States under tensor parallel 2 equal TP=1's within 1e-5; only the output rank replies."""
     from speculators_v016.generator import VllmHiddenStatesGenerator
+    from speculators_v016.logit_check import LogitChecker
 
     model_dir = tiny_model("llama")
     prompts = random_prompts(LENGTHS, seed=11)
     with VllmHiddenStatesGenerator(model_dir, tensor_parallel_size=2, executor="mp", **ENGINE) as gen:
         assert gen.engine.executor.capture_output_rank == 0
         assert len(gen.engine.capture_info) == 2  # set up on both ranks
+        assert [i["ring"] for i in gen.engine.capture_info] == [True, False]  # only the output rank maps it
         tp2 = gen.generate(prompts)
+        checker = LogitChecker(model_dir, gen.engine.dtype, NUM_LAYERS - 1)  # vLLM's own logits, under TP
+        for key, ids, states in gen.engine.stream(enumerate(prompts), prompt_logprobs=lambda _: True):
+            checker.add(key, torch.tensor(ids), states, gen.engine.prompt_logprobs.pop(key))
+        assert checker.result.ok and checker.result.samples == len(prompts), checker.result.line()
     with VllmHiddenStatesGenerator(model_dir, **ENGINE) as gen:
         tp1 = gen.generate(prompts)
     worst = max((a - b).abs().max().item() for x, y in zip(tp1, tp2)

@@ -9,14 +9,15 @@ import sys
 from pathlib import Path
 
 
-def bench_model(where: Path, hidden: int = 512, layers: int = 8) -> Path:
-    """A random Llama of benchmark size (built once)."""
+def bench_model(where: Path, hidden: int = 512, layers: int = 8, **overrides) -> Path:
+    """A random Llama of benchmark size (built once); ``overrides`` go to its config."""
     from speculators_v016.tiny_models import build_tiny_model
 
     where = Path(where)
     if not (where / "config.json").exists():
-        build_tiny_model(where, "llama", num_layers=layers, hidden_size=hidden, intermediate_size=4 * hidden,
-                         num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128)
+        fields = dict(intermediate_size=4 * hidden, num_attention_heads=hidden // 64,
+                      num_key_value_heads=hidden // 128)
+        build_tiny_model(where, "llama", num_layers=layers, hidden_size=hidden, **{**fields, **overrides})
     return where
 
 
@@ -27,10 +28,16 @@ def prompts(count: int, length: int, vocab: int = 400, seed: int = 0) -> list[li
     return torch.randint(5, vocab, (count, length), generator=gen).tolist()
 
 
-def child(script: str, args: dict) -> dict:
-    """Run ``script`` with ``args`` (JSON) in a fresh process; return its last JSON line."""
+def child(script: str, args: dict, code_from: str | None = None) -> dict:
+    """Run ``script`` with ``args`` (JSON) in a fresh process; return its last JSON line.
+
+    ``code_from``: a checkout whose ``speculators_v016`` the child imports instead of this one's
+    (e.g. the previous release, for before/after figures in one run).
+    """
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
            "VLLM_LOGGING_LEVEL": "WARNING"}
+    if code_from:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(code_from).resolve()), env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, script, json.dumps(args)], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{script} {args} failed:\n{proc.stderr[-4000:]}")

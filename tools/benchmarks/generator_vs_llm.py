@@ -1,12 +1,20 @@
 #!/usr/bin/env python3
-"""Generator throughput (async on / off) against vLLM's LLM.generate(max_tokens=1), side by side.
+"""Generator throughput against vLLM's LLM.generate(max_tokens=1), side by side.
 
 Every measurement runs in its own process on the same prompts and engine
 settings, interleaved over --rounds so machine noise hits all alike; the
-script prints tokens/s, their ratios (medians), and the generator's peak RSS
-at N and 4N prompts (streamed, results dropped as a writer would).
+script prints tokens/s, their ratios (medians), and (--rss) the generator's
+peak RSS at N and 4N prompts (streamed, results dropped as a writer would).
+
+Modes: ``async`` (uniprocess executor, stream()), ``generate`` (the same
+through upstream's generate()), ``sync`` (async scheduling off), ``mp``
+(multiprocess executor, TP=1), ``tp2`` (multiprocess, TP=2), ``llm``.
+``--shape wide`` is a wide, thin Llama (hidden 7168, 4 layers, 2 heads of 64,
+MLP 64) on which moving the states weighs more than computing them.
 
     python tools/benchmarks/generator_vs_llm.py [--prompts 64] [--length 256] [--rounds 2] [--eager]
+    python tools/benchmarks/generator_vs_llm.py --shape wide --length 512 --batched-tokens 2048 \
+        --modes async mp tp2 llm
 """
 
 from __future__ import annotations
@@ -26,13 +34,26 @@ from common import bench_model, child, peak_rss_mib, prompts  # noqa: E402
 LAYERS = [2, 4, 5, 7]
 
 
+SHAPES = {
+    "base": dict(hidden=512, layers=8, capture=[2, 4, 5, 7]),
+    "wide": dict(hidden=7168, layers=4, capture=[0, 1, 2, 3], intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+                 head_dim=64),
+}
+LABELS = {"async": "generator, async, stream()", "generate": "generator, async, generate()",
+          "sync": "generator, sync scheduling", "mp": "generator, multiprocess TP=1",
+          "tp2": "generator, multiprocess TP=2", "llm": "LLM.generate(max_tokens=1)"}
+
+
 def measure(args: dict) -> dict:
     """In the child: start the engine, warm up, then time one pass over the prompts."""
+    import os
+
     batch = prompts(args["prompts"], args["length"])
     warm = prompts(4, args["length"], seed=1)
     engine = dict(max_model_len=args["length"] + 8, dtype="float32", enforce_eager=args["eager"],
                   max_num_seqs=args["max_num_seqs"], max_num_batched_tokens=args["batched_tokens"])
-    if args["mode"] == "llm":
+    mode = args["mode"]
+    if mode == "llm":
         from vllm import LLM, SamplingParams
 
         llm = LLM(model=args["model"], enable_prefix_caching=False, **engine)
@@ -44,12 +65,19 @@ def measure(args: dict) -> dict:
     else:
         from speculators_v016.generator import VllmHiddenStatesGenerator
 
-        gen = VllmHiddenStatesGenerator(args["model"], layer_ids=LAYERS, async_scheduling=args["mode"] == "async",
-                                        **engine)
+        if mode == "tp2":
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1" if (os.cpu_count() or 1) >= 2 else "0|0")
+        gen = VllmHiddenStatesGenerator(
+            args["model"], layer_ids=args["layer_ids"], async_scheduling=mode != "sync",
+            executor="mp" if mode in ("mp", "tp2") else "uni", tensor_parallel_size=2 if mode == "tp2" else 1,
+            **engine)
         gen.generate(warm)
         start = time.perf_counter()
-        for _ in gen.stream(batch):  # dropped, as a writer would after saving
-            pass
+        if mode == "generate":
+            gen.generate(batch)
+        else:
+            for _ in gen.stream(batch):  # dropped, as a writer would after saving
+                pass
     seconds = time.perf_counter() - start
     return {"tokens_per_s": len(batch) * args["length"] / seconds, "peak_rss_mib": peak_rss_mib()}
 
@@ -60,28 +88,47 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--eager", action="store_true", help="eager engines (default: compiled)")
-    ap.add_argument("--model-dir", default="/tmp/speculators-v016-bench/model")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="base")
+    ap.add_argument("--modes", nargs="+", choices=sorted(LABELS), default=["async", "generate", "sync", "llm"])
+    ap.add_argument("--batched-tokens", type=int, default=8192, help="max_num_batched_tokens")
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--rss", action="store_true", help="also peak RSS at N and 4N prompts")
+    ap.add_argument("--model-dir", default=None, help="default: /tmp/speculators-v016-bench/<shape>")
+    ap.add_argument("--before", default=None, metavar="CHECKOUT",
+                    help="also run each generator mode with the speculators_v016 of this checkout, interleaved")
     opts = ap.parse_args()
-    model = str(bench_model(Path(opts.model_dir)))
-    base = dict(model=model, length=opts.length, eager=opts.eager, max_num_seqs=32, batched_tokens=8192)
-    rates: dict[str, list[float]] = {"async": [], "sync": [], "llm": []}
+    shape = dict(SHAPES[opts.shape])
+    capture = shape.pop("capture")
+    where = Path(opts.model_dir or f"/tmp/speculators-v016-bench/{opts.shape}")
+    model = str(bench_model(where, shape.pop("hidden"), shape.pop("layers"), **shape))
+    base = dict(model=model, length=opts.length, eager=opts.eager, max_num_seqs=opts.max_num_seqs,
+                batched_tokens=opts.batched_tokens, layer_ids=capture)
+    runs = [(mode, None) for mode in opts.modes]
+    if opts.before:
+        runs += [(mode, opts.before) for mode in opts.modes if mode != "llm"]
+    rates: dict[str, list[float]] = {}
     for _ in range(opts.rounds):
-        for mode in rates:
-            rates[mode].append(child(__file__, {**base, "mode": mode, "prompts": opts.prompts})["tokens_per_s"])
-    rss = {n: child(__file__, {**base, "mode": "async", "prompts": n})["peak_rss_mib"]
-           for n in (opts.prompts, 4 * opts.prompts)}
+        for mode, code in runs:
+            key = mode if code is None else f"{mode} (before)"
+            got = child(__file__, {**base, "mode": mode, "prompts": opts.prompts}, code_from=code)
+            rates.setdefault(key, []).append(got["tokens_per_s"])
     med = {k: statistics.median(v) for k, v in rates.items()}
-    print(f"{opts.prompts} prompts x {opts.length} tokens, {'eager' if opts.eager else 'compiled'} engines, "
-          f"{opts.rounds} round(s), medians")
-    for mode, label in (("async", "generator, async scheduling"), ("sync", "generator, sync scheduling"),
-                        ("llm", "LLM.generate(max_tokens=1)")):
-        print(f"  {label:30} {med[mode]:10,.0f} tokens/s   (runs: {', '.join(f'{r:,.0f}' for r in rates[mode])})")
-    print(f"  ratio async / LLM.generate     {med['async'] / med['llm']:.2f}x")
-    print(f"  ratio sync  / LLM.generate     {med['sync'] / med['llm']:.2f}x")
-    print(f"  ratio async / sync             {med['async'] / med['sync']:.2f}x")
-    n, n4 = opts.prompts, 4 * opts.prompts
-    print(f"  peak RSS (generator, streamed) {rss[n]:,.0f} MiB at {n} prompts, {rss[n4]:,.0f} MiB at {n4}: "
-          f"{rss[n4] / rss[n]:.2f}x")
+    shape_text = {k: v for k, v in SHAPES[opts.shape].items() if k != "capture"}
+    print(f"{opts.shape} model ({shape_text}), {opts.prompts} prompts x {opts.length} tokens, "
+          f"{'eager' if opts.eager else 'compiled'} engines, max_num_batched_tokens {opts.batched_tokens}, "
+          f"max_num_seqs {opts.max_num_seqs}, layers {base['layer_ids']}, {opts.rounds} round(s), medians")
+    for key in rates:
+        label = LABELS[key.split(" ")[0]] + (" [before]" if key.endswith("(before)") else "")
+        print(f"  {label:39} {med[key]:10,.0f} tokens/s   (runs: {', '.join(f'{r:,.0f}' for r in rates[key])})")
+    for key in rates:
+        for ref in ("llm", "async", "async (before)"):
+            if key != ref and ref in med and key != "llm" and (ref != "async" or not key.endswith("(before)")):
+                print(f"  ratio {key:>16} / {ref:<15} {med[key] / med[ref]:.2f}x")
+    if opts.rss:
+        n, n4 = opts.prompts, 4 * opts.prompts
+        rss = {k: child(__file__, {**base, "mode": "async", "prompts": k})["peak_rss_mib"] for k in (n, n4)}
+        print(f"  peak RSS (generator, streamed) {rss[n]:,.0f} MiB at {n} prompts, {rss[n4]:,.0f} MiB at {n4}: "
+              f"{rss[n4] / rss[n]:.2f}x")
 
 
 if __name__ == "__main__":

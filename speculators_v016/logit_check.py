@@ -1,0 +1,164 @@
+"""A fidelity check that scales to the real target: the last captured layer against vLLM's own logits.
+
+Comparing with transformers needs the whole model in memory, which no user of
+a 1T-parameter target has. This check needs two tensors of the checkpoint:
+the final norm and the output projection. The captured last layer (layer
+``n-1`` before the final norm) is normed and projected as vLLM does it (norm in
+fp32, the projection in the engine's dtype, log-softmax in fp32), and the
+log-probability of each next prompt token must equal the prompt logprobs vLLM
+itself computed in the same run, within a dtype-aware tolerance. A wrong layer,
+a row given to the wrong request or position, or a torn copy shows at once;
+tensor parallelism changes nothing (vLLM gathers its logprobs).
+
+Covered: final RMSNorm (Llama, Qwen, Mistral/Mixtral, DeepSeek-V2/V3 and
+Kimi-K2, GLM, Phi-3, GPT-OSS ...) and Gemma's ``(1 + w)`` RMSNorm with final
+logit soft-capping. Not covered, said so by :class:`CheckUnavailable`: a
+quantized output head, other final norms (LayerNorm), logit scaling.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# |delta logprob|; measured on tiny models: fp32 <= 5e-7, bf16 <= 8e-3; a wrong layer or row: > 1
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-2, torch.bfloat16: 5e-2}
+_PREFIXES = ("", "language_model.", "model.language_model.")
+
+
+class CheckUnavailable(RuntimeError):
+    """The logit check cannot run for this model; the message says why."""
+
+
+@dataclass
+class LogitCheckResult:
+    samples: int = 0
+    positions: int = 0
+    max_abs: float = 0.0
+    tolerance: float = 0.0
+    failures: list = field(default_factory=list)  # (key, max abs delta)
+    unavailable: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures and not self.unavailable and self.samples > 0
+
+    def line(self) -> str:
+        if self.unavailable:
+            return f"skipped ({self.unavailable})"
+        if not self.samples:
+            return "skipped (no sample was checked)"
+        state = "ok" if self.ok else f"FAILED for {len(self.failures)} sample(s), first {self.failures[0]}"
+        return (f"{state} ({self.samples} samples, {self.positions} positions: captured last layer -> norm -> "
+                f"lm_head vs vLLM's prompt logprobs, max |delta| {self.max_abs:.1e}, tolerance {self.tolerance:.0e})")
+
+
+def _text_config(model_path: str) -> dict:
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return {**config, **config.get("text_config", {})} if "text_config" in config else config
+
+
+def _weight_files(model_path: str) -> dict[str, Path]:
+    """Tensor name -> safetensors file of the checkpoint."""
+    root = Path(model_path)
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        return {k: root / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+    from safetensors import safe_open
+
+    files = sorted(root.glob("*.safetensors"))
+    out = {}
+    for path in files:
+        with safe_open(str(path), "pt") as fh:
+            out.update({k: path for k in fh.keys()})
+    return out
+
+
+def _read(files: dict[str, Path], names: list[str]) -> torch.Tensor | None:
+    from safetensors import safe_open
+
+    for name in names:
+        if name in files:
+            with safe_open(str(files[name]), "pt") as fh:
+                return fh.get_tensor(name)
+    return None
+
+
+class FinalHead:
+    """The target's final norm and output projection, read from its checkpoint (nothing else)."""
+
+    def __init__(self, norm: torch.Tensor, head: torch.Tensor, eps: float, gemma: bool, softcap: float | None):
+        self.norm, self.head, self.eps, self.gemma, self.softcap = norm, head, eps, gemma, softcap
+
+    @classmethod
+    def load(cls, model_path: str) -> FinalHead:
+        config = _text_config(model_path)
+        if "rms_norm_eps" not in config:
+            raise CheckUnavailable("the final norm is not an RMSNorm; use `check` with transformers")
+        if config.get("logit_scale") or config.get("logits_scaling"):
+            raise CheckUnavailable("the model scales its logits; use `check` with transformers")
+        files = _weight_files(model_path)
+        norm = _read(files, [f"{p}model.norm.weight" for p in _PREFIXES])
+        head = _read(files, [f"{p}lm_head.weight" for p in _PREFIXES])
+        if head is None and any(n.startswith(tuple(f"{p}lm_head." for p in _PREFIXES)) for n in files):
+            raise CheckUnavailable("the output head is quantized")
+        if head is None:  # tied embeddings
+            head = _read(files, [f"{p}model.embed_tokens.weight" for p in _PREFIXES])
+        if norm is None or head is None:
+            raise CheckUnavailable("final norm or output head not found in the checkpoint")
+        gemma = str(config.get("model_type", "")).startswith("gemma")
+        return cls(norm, head, float(config["rms_norm_eps"]), gemma, config.get("final_logit_softcapping"))
+
+    def next_token_logprobs(self, last_layer: torch.Tensor, input_ids: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+        """log p(input_ids[t+1] | ..t) from the pre-norm last-layer states, as vLLM computes it: ``[T-1]``."""
+        dtype = last_layer.dtype
+        head = self.head.to(dtype)
+        out = []
+        for start in range(0, last_layer.shape[0] - 1, chunk):
+            x = last_layer[start: min(start + chunk, last_layer.shape[0] - 1)].float()
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            if self.gemma:
+                x = (x * (1.0 + self.norm.float())).to(dtype)
+            else:
+                x = x.to(dtype) * self.norm.to(dtype)
+            logits = (x @ head.T).float()
+            if self.softcap:
+                logits = torch.tanh(logits / self.softcap) * self.softcap
+            targets = input_ids[start + 1: start + 1 + x.shape[0]]
+            out.append(logits.log_softmax(-1).gather(1, targets[:, None].long())[:, 0])
+        return torch.cat(out) if out else torch.empty(0)
+
+
+class LogitChecker:
+    """Accumulates the check over samples of one run."""
+
+    def __init__(self, model_path: str, dtype: torch.dtype, last_layer_index: int | None):
+        self.result = LogitCheckResult(tolerance=TOLERANCE.get(dtype, 1e-1))
+        self.last = last_layer_index
+        self.head = None
+        if last_layer_index is None:
+            self.result.unavailable = "the last layer is not among the captured ones"
+            return
+        try:
+            self.head = FinalHead.load(model_path)
+        except CheckUnavailable as exc:
+            self.result.unavailable = str(exc)
+
+    @property
+    def active(self) -> bool:
+        return self.head is not None
+
+    def add(self, key, input_ids: torch.Tensor, states: list[torch.Tensor], vllm_logprobs: torch.Tensor) -> float:
+        """Compare one sample; return its max |delta|."""
+        ours = self.head.next_token_logprobs(states[self.last], input_ids)
+        theirs = vllm_logprobs.float().reshape(-1)[: ours.shape[0]]
+        delta = (ours - theirs).abs().max().item() if ours.numel() else 0.0
+        self.result.samples += 1
+        self.result.positions += int(ours.numel())
+        self.result.max_abs = max(self.result.max_abs, delta)
+        if not delta <= self.result.tolerance:  # NaN fails too
+            self.result.failures.append((key, float(f"{delta:.3g}")))
+        return delta

@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""Write the README's architecture table from what the tests measured.
+
+The engine tests of each model family record their result (conftest's
+``record_architecture``) into ``build/test-results/architectures.json`` at the
+end of a pytest session; this script renders those rows, plus the families no
+test here can run (``NOT_RUN``, with the reason), between the README's markers.
+
+    python -m pytest tests && python tools/architecture_table.py [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "build" / "test-results" / "architectures.json"
+README = ROOT / "README.md"
+BEGIN, END = "<!-- architectures:begin -->", "<!-- architectures:end -->"
+
+#: Families no engine here runs, and why (kept by hand: there is no measurement to generate them from).
+NOT_RUN = {
+    "Kimi-K2.5": ("KimiK25ForConditionalGeneration", "taps", "structure only",
+                  "no engine: vLLM 0.16 loads its image processor from the checkpoint with "
+                  "trust_remote_code=True hard-coded (Moonshot's own code, shipped only with the release); "
+                  "the wrapper -> language_model -> DeepSeek-V3 path is tested without an engine, the "
+                  "DeepSeek-V3 text model on the engine"),
+    "INT4 MoE (Kimi-K2.5 class)": ("DeepseekV3ForCausalLM / Qwen3MoeForCausalLM", "taps / built-in", "refused on x86",
+                                   "vLLM 0.16 runs INT4 MoE on CPU only through an Arm kernel "
+                                   "(dynamic_4bit_int_moe: 'requires AArch64', tested), and that method drops "
+                                   "grouped routing (DeepSeek/Kimi assert); W4A16 pack-quantized MoE needs GPU "
+                                   "kernels. Experts sit inside the MLP, which the taps never touch"),
+    "GPT-OSS": ("GptOssForCausalLM", "built-in", "not compared",
+                "ran on the CPU engine in bf16 only (its attention-sink kernel refuses fp32 there), so no "
+                "exact reference; real checkpoints are MXFP4 (GPU kernels)"),
+}
+
+
+def rows(results: dict) -> list[str]:
+    lines = ["| architecture | vLLM class | aux source | run | max abs error vs transformers | tolerance | note |",
+             "|---|---|---|---|---|---|---|"]
+    for name in sorted(results, key=str.lower):
+        r = results[name]
+        err = f"{r['max_abs_error']:.1e}" if r["max_abs_error"] is not None else "-"
+        tol = f"{r['tolerance']:.0e}" if r["tolerance"] is not None else "-"
+        lines.append(_row(name, f"`{r['model_class']}`", r["aux_source"], r["tested"], err, tol, r["note"]))
+    for name, (cls, source, how, why) in sorted(NOT_RUN.items()):
+        lines.append(_row(name, f"`{cls}`", source, how, "-", "-", why))
+    return lines
+
+
+def _row(*cells: str) -> str:
+    return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if the README's table differs (write nothing)")
+    args = ap.parse_args()
+    if not RESULTS.exists():
+        print(f"no test results at {RESULTS}: run the tests first", file=sys.stderr)
+        return 2
+    table = "\n".join([BEGIN, *rows(json.loads(RESULTS.read_text())), END])
+    text = README.read_text()
+    if BEGIN not in text or END not in text:
+        print(f"README.md has no {BEGIN} ... {END} markers", file=sys.stderr)
+        return 2
+    new = text[: text.index(BEGIN)] + table + text[text.index(END) + len(END):]
+    if args.check:
+        return 0 if new == text else 1
+    README.write_text(new)
+    print(f"wrote {len(table.splitlines()) - 2} rows to {README}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
