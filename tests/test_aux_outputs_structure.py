@@ -201,3 +201,42 @@ def test_an_unknown_residual_convention_is_refused():
 
     with pytest.raises(UnsupportedModelError, match=r"parameters \['residual_in'\] but none named 'residual'"):
         install_aux_outputs(StreamForCausalLM(2, OddLayer), [1])
+
+
+class Int4Experts(nn.Module):
+    """Like vLLM's CPU W4A8 MoE layer: int4 codes held as int8, a bf16 scale per group of 2."""
+
+    def __init__(self, seed):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.register_buffer("w13_weight", torch.randint(-8, 8, (4, 4), generator=gen, dtype=torch.int8))
+        self.register_buffer("w13_weight_scale", torch.rand(4, 2, generator=gen).to(torch.bfloat16))
+
+    def forward(self, x):
+        weight = self.w13_weight.float() * self.w13_weight_scale.float().repeat_interleave(2, dim=1)
+        return x @ weight.T
+
+
+class Int4MoeLayer(DeepseekV2DecoderLayer):
+    """A decoder layer whose MLP is quantized experts (fused add-norm at its input, as DeepSeek's)."""
+
+    def __init__(self, scale):
+        super().__init__(scale)
+        self.experts = Int4Experts(int(scale * 10))
+
+    def forward(self, positions, hidden_states, residual, llama_4_scaling=None):
+        residual = hidden_states if residual is None else hidden_states + residual
+        return self.experts(residual) * 0.1 + positions[:, None], residual
+
+
+def test_int4_moe_structure_is_tapped_without_touching_the_experts():
+    """INT4 experts (which no x86 CPU engine runs) sit inside the layers: taps read the stream exactly."""
+    model = DeepseekV3ForCausalLM(3)
+    model.model.layers = nn.ModuleList(Int4MoeLayer(0.5 + i) for i in range(3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    install_aux_outputs(model, [1, 2, 3])
+    ids, pos = torch.tensor([3, 5, 7]), torch.tensor([0, 1, 2])
+    _, aux = model(ids, pos)
+    assert all(torch.equal(a, w) for a, w in zip(aux, reference(model.model, ids, pos)))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # quantized weights untouched
+    assert not any(m._forward_pre_hooks for m in model.modules() if isinstance(m, Int4Experts))

@@ -32,7 +32,8 @@ NOT_RUN = {
                                    "vLLM 0.16 runs INT4 MoE on CPU only through an Arm kernel "
                                    "(dynamic_4bit_int_moe: 'requires AArch64', tested), and that method drops "
                                    "grouped routing (DeepSeek/Kimi assert); W4A16 pack-quantized MoE needs GPU "
-                                   "kernels. Experts sit inside the MLP, which the taps never touch"),
+                                   "kernels. Structure-tested without an engine: taps read the stream exactly "
+                                   "and never touch the INT4 experts"),
     "GPT-OSS": ("GptOssForCausalLM", "built-in", "not compared",
                 "ran on the CPU engine in bf16 only (its attention-sink kernel refuses fp32 there), so no "
                 "exact reference; real checkpoints are MXFP4 (GPU kernels)"),
