@@ -3,7 +3,9 @@
 
 Each step is one request/reply between this process (the engine) and a worker
 process, over vLLM's own ``MessageQueue`` (the channel vLLM's multiprocess
-executor uses for RPCs and their replies):
+executor uses for RPCs and their replies), with two steps in flight as the
+engine runs them (the next request is sent before the current reply is
+consumed), over ``--steps`` steps a measurement:
 
 * (a) **RPC return value** (the path before the ring): the worker replies with a
   host tensor holding the step; vLLM pickles it, sends it over its local
@@ -71,8 +73,8 @@ def worker(to_worker, to_engine, ring_spec, max_rows: int) -> None:
             reply = StepCapture(step, ["r0", "r1"], [0, 0], counts, states=source[:, :rows].clone())
         else:
             if mode == "b+":
-                ring.slot(0)[:, :rows].copy_(source[:, :rows])
-            reply = StepCapture(step, ["r0", "r1"], [0, 0], counts, slot=0)
+                ring.slot(step % 2)[:, :rows].copy_(source[:, :rows])
+            reply = StepCapture(step, ["r0", "r1"], [0, 0], counts, slot=step % 2)
         replies.enqueue(reply)
 
 
@@ -92,6 +94,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 512], help="MiB per step")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4, help="steps per measurement, two in flight")
     args = ap.parse_args()
 
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
@@ -99,7 +102,7 @@ def main() -> None:
     from speculators_v016.slot_ring import SlotRing
 
     max_rows = rows_for(max(args.sizes))
-    ring = SlotRing.create(slots=1, num_ids=LAYERS, max_rows=max_rows, hidden=HIDDEN, dtype=DTYPE, shared=True)
+    ring = SlotRing.create(slots=2, num_ids=LAYERS, max_rows=max_rows, hidden=HIDDEN, dtype=DTYPE, shared=True)
     ctx = mp.get_context("spawn")
     to_worker, to_engine = ctx.Queue(), ctx.Queue()
     requests = MessageQueue(1, 1)
@@ -113,17 +116,22 @@ def main() -> None:
     source = torch.randn(LAYERS, max_rows, HIDDEN).to(DTYPE)
 
     def one(mode: str, rows: int) -> float:
+        """Seconds per step over ``args.steps`` steps, two in flight."""
         start = time.perf_counter()
         if mode == "c":
-            copy_out(source[:, :rows], [rows // 2, rows - rows // 2])
-        else:
-            requests.enqueue((mode, 0, rows))
+            for _ in range(args.steps):
+                copy_out(source[:, :rows], [rows // 2, rows - rows // 2])
+            return (time.perf_counter() - start) / args.steps
+        requests.enqueue((mode, 0, rows))
+        for step in range(args.steps):
+            if step + 1 < args.steps:
+                requests.enqueue((mode, step + 1, rows))  # the next step is on its way meanwhile
             reply = replies.dequeue(indefinite=True)
             if mode == "a":  # the engine has the tensor; counted as arrived (no further copy charged)
                 assert reply.states.shape[1] == rows
             else:
                 copy_out(ring.slot(reply.slot)[:, :rows], reply.counts)
-        return time.perf_counter() - start
+        return (time.perf_counter() - start) / args.steps
 
     modes = ["a", "b", "b+", "c"]
     seconds: dict[tuple[str, int], list[float]] = {}
@@ -143,7 +151,8 @@ def main() -> None:
 
     names = {"a": "(a) RPC return value", "b": "(b) slot ring", "b+": "(b+) ring + CPU worker copy",
              "c": "(c) in-process copy"}
-    print(f"worker -> engine, GiB/s (median of {args.rounds}; bf16, {LAYERS} layers x hidden {HIDDEN}; "
+    print(f"worker -> engine, GiB/s (median of {args.rounds} rounds of {args.steps} steps, 2 in flight; "
+          f"bf16, {LAYERS} layers x hidden {HIDDEN}; "
           f"{torch.get_num_threads()} torch threads)")
     print(f"{'step':>8} " + " ".join(f"{names[m]:>28}" for m in modes) + "   (b)/(c)  (b)/(a)")
     for mib in args.sizes:
