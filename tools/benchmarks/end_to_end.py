@@ -6,7 +6,7 @@ settings, interleaved over --rounds. "End to end" is the CLI's generation phase
 (engine + NaN check + encoding + atomic writes + manifest, as its summary
 reports it); "generator alone" streams the same token samples and drops them.
 
-    python tools/benchmarks/end_to_end.py [--samples 256] [--rounds 2] [--eager]
+    python tools/benchmarks/end_to_end.py [--samples 256] [--rounds 2] [--eager] [--before CHECKOUT]
 """
 
 from __future__ import annotations
@@ -60,13 +60,18 @@ def generator_alone(args: dict) -> dict:
     return {"samples_per_s": len(samples) / seconds, "tokens_per_s": tokens / seconds}
 
 
-def end_to_end(model: str, data: Path, eager: bool) -> dict:
+def end_to_end(model: str, data: Path, eager: bool, code_from: str | None = None) -> dict:
+    """The CLI's generation phase, as its summary reports it (``code_from``: another checkout's code)."""
+    import os
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "speculators_v016.cli", "--target-model-path", model, "--train-data-path",
                str(data), "--output-dir", f"{tmp}/out", "--seq-length", str(SEQ), "--dtype", "float32",
                "--token-freq-path", "", "--no-progress", "--num-preprocessing-workers", "1"]
         cmd += ["--enforce-eager"] if eager else []
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        env = dict(os.environ)
+        if code_from:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(code_from).resolve()), env.get("PYTHONPATH")]))
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr[-3000:])
     written = int(re.search(r"written:\s+(\d+) samples", proc.stdout).group(1))
@@ -79,22 +84,31 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--eager", action="store_true")
-    ap.add_argument("--model-dir", default="/tmp/speculators-v016-bench/model")
+    ap.add_argument("--model-dir", default="/tmp/speculators-v016-bench/base")
+    ap.add_argument("--before", default=None, metavar="CHECKOUT",
+                    help="also run the CLI with the speculators_v016 of this checkout, interleaved")
     opts = ap.parse_args()
     model = str(bench_model(Path(opts.model_dir)))
     with tempfile.TemporaryDirectory() as tmp:
         data = conversations(Path(tmp) / "chats.jsonl", opts.samples)
-        runs = {"cli": [], "gen": []}
+        runs = {"cli": [], "gen": []} | ({"before": []} if opts.before else {})
         for _ in range(opts.rounds):
             runs["cli"].append(end_to_end(model, data, opts.eager))
+            if opts.before:
+                runs["before"].append(end_to_end(model, data, opts.eager, opts.before))
             runs["gen"].append(child(__file__, {"model": model, "data": str(data), "eager": opts.eager}))
     med = {k: {m: statistics.median(r[m] for r in v) for m in ("samples_per_s", "tokens_per_s")}
            for k, v in runs.items()}
     print(f"{opts.samples} conversations, seq length {SEQ}, {'eager' if opts.eager else 'compiled'}, "
           f"{opts.rounds} round(s), medians")
-    for key, label in (("cli", "speculators-data-gen (written)"), ("gen", "generator alone (dropped)")):
-        print(f"  {label:32} {med[key]['samples_per_s']:8.1f} samples/s {med[key]['tokens_per_s']:10,.0f} tokens/s")
+    for key, label in (("cli", "speculators-data-gen (written)"), ("before", "  the same, before"),
+                       ("gen", "generator alone (dropped)")):
+        if key in med:
+            print(f"  {label:32} {med[key]['samples_per_s']:8.1f} samples/s "
+                  f"{med[key]['tokens_per_s']:10,.0f} tokens/s")
     print(f"  ratio end-to-end / generator   {med['cli']['tokens_per_s'] / med['gen']['tokens_per_s']:.2f}x")
+    if "before" in med:
+        print(f"  ratio end-to-end after / before {med['cli']['tokens_per_s'] / med['before']['tokens_per_s']:.2f}x")
 
 
 if __name__ == "__main__":
