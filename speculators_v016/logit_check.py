@@ -151,6 +151,10 @@ class LogitChecker:
     def active(self) -> bool:
         return self.head is not None
 
+    def release(self) -> None:
+        """Drop the output head (GBs for a large vocabulary) once the checked samples are done."""
+        self.head = None
+
     def add(self, key, input_ids: torch.Tensor, states: list[torch.Tensor], vllm_logprobs: torch.Tensor) -> float:
         """Compare one sample; return its max |delta|."""
         ours = self.head.next_token_logprobs(states[self.last], input_ids)

@@ -214,6 +214,8 @@ def _generate(generator, samples: PreparedSamples, pending: list[int], directory
                 if checker.add(index, torch.tensor(ids), seen, theirs) > checker.result.tolerance:
                     logger.error("sample {}: the captured last layer does not reproduce vLLM's own logits "
                                  "(logit check)", index + opts.start_idx)
+                if checker.result.samples == len(checked):
+                    checker.release()
             if faults.armed_value("nan-sample"):  # fault injection (tests only)
                 states[-1][len(ids) // 2, 0] = float("nan")
             bad = [layer for layer, h in zip(layer_ids, states) if not torch.isfinite(h).all()]
