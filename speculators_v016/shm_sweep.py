@@ -25,7 +25,6 @@ PATTERN = re.compile(rf"^({re.escape(PREFIX)}|psm_|sem\.mp-)")
 class SweepResult:
     removed: list[str] = field(default_factory=list)
     bytes: int = 0
-    in_use: int = 0
 
 
 def _paths_in_use(shm_dir: str) -> set[str]:

@@ -1,6 +1,5 @@
 """Shared memory: stale segments of dead runs reclaimed, live ones never; a small /dev/shm refused clearly."""
 
-import mmap
 import os
 import signal
 import subprocess
