@@ -6,6 +6,10 @@ per requested layer, in request order) and ``loss_mask`` (None), as upstream
 does. :meth:`VllmHiddenStatesGenerator.stream` yields the same dicts (plus
 ``index``) as soon as each prompt completes, for writers that work while the
 engine runs.
+
+Library users call it with upstream's keywords; our pipeline builds the
+:class:`~speculators_v016.settings.EngineSettings` and the layer plan once and
+uses :meth:`VllmHiddenStatesGenerator.from_settings`.
 """
 
 from __future__ import annotations
@@ -15,30 +19,17 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from loguru import logger
 
-from speculators_v016.engine import CaptureEngine, EngineSettings
+from speculators_v016.engine.core import CaptureEngine
 from speculators_v016.layers import LayerPlan
+from speculators_v016.settings import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_MODEL_LEN, EngineSettings
+from speculators_v016.target import RemoteCodeError, TargetInfo
 
-
-class RemoteCodeError(ValueError):
-    """The model needs code from its own folder or repository, and the user did not allow it."""
+__all__ = ["RemoteCodeError", "VllmHiddenStatesGenerator", "num_decoder_layers"]
 
 
 def num_decoder_layers(model_path: str, trust_remote_code: bool = False) -> int:
     """Decoder layer count from the model's config (text config for multimodal models)."""
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    except ValueError as exc:
-        if "trust_remote_code" not in str(exc):
-            raise
-        raise RemoteCodeError(f"{model_path} needs its own Python code to load (auto_map); refused. "
-                              "Pass --trust-remote-code (trust_remote_code=True) only if you trust it.") from exc
-    for cfg in (config, getattr(config, "text_config", None)):
-        if cfg is not None and getattr(cfg, "num_hidden_layers", None):
-            return int(cfg.num_hidden_layers)
-    raise ValueError(f"cannot tell how many decoder layers {model_path} has: its config "
-                     "has no num_hidden_layers (nor text_config.num_hidden_layers)")
+    return TargetInfo.read(model_path, trust_remote_code).num_layers
 
 
 class VllmHiddenStatesGenerator:
@@ -48,24 +39,36 @@ class VllmHiddenStatesGenerator:
     layer ``L`` before the final norm (see :mod:`speculators_v016.layers`);
     default ``[2, n//2, n-3, n-1]``. Keyword arguments beyond upstream's
     (``async_scheduling``, ``enforce_eager``, ``max_num_seqs``,
-    ``max_num_batched_tokens``, ``dtype``, ``executor``, ...) go to
-    :class:`~speculators_v016.engine.EngineSettings`.
+    ``max_num_batched_tokens``, ``dtype``, ``executor``, ...) are fields of
+    :class:`~speculators_v016.settings.EngineSettings`.
     """
 
-    def __init__(self, model_path: str, layer_ids: Sequence[int] | None = None, max_model_len: int = 2048,
-                 gpu_memory_utilization: float = 0.8, tensor_parallel_size: int = 1, **engine_options):
-        trust = bool(engine_options.get("trust_remote_code", False))
-        self.model_path = model_path
-        self.plan = LayerPlan.build(num_decoder_layers(model_path, trust), layer_ids)
-        self.layer_ids = list(self.plan.layer_ids)
+    def __init__(self, model_path: str, layer_ids: Sequence[int] | None = None,
+                 max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, tensor_parallel_size: int = 1,
+                 **engine_options):
         settings = EngineSettings(model=model_path, max_model_len=max_model_len,
                                   gpu_memory_utilization=gpu_memory_utilization,
                                   tensor_parallel_size=tensor_parallel_size, **engine_options)
-        logger.info("capturing layers {} of {} (vLLM aux ids {})", self.layer_ids, model_path,
-                    list(self.plan.vllm_ids))
-        self.engine = CaptureEngine(settings, self.plan)
+        target = TargetInfo.read(model_path, settings.trust_remote_code)
+        self._start(settings, LayerPlan.build(target.num_layers, layer_ids))
+
+    @classmethod
+    def from_settings(cls, settings: EngineSettings, plan: LayerPlan) -> VllmHiddenStatesGenerator:
+        """A generator for settings and a layer plan that were already built (the pipeline's way)."""
+        self = cls.__new__(cls)
+        self._start(settings, plan)
+        return self
+
+    def _start(self, settings: EngineSettings, plan: LayerPlan) -> None:
+        self.model_path = settings.model
+        self.plan = plan
+        self.layer_ids = list(plan.layer_ids)
+        logger.info("capturing layers {} of {} (vLLM aux ids {})", self.layer_ids, settings.model,
+                    list(plan.vllm_ids))
+        self.engine = CaptureEngine(settings, plan)
         # Attributes upstream's generator had and its DataGenerationConfig reads.
-        self.tensor_parallel_size = tensor_parallel_size
+        self.tensor_parallel_size = settings.tensor_parallel_size
         self.vllm_config = self.engine.core.vllm_config
 
     @property

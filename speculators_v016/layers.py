@@ -80,6 +80,11 @@ class LayerPlan:
         return tuple(pos[k] for k in self.vllm_ids)
 
     @property
+    def last_layer_index(self) -> int | None:
+        """Where layer ``n-1`` (the last, before the final norm) sits in ``layer_ids``; None if not requested."""
+        return self.layer_ids.index(self.num_layers - 1) if self.num_layers - 1 in self.layer_ids else None
+
+    @property
     def serving_ids(self) -> list[int]:
         """``eagle_aux_hidden_state_layer_ids`` for vLLM serving of a draft trained on this data."""
         return [i + 1 for i in self.layer_ids[:-1]]

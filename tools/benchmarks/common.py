@@ -11,7 +11,7 @@ from pathlib import Path
 
 def bench_model(where: Path, hidden: int = 512, layers: int = 8, **overrides) -> Path:
     """A random Llama of benchmark size (built once); ``overrides`` go to its config."""
-    from speculators_v016.tiny_models import build_tiny_model
+    from speculators_v016.testing.tiny_models import build_tiny_model
 
     where = Path(where)
     if not (where / "config.json").exists():

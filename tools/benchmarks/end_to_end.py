@@ -31,7 +31,7 @@ SEQ = 1024
 
 
 def conversations(path: Path, count: int) -> Path:
-    from speculators_v016.demo import corpus_lines
+    from speculators_v016.run.demo import corpus_lines
 
     rng, lines = random.Random(0), corpus_lines()
     with path.open("w") as fh:
@@ -45,7 +45,7 @@ def conversations(path: Path, count: int) -> Path:
 def generator_alone(args: dict) -> dict:
     from transformers import AutoTokenizer
 
-    from speculators_v016.dataset import prepare_samples
+    from speculators_v016.run.dataset import prepare_samples
     from speculators_v016.generator import VllmHiddenStatesGenerator
 
     samples = prepare_samples([args["data"]], AutoTokenizer.from_pretrained(args["model"]), SEQ, num_proc=1)
@@ -64,7 +64,7 @@ def end_to_end(model: str, data: Path, eager: bool, code_from: str | None = None
     """The CLI's generation phase, as its summary reports it (``code_from``: another checkout's code)."""
     import os
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "speculators_v016.cli", "--target-model-path", model, "--train-data-path",
+        cmd = [sys.executable, "-m", "speculators_v016.run.cli", "--target-model-path", model, "--train-data-path",
                str(data), "--output-dir", f"{tmp}/out", "--seq-length", str(SEQ), "--dtype", "float32",
                "--token-freq-path", "", "--no-progress", "--num-preprocessing-workers", "1"]
         cmd += ["--enforce-eager"] if eager else []

@@ -1,0 +1,122 @@
+"""Stitch per-step captures into per-request hidden states, exactly.
+
+Every row a worker returns is attributed twice: by the worker (the runner's
+own batch order, token offsets and chunk starts) and by the engine (the
+scheduler output of that step). Any disagreement is an error, never a guess.
+A request is complete when its rows cover positions ``0 .. len(prompt)-1``
+contiguously; chunked prefill pieces are stitched in order.
+
+Each captured byte is copied once on this side: from the step's states
+(usually a view of a ring slot, released right after :meth:`Assembler.add`)
+straight into the request's own per-layer tensors, which are what callers get.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from speculators_v016.protocol import StepCapture
+
+
+class AttributionError(RuntimeError):
+    """Captured rows do not match what the scheduler ran: refuse to guess."""
+
+
+@dataclass
+class _Request:
+    key: Any
+    prompt_len: int
+    chunks: dict[int, int] = field(default_factory=dict)  # start -> rows
+    rows: int = 0
+    out: list[torch.Tensor] | None = None  # one [prompt_len, hidden] per requested layer
+
+
+def expected_rows(scheduler_output) -> dict[str, tuple[int, int]]:
+    """{request id: (first prompt position, rows)} for one scheduled step."""
+    starts = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+    return {rid: (starts[rid], n) for rid, n in scheduler_output.num_scheduled_tokens.items()}
+
+
+class Assembler:
+    """Collects step captures; hands out requests whose states are complete."""
+
+    def __init__(self, capture_order: tuple[int, ...]):
+        self.capture_order = capture_order  # requested layer j -> row in the captured stack
+        self._requests: dict[str, _Request] = {}
+        self._expected: dict[int, dict[str, tuple[int, int]]] = {}
+        self._complete: list[str] = []
+
+    def add_request(self, req_id: str, key: Any, prompt_len: int) -> None:
+        self._requests[req_id] = _Request(key, prompt_len)
+
+    def expect(self, step: int, rows: dict[str, tuple[int, int]]) -> None:
+        self._expected[step] = rows
+
+    @property
+    def pending_steps(self) -> int:
+        return len(self._expected)
+
+    def add(self, capture: StepCapture) -> None:
+        expected = self._expected.pop(capture.step, None)
+        if expected is None:
+            raise AttributionError(f"capture for step {capture.step}, which was not scheduled or came twice")
+        got = {r: (s, n) for r, s, n in zip(capture.req_ids, capture.starts, capture.counts)}
+        if got != expected:
+            raise AttributionError(
+                f"step {capture.step}: the runner computed {got} (request: (start, rows)), "
+                f"the scheduler scheduled {expected}")
+        if capture.states is None or sum(capture.counts) != capture.states.shape[1]:
+            held = None if capture.states is None else capture.states.shape[1]
+            raise AttributionError(f"step {capture.step}: {held} rows for "
+                                   f"{sum(capture.counts)} scheduled tokens")
+        offset = 0
+        for req_id, start, count in zip(capture.req_ids, capture.starts, capture.counts):
+            self._add_rows(req_id, start, capture.states[:, offset: offset + count])
+            offset += count
+
+    def _add_rows(self, req_id: str, start: int, rows: torch.Tensor) -> None:
+        """Copy ``rows`` (``[capture ids, count, hidden]``) into the request's tensors at ``start``."""
+        req = self._requests.get(req_id)
+        if req is None:
+            raise AttributionError(f"rows for unknown request {req_id}")
+        keep = max(0, min(rows.shape[1], req.prompt_len - start))  # rows past the prompt are decode steps
+        if keep == 0:
+            return
+        if start == 0 and req.chunks:  # preempted and recomputed from the start (no prefix cache)
+            req.chunks.clear()
+            req.rows = 0
+        if start in req.chunks:
+            raise AttributionError(f"request {req_id}: positions from {start} captured twice")
+        if req.out is None:
+            req.out = [torch.empty((req.prompt_len, rows.shape[2]), dtype=rows.dtype) for _ in self.capture_order]
+        for out, j in zip(req.out, self.capture_order):
+            out[start: start + keep].copy_(rows[j, :keep])
+        req.chunks[start] = keep
+        req.rows += keep
+        if req.rows == req.prompt_len:
+            self._complete.append(req_id)
+        elif req.rows > req.prompt_len:
+            raise AttributionError(f"request {req_id}: {req.rows} rows for a {req.prompt_len}-token prompt")
+
+    def pop_complete(self) -> list[tuple[Any, list[torch.Tensor]]]:
+        """Requests whose every prompt position is captured: (key, one tensor per requested layer)."""
+        done, self._complete = self._complete, []
+        out = []
+        for req_id in done:
+            req = self._requests.pop(req_id)
+            position = 0
+            for start in sorted(req.chunks):
+                if start != position:
+                    raise AttributionError(f"request {req_id}: rows jump from position {position} to {start}")
+                position += req.chunks[start]
+            out.append((req.key, req.out))
+        return out
+
+    def unfinished(self) -> dict[str, tuple[int, int]]:
+        """{request id: (rows captured, prompt length)} of requests not yet complete."""
+        return {rid: (r.rows, r.prompt_len) for rid, r in self._requests.items()}

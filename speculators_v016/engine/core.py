@@ -1,0 +1,357 @@
+"""vLLM 0.16 driven step by step, with capture between the two phases.
+
+Each step: ``execute_model`` -> ``speculators_capture_step`` on the workers
+(reads the runner's ``execute_model_state.aux_hidden_states``) ->
+``sample_tokens``. With async scheduling (the default) up to
+``max_concurrent_batches`` (2) steps are in flight, as in vLLM's own
+``EngineCore.step_with_batch_queue``; every call is non-blocking. Each step
+gets a slot of the engine's :class:`~speculators_v016.engine.slot_ring.SlotRing`,
+which the worker fills and the capture reply names; the slot comes back once
+its rows are copied into the requests' tensors (no free slot: the oldest step
+is retired first). Requests are
+admitted from an iterator into a bounded window, and each one is yielded as
+soon as all its prompt positions are captured, so memory stays bounded
+however long the input is.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from loguru import logger
+
+from speculators_v016.engine.assembly import Assembler, AttributionError, expected_rows
+from speculators_v016.engine.executor import capture_executor, executor_kind
+from speculators_v016.engine.shm_sweep import sweep
+from speculators_v016.engine.slot_ring import SlotRing
+from speculators_v016.engine.vllm_check import require_vllm
+from speculators_v016.layers import LayerPlan
+from speculators_v016.settings import EngineSettings
+from speculators_v016.target import PromptError, check_token_ids
+
+__all__ = ["CaptureEngine", "EngineDeadError", "EngineSettings", "PromptError"]
+
+EXTENSION = "speculators_v016.worker.capture.CaptureWorkerExtension"
+_IN_PROCESS_ENGINES = 0  # live engines whose worker runs in this process (uniprocess executor)
+
+
+class EngineDeadError(RuntimeError):
+    """vLLM's executor failed (e.g. a worker process died); the engine cannot continue."""
+
+
+@dataclass
+class EngineStats:
+    prompts: int = 0
+    tokens: int = 0
+    truncated: int = 0
+    steps: int = 0
+    max_in_flight: int = 0
+
+
+@dataclass
+class _Step:
+    scheduler_output: Any
+    executed: Any  # future of execute_model
+    output: Any  # future of the ModelRunnerOutput
+    capture: Any = None  # future of the previous step's capture
+
+
+class CaptureEngine:
+    """An in-process vLLM ``EngineCore`` whose steps we drive ourselves."""
+
+    def __init__(self, settings: EngineSettings, plan: LayerPlan):
+        self.vllm_version = require_vllm()
+        if settings.pipeline_parallel_size != 1:
+            raise ValueError("pipeline parallelism is not supported: vLLM 0.16 drops the aux hidden "
+                             "states of non-last stages; use tensor parallelism (across nodes: Ray)")
+        self.settings, self.plan = settings, plan
+        config = self._vllm_config()
+        self._start(config)
+        try:
+            self._check_started(config)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._reset_run_state()
+        logger.info("engine ready: {} (async scheduling {}, {} steps in flight, capture {})",
+                    settings.model, self.async_scheduling, self.depth, self.capture_info[0])
+
+    def _vllm_config(self):
+        """vLLM's config from our settings, field by field; async scheduling set as we run it."""
+        from vllm.engine.arg_utils import EngineArgs
+
+        s = self.settings
+        args = EngineArgs(
+            model=s.model, dtype=s.dtype, seed=s.seed, max_model_len=s.max_model_len,
+            max_num_batched_tokens=s.batched_tokens, max_num_seqs=s.max_num_seqs,
+            tensor_parallel_size=s.tensor_parallel_size, gpu_memory_utilization=s.gpu_memory_utilization,
+            enforce_eager=s.enforce_eager, trust_remote_code=s.trust_remote_code,
+            distributed_executor_backend=s.executor,
+            enable_prefix_caching=False,  # a cached prefix is not recomputed: no states for it
+            worker_extension_cls=EXTENSION,
+            # In the config (and so in its hash): compiled graphs cached on disk
+            # without these capture ids are never reused for this engine.
+            additional_config={"speculators_v016": {"capture_ids": list(self.plan.capture_ids),
+                                                    "capture_mode": s.capture_mode}},
+            **s.extra_engine_args,
+        )
+        config = args.create_engine_config()
+        use_async = s.async_scheduling
+        if use_async and config.parallel_config.distributed_executor_backend == "ray":
+            logger.warning("vLLM 0.16's Ray executor does not support async scheduling: running sync")
+            use_async = False
+        # vLLM's CPU platform turns async scheduling off in its config hook; we
+        # own the loop (and the CPU output shim), so we set it back, before the
+        # executor exists and the workers receive the config.
+        config.scheduler_config.async_scheduling = use_async
+        self.async_scheduling = use_async
+        return config
+
+    def _start(self, config) -> None:
+        """The ring, then vLLM's engine core with our executor (workers load the model and set up capture)."""
+        from vllm.v1.engine.core import EngineCore
+        from vllm.v1.executor.abstract import Executor
+
+        global _IN_PROCESS_ENGINES
+        executor_class = Executor.get_class(config)
+        self.executor_kind = executor_kind(executor_class)
+        self._in_process = self.executor_kind == "uni"
+        self._executor_failed = False
+        self.ring = self._make_ring(config)
+        try:
+            self.core = EngineCore(config, capture_executor(executor_class, self.ring), log_stats=False,
+                                   executor_fail_callback=self._on_executor_failure)
+        except BaseException:
+            if self.ring is not None:
+                self.ring.close()
+            raise
+        if self.ring is not None:
+            self.ring.unlink()  # the output-rank worker has mapped it: a crash now leaves no file
+        _IN_PROCESS_ENGINES += self._in_process
+        self.scheduler = self.core.scheduler
+        self.executor = self.core.model_executor
+        self.depth = self.executor.max_concurrent_batches
+        self.capture_info = self.executor.capture_info
+        self.vocab_size = config.model_config.get_vocab_size()
+        self.dtype = config.model_config.dtype
+        self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens
+        self.max_prompt_len = config.model_config.max_model_len - 1  # room for the one sampled token
+
+    def _check_started(self, config) -> None:
+        """The ring covers the steps in flight, and the loaded model has the planned depth."""
+        if self.ring is not None and self.ring.spec.slots < self.depth + 1:
+            raise RuntimeError(f"{self.depth} steps in flight need {self.depth + 1} capture slots")
+        layers = {i["num_layers"] for i in self.capture_info if i}
+        if layers != {self.plan.num_layers}:
+            raise ValueError(f"the loaded model has {layers} decoder layers, the layer plan {self.plan.num_layers}")
+
+    def _reset_run_state(self) -> None:
+        from vllm.sampling_params import SamplingParams
+
+        self._sampling = SamplingParams(max_tokens=1, temperature=0.0)
+        self._sampling_logprobs = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        self._logprob_keys: dict[str, Any] = {}  # request id -> key, for prompts whose logprobs are wanted
+        self.prompt_logprobs: dict[Any, Any] = {}  # key -> vLLM's log p(token t+1 | ..t), [len - 1]
+        self._next_id = 0
+        self._step = 0
+        self._broken: BaseException | None = None
+        self.stats = EngineStats()
+
+    def _make_ring(self, config) -> SlotRing | None:
+        """The capture slots: depth + 1 steps of ``max_num_batched_tokens`` rows (none for Ray)."""
+        if self.executor_kind == "ray":  # workers may sit on other hosts: states travel in the reply
+            return None
+        reclaimed = sweep()
+        if reclaimed.removed:
+            logger.info("reclaimed {} stale shared-memory segments of dead runs ({:,} bytes) in /dev/shm",
+                        len(reclaimed.removed), reclaimed.bytes)
+        ring = SlotRing.create(
+            slots=(2 if self.async_scheduling else 1) + 1, num_ids=len(self.plan.capture_ids),
+            max_rows=config.scheduler_config.max_num_batched_tokens,
+            hidden=config.model_config.get_hidden_size(), dtype=config.model_config.dtype,
+            shared=not self._in_process)
+        logger.debug("capture ring {}: {}", ring.spec.name, ring.spec.describe())
+        return ring
+
+    def _on_executor_failure(self) -> None:
+        """Called by vLLM's executor monitor when a worker process dies."""
+        self._executor_failed = True
+        logger.error("a vLLM worker process died: stopping")
+
+    # -- requests ---------------------------------------------------------
+    def _admit(self, feed: Iterator, assembler: Assembler, window: int, waiting: set, want=None) -> bool:
+        """Move prompts from ``feed`` into the scheduler until ``window`` are open."""
+        from vllm.v1.request import Request
+
+        while len(waiting) < window:
+            try:
+                key, ids = next(feed)
+            except StopIteration:
+                return False
+            ids = self.check_prompt(key, ids)
+            rid = f"s{self._next_id}"
+            self._next_id += 1
+            assembler.add_request(rid, (key, ids), len(ids))
+            waiting.add(rid)
+            params = self._sampling
+            if want is not None and want(key):
+                params, self._logprob_keys[rid] = self._sampling_logprobs, key
+            self.scheduler.add_request(Request(rid, ids, params, None, None, arrival_time=time.time(),
+                                               block_hasher=self.core.request_block_hasher))
+            self.stats.prompts += 1
+            self.stats.tokens += len(ids)
+        return True
+
+    def check_prompt(self, key: Any, ids, count: bool = True) -> list[int]:
+        """The prompt as a list, truncated to ``max_model_len - 1``; PromptError if unusable."""
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        if not ids:
+            raise PromptError(f"prompt {key!r} is empty")
+        check_token_ids(key, ids, self.vocab_size)
+        if len(ids) > self.max_prompt_len and count:
+            logger.warning("prompt {!r}: {} tokens truncated to {} (max_model_len - 1)",
+                           key, len(ids), self.max_prompt_len)
+            self.stats.truncated += 1
+        return ids[: self.max_prompt_len]
+
+    # -- steps ------------------------------------------------------------
+    def _launch(self, assembler: Assembler) -> _Step:
+        so = self.scheduler.schedule()
+        executed = self.executor.execute_model(so, non_block=True)
+        if so.total_num_scheduled_tokens == 0:  # still carries finished request ids to the workers
+            return _Step(so, executed, executed)
+        self._step += 1
+        self.stats.steps += 1
+        assembler.expect(self._step, expected_rows(so))
+        slot = self.ring.acquire() if self.ring is not None else None
+        capture = self.executor.capture_rpc("speculators_capture_step", (self._step, slot), non_block=True)
+        output = self.executor.sample_tokens(self.scheduler.get_grammar_bitmask(so), non_block=True)
+        return _Step(so, executed, output, capture)
+
+    def _retire(self, step: _Step, assembler: Assembler, keep: bool = True) -> None:
+        output = step.output.result()
+        if output is None:  # execute_model failed: raise its error
+            step.executed.result()
+            raise RuntimeError("vLLM returned no model output for a step")
+        if step.capture is not None:
+            self._consume(step.capture.result(), assembler, keep)
+        outputs = self.scheduler.update_from_output(step.scheduler_output, output)
+        if self._logprob_keys:
+            self._keep_prompt_logprobs(outputs)
+
+    def _keep_prompt_logprobs(self, outputs: dict) -> None:
+        """vLLM's prompt logprobs of the prompts that asked for them (they come whole, with the first token)."""
+        for batch in outputs.values():
+            for out in batch.outputs:
+                tensors = out.new_prompt_logprobs_tensors
+                if tensors is not None and out.request_id in self._logprob_keys:
+                    key = self._logprob_keys.pop(out.request_id)
+                    self.prompt_logprobs[key] = tensors.logprobs[:, 0].clone()
+
+    def _consume(self, capture, assembler: Assembler, keep: bool = True) -> None:
+        """Hand a capture's rows to ``assembler`` (unless dropped), then give its slot back."""
+        if capture is None:
+            return
+        try:
+            if keep:
+                if capture.slot is not None:
+                    capture.states = self.ring.slot(capture.slot)[:, : sum(capture.counts)]
+                assembler.add(capture)
+        finally:
+            capture.states = None
+            if capture.slot is not None:
+                self.ring.release(capture.slot)
+
+    def stream(self, prompts: Iterable[tuple[Any, list[int]]], window: int | None = None, prompt_logprobs=None
+               ) -> Iterator[tuple[Any, list[int], list]]:
+        """Yield ``(key, input_ids, states per requested layer)`` as each prompt completes.
+
+        ``prompt_logprobs(key) -> bool`` picks prompts whose vLLM prompt logprobs
+        are kept in :attr:`prompt_logprobs` (by key) before they are yielded.
+
+        If the caller stops early or a prompt is refused, the prompts already
+        admitted are aborted and the steps in flight are retired, so the
+        engine is ready for the next call. An error inside vLLM leaves the
+        engine unusable (it says so on the next call).
+        """
+        if self._broken is not None:
+            raise RuntimeError(f"this engine failed earlier and cannot be used again: {self._broken}")
+        assembler = Assembler(self.plan.capture_order)
+        feed, waiting, in_flight = iter(prompts), set(), deque()
+        window = window or 2 * self.settings.max_num_seqs
+        more = True
+        try:
+            while True:
+                more = more and self._admit(feed, assembler, window, waiting, prompt_logprobs)
+                if self.scheduler.has_requests() and len(in_flight) < self.depth and self._slot_free():
+                    in_flight.appendleft(self._launch(assembler))
+                    self.stats.max_in_flight = max(self.stats.max_in_flight, len(in_flight))
+                    if len(in_flight) < self.depth and not in_flight[-1].output.done():
+                        continue  # keep the pipeline full before waiting on the oldest step
+                if in_flight:
+                    self._retire(in_flight.pop(), assembler)
+                elif assembler.pending_steps:
+                    self._consume(self.executor.capture_rpc("speculators_capture_flush"), assembler)
+                for (key, ids), states in assembler.pop_complete():
+                    yield key, ids, states
+                waiting.intersection_update(assembler.unfinished())
+                if not (more or waiting or in_flight or self.scheduler.has_requests()):
+                    return
+                if waiting and not (in_flight or self.scheduler.has_requests() or assembler.pending_steps):
+                    raise AttributionError(
+                        f"requests finished without complete hidden states: {assembler.unfinished()}")
+        except (GeneratorExit, PromptError):
+            self._abandon(waiting, in_flight)
+            raise
+        except BaseException as exc:
+            self._broken = exc
+            if self._executor_failed or getattr(self.executor, "is_failed", False):
+                raise EngineDeadError(f"a vLLM worker process died, so the engine stopped "
+                                      f"({type(exc).__name__}: {exc}); finished samples are kept") from exc
+            raise
+
+    def _abandon(self, waiting: set, in_flight: deque) -> None:
+        """Abort admitted prompts and retire the steps in flight (the engine stays usable)."""
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests(list(waiting), RequestStatus.FINISHED_ABORTED)
+        self._logprob_keys.clear()
+        scratch = Assembler(self.plan.capture_order)
+        while in_flight:
+            self._retire(in_flight.pop(), scratch, keep=False)
+        while self.scheduler.has_requests():  # finished ids still have to reach the workers
+            self._retire(self._launch(scratch), scratch, keep=False)
+        self._consume(self.executor.capture_rpc("speculators_capture_flush"), scratch, keep=False)
+
+    def _slot_free(self) -> bool:
+        return self.ring is None or self.ring.free > 0
+
+    def shutdown(self) -> None:
+        global _IN_PROCESS_ENGINES
+        ring, self.ring = getattr(self, "ring", None), None
+        core, self.core = getattr(self, "core", None), None
+        if core is None:
+            if ring is not None:
+                ring.close()
+            return
+        try:
+            core.shutdown()
+        finally:
+            if ring is not None:
+                ring.close()
+        del core
+        gc.collect()  # release vLLM's native handles now, not inside a later engine's compile
+        if self._in_process:
+            # A uniprocess engine initialised vLLM's parallel state in this
+            # process; the next engine (maybe another model family, e.g. MoE
+            # with an expert-parallel group) needs it fresh.
+            _IN_PROCESS_ENGINES -= 1
+            if _IN_PROCESS_ENGINES == 0:
+                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+                cleanup_dist_env_and_memory()

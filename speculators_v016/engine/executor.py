@@ -1,0 +1,61 @@
+"""vLLM's executor class, extended with the capture set-up after model load and a capture RPC."""
+
+from __future__ import annotations
+
+from speculators_v016.engine.slot_ring import SlotRing
+
+#: vLLM's executor class names, by the kind our settings and summary use.
+KINDS = {"UniProcExecutor": "uni", "MultiprocExecutor": "mp", "RayDistributedExecutor": "ray"}
+
+
+class Single:
+    """A future of a collective RPC, reduced to the output rank's reply."""
+
+    def __init__(self, future, pick):
+        self._future, self._pick = future, pick
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self):
+        return self._pick(self._future.result())
+
+
+def executor_kind(base: type) -> str:
+    """``uni``, ``mp`` or ``ray`` for a vLLM executor class (or the class name if it is none of them)."""
+    for cls in base.__mro__:
+        if cls.__name__ in KINDS:
+            return KINDS[cls.__name__]
+    return base.__name__
+
+
+def capture_executor(base: type, ring: SlotRing | None) -> type:
+    """``base`` executor + capture set-up (and ring mapping) right after model load, + a capture RPC."""
+    one_reply = executor_kind(base) == "mp"  # the multiprocess executor can ask one rank alone
+
+    class CaptureExecutor(base):
+        kind = executor_kind(base)
+
+        def _init_executor(self) -> None:
+            super()._init_executor()  # workers exist and hold the loaded model
+            cfg = self.vllm_config.additional_config["speculators_v016"]
+            par = self.vllm_config.parallel_config
+            self.capture_output_rank = getattr(
+                self, "output_rank", par.world_size - par.tensor_parallel_size)
+            self.capture_info = list(self.collective_rpc(
+                "speculators_capture_setup",
+                args=(cfg["capture_ids"], self.capture_output_rank, cfg["capture_mode"],
+                      ring.spec if ring is not None else None)))
+
+        def capture_rpc(self, method: str, args: tuple = (), non_block: bool = False):
+            if one_reply and hasattr(self, "output_rank"):
+                res = self.collective_rpc(method, args=args, non_block=non_block,
+                                          unique_reply_rank=self.output_rank)
+                pick = lambda r: r  # noqa: E731
+            else:
+                res = self.collective_rpc(method, args=args, non_block=non_block)
+                pick = lambda rs: next((r for r in rs if r is not None), None)  # noqa: E731
+            return Single(res, pick) if non_block else pick(res)
+
+    CaptureExecutor.__name__ = CaptureExecutor.__qualname__ = f"Capture{base.__name__}"
+    return CaptureExecutor

@@ -1,0 +1,261 @@
+"""``speculators-data-gen``: a dataset in, verified EAGLE-3 training files out.
+
+Accepts the options of upstream speculators 0.3.0's
+``scripts/data_generation_offline.py`` with the same names and meanings, so
+launch scripts switch by changing the command name; adds resumable, sharded,
+atomic output and the ``verify``, ``check`` and ``demo`` subcommands.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from speculators_v016.settings import (DEFAULT_BATCH_SIZE, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_LOGIT_CHECK_SAMPLES,
+                                       DEFAULT_MAX_BAD_SAMPLES, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREPROCESSING_WORKERS,
+                                       DEFAULT_SEQ_LENGTH, DEFAULT_TOKEN_FREQ_PATH, DEFAULT_WRITE_WORKERS, EXECUTORS,
+                                       MIN_DEFAULT_BATCHED_TOKENS)
+
+ENV_PREFIX = "SPECULATORS_DATA_GEN"
+EXIT_CODES = """\b
+Exit codes: 0 done (or verified); 1 verify/check found problems; 2 usage error;
+3 bad input data; 4 output folder refused (foreign files, locked, settings
+differ from the run being resumed); 5 generation failed (engine, model,
+NaN/Inf limit); 6 a file could not be written; 130 interrupted.
+Every option can also be set from the environment, e.g.
+SPECULATORS_DATA_GEN_TARGET_MODEL_PATH, SPECULATORS_DATA_GEN_OUTPUT_DIR."""
+
+
+def _shard_defaults(num_shards: int | None, shard_index: int | None) -> tuple[int, int]:
+    """--num-shards/--shard-index, else a launcher's RANK/WORLD_SIZE (torchrun) or SLURM's."""
+    env = os.environ
+    if num_shards is None:
+        num_shards = int(env.get("WORLD_SIZE") or env.get("SLURM_NTASKS") or 1)
+    if shard_index is None:
+        shard_index = int(env.get("RANK") or env.get("SLURM_PROCID") or 0) if num_shards > 1 else 0
+    if not 0 <= shard_index < num_shards:
+        raise click.BadParameter(f"shard index {shard_index} is not in [0, {num_shards})", param_hint="--shard-index")
+    return num_shards, shard_index
+
+
+def _layer_ids(value: str | None) -> list[int] | None:
+    if not value:
+        return None
+    try:
+        return [int(v) for v in value.replace(",", " ").split()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: give integers, e.g. --layer-ids 2 16 29 31",
+                                 param_hint="--layer-ids") from None
+
+
+@click.group(invoke_without_command=True, epilog=EXIT_CODES,
+             context_settings={"auto_envvar_prefix": ENV_PREFIX, "show_default": True,
+                               "help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--target-model-path", help="Target model: local folder or hub id (what vLLM loads).")
+@click.option("--train-data-path", multiple=True,
+              help="Dataset: .json/.jsonl file (ShareGPT 'conversations', 'messages', or pre-tokenized "
+                   "'input_ids'+'loss_mask' rows) or a dataset name upstream knows (sharegpt, ultrachat). "
+                   "Repeat to combine.")
+@click.option("--output-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Folder for the samples; an interrupted run resumes in it.")
+@click.option("--seq-length", type=int, default=DEFAULT_SEQ_LENGTH, help="Longest sample in tokens; longer ones are truncated.")
+@click.option("--max-samples", type=int, default=None, help="Use at most this many rows (after shuffling).")
+@click.option("--layer-ids", default=None,
+              help="Layers to capture: id L = output of decoder layer L, before the final norm "
+                   "(upstream's meaning). Space- or comma-separated. Default: 2, n//2, n-3, n-1.")
+@click.option("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="Prompts admitted ahead of the engine (at least 2 x max-num-seqs).")
+@click.option("--tensor-parallel-size", type=int, default=None, help="GPUs per model. Default: all visible GPUs, or 1.")
+@click.option("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION, help="vLLM's GPU memory fraction.")
+@click.option("--token-freq-path", default=DEFAULT_TOKEN_FREQ_PATH, help="Where upstream's token frequency file goes.")
+@click.option("--hf-cache-dir", default=None, help="Cache folder for hub datasets.")
+@click.option("--assistant-pattern", default=None, help="Regex of assistant spans (default: from the chat template).")
+@click.option("--turn-dropout", is_flag=True, help="Keep a random number of leading turns per conversation.")
+@click.option("--seed", type=int, default=0, help="Shuffle (and turn dropout) seed.")
+@click.option("--start-idx", type=int, default=0, help="Offset added to every sample index in file names.")
+@click.option("--num-preprocessing-workers", type=int, default=DEFAULT_PREPROCESSING_WORKERS, help="Processes for tokenization.")
+@click.option("--format", "fmt", type=click.Choice(["safetensors", "pt"]), default="safetensors",
+              help="safetensors (no pickle), or pt: upstream's data_{i}.pt layout for stock trainers.")
+@click.option("--num-shards", type=int, default=None, help="Split samples over this many runs (default: WORLD_SIZE).")
+@click.option("--shard-index", type=int, default=None, help="Which shard this run writes (default: RANK).")
+@click.option("--trust-remote-code", is_flag=True, help="Allow the model folder's own Python code to run.")
+@click.option("--skip-bad-rows", is_flag=True, help="Skip (and count) malformed dataset rows instead of failing.")
+@click.option("--max-bad-samples", type=int, default=DEFAULT_MAX_BAD_SAMPLES, help="Abort after more samples than this with NaN/Inf states.")
+@click.option("--dtype", default="auto", help="vLLM dtype (auto = the checkpoint's; on CPU auto means bfloat16).")
+@click.option("--enforce-eager", is_flag=True, help="Skip torch.compile / CUDA graphs (faster start, slower run).")
+@click.option("--sync-scheduling", is_flag=True, help="Turn vLLM's async scheduling off (one step in flight).")
+@click.option("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="Prompts per engine step at most.")
+@click.option("--max-num-batched-tokens", type=int, default=None, help=f"Tokens per engine step (default: max({MIN_DEFAULT_BATCHED_TOKENS}, seq-length+1)).")
+@click.option("--executor", type=click.Choice(EXECUTORS), default=None,
+              help="vLLM executor (default: vLLM's choice: uni for one device, mp for tensor parallelism).")
+@click.option("--write-workers", type=int, default=DEFAULT_WRITE_WORKERS, help="Threads writing sample files.")
+@click.option("--logit-check-samples", type=int, default=DEFAULT_LOGIT_CHECK_SAMPLES,
+              help="Samples whose captured last layer, normed and projected, must reproduce vLLM's own prompt "
+                   "logprobs (needs only the final norm and lm_head; 0: off).")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--deep-verify", is_flag=True,
+              help="After the run, re-read every file of the folder (sha256, shapes, NaN), not just the manifest.")
+@click.option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+              help="Our messages kept in the log file.")
+@click.option("-v", "--verbose", is_flag=True, help="Everything on the terminal (vLLM, torch, workers), no log file.")
+@click.option("-q", "--quiet", is_flag=True, help="Only the summary and errors on the terminal.")
+@click.version_option(package_name="speculators-v016", message="%(prog)s %(version)s")
+@click.pass_context
+def cli(ctx, target_model_path, train_data_path, output_dir, seq_length, max_samples, layer_ids, batch_size,
+        tensor_parallel_size, gpu_memory_utilization, token_freq_path, hf_cache_dir, assistant_pattern, turn_dropout,
+        seed, start_idx, num_preprocessing_workers, fmt, num_shards, shard_index, trust_remote_code, skip_bad_rows,
+        max_bad_samples, dtype, enforce_eager, sync_scheduling, max_num_seqs, max_num_batched_tokens, executor,
+        write_workers, logit_check_samples, no_progress, deep_verify, log_level, verbose, quiet):
+    """Generate EAGLE-3 training data: hidden states of a target model, one file per sample.
+
+    \b
+    speculators-data-gen --target-model-path M --train-data-path data.jsonl --output-dir out/
+    speculators-data-gen verify out/          # every file intact and complete?
+    speculators-data-gen check --target-model-path M --train-data-path data.jsonl
+    speculators-data-gen demo                 # the whole pipeline on a tiny local model
+
+    Layer ids mean what upstream speculators means: id L is the output of decoder
+    layer L before the final norm. A draft trained on the data must be served by
+    vLLM with eagle_aux_hidden_state_layer_ids = [L+1 for all but the last id];
+    data_config.json records both.
+    """
+    if verbose and quiet:
+        raise click.UsageError("--verbose and --quiet exclude each other")
+    ctx.obj = {"mode": "verbose" if verbose else "quiet" if quiet else "normal", "log_level": log_level}
+    if ctx.invoked_subcommand is not None:
+        return
+    missing = [name for name, value in (("--target-model-path", target_model_path),
+                                        ("--train-data-path", train_data_path), ("--output-dir", output_dir))
+               if not value]
+    if missing:
+        raise click.UsageError(f"missing {', '.join(missing)} (or a subcommand: verify, check, demo)")
+    from speculators_v016.run.pipeline import RunOptions
+    from speculators_v016.settings import EngineSettings
+    from speculators_v016.store.outdir import shard_name
+
+    shards, index = _shard_defaults(num_shards, shard_index)
+    if tensor_parallel_size is None:
+        import torch
+
+        tensor_parallel_size = max(1, torch.cuda.device_count())
+    engine = EngineSettings(
+        model=target_model_path, tensor_parallel_size=tensor_parallel_size, max_model_len=seq_length + 1,
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        gpu_memory_utilization=gpu_memory_utilization, async_scheduling=not sync_scheduling,
+        enforce_eager=enforce_eager, dtype=dtype, executor=executor, trust_remote_code=trust_remote_code, seed=seed)
+    opts = RunOptions(
+        engine=engine, train_data_path=list(train_data_path), output_dir=output_dir, seq_length=seq_length,
+        max_samples=max_samples, layer_ids=_layer_ids(layer_ids), batch_size=batch_size,
+        token_freq_path=token_freq_path, hf_cache_dir=hf_cache_dir, assistant_pattern=assistant_pattern,
+        turn_dropout=turn_dropout, seed=seed, start_idx=start_idx, num_preprocessing_workers=num_preprocessing_workers,
+        format=fmt, num_shards=shards, shard_index=index, skip_bad_rows=skip_bad_rows,
+        max_bad_samples=max_bad_samples, write_workers=write_workers, logit_check_samples=logit_check_samples,
+        progress=not no_progress, deep_verify=deep_verify)
+    from speculators_v016.run.console import Console, run_log_path
+    from speculators_v016.run.run_report import run_and_report
+
+    suffix = f"-{shard_name(index, shards)}" if shards > 1 else ""
+    with Console(run_log_path(output_dir, "run", suffix), ctx.obj["mode"], log_level) as console:
+        code = run_and_report(opts, console)
+    ctx.exit(code)
+
+
+@cli.command()
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--partial", is_flag=True, help="Check what is there, not that the run is complete.")
+@click.pass_obj
+def verify(obj, directory, partial):
+    """Check DIRECTORY (and its shard-* folders): every sample present once, intact, as configured."""
+    from speculators_v016.run.console import Console, scratch_log_path
+    from speculators_v016.store.verify import verify as run_verify
+
+    with Console(scratch_log_path("verify"), obj["mode"], obj["log_level"]) as console:
+        report = run_verify(directory, partial=partial)
+        for problem in report.problems:
+            console.echo(f"FAIL {problem}", summary=True)
+        for note in report.notes:
+            console.echo(f"note {note}")
+        status = "ok" if report.ok else "FAILED"
+        console.echo(f"{status}: {report.samples} samples, {report.tokens} tokens in {len(report.folders)} "
+                     f"folder(s), {len(report.problems)} problem(s)", summary=True)
+    sys.exit(0 if report.ok else 1)
+
+
+@cli.command()
+@click.option("--target-model-path", required=True)
+@click.option("--train-data-path", multiple=True, required=True)
+@click.option("--samples", type=int, default=4, help="How many samples to compare.")
+@click.option("--seq-length", type=int, default=512)
+@click.option("--layer-ids", default=None)
+@click.option("--dtype", default="auto", help="The engine's dtype (transformers runs in fp32).")
+@click.option("--enforce-eager", is_flag=True)
+@click.option("--tensor-parallel-size", type=int, default=1)
+@click.option("--trust-remote-code", is_flag=True)
+@click.option("--no-transformers", is_flag=True,
+              help="Only the logit check (final norm + lm_head vs vLLM's logits): for targets that do not fit "
+                   "in memory here.")
+@click.pass_obj
+def check(obj, target_model_path, train_data_path, samples, seq_length, layer_ids, dtype, enforce_eager,
+          tensor_parallel_size, trust_remote_code, no_transformers):
+    """Check captured states: against vLLM's own logits (any size), and transformers' layers (if it fits)."""
+    from speculators_v016.run.console import Console, scratch_log_path
+    from speculators_v016.run.run_report import exit_code
+
+    from speculators_v016.settings import EngineSettings
+
+    with Console(scratch_log_path("check"), obj["mode"], obj["log_level"]) as console:
+        try:
+            from speculators_v016.run.fidelity import check as run_check
+
+            settings = EngineSettings(model=target_model_path, max_model_len=seq_length + 1, dtype=dtype,
+                                      enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
+                                      trust_remote_code=trust_remote_code)
+            report = run_check(settings, list(train_data_path), samples, seq_length, _layer_ids(layer_ids),
+                               with_transformers=not no_transformers)
+        except Exception as exc:  # noqa: BLE001 - explained, logged, exit code by kind
+            console.failure(f"error: {type(exc).__name__}: {exc}")
+            sys.exit(exit_code(exc))
+        for line in report.lines():
+            console.echo(line, summary=True)
+        console.where()
+    sys.exit(0 if report.ok else 1)
+
+
+@cli.command()
+@click.option("--dir", "where", type=click.Path(file_okay=False, path_type=Path), default=Path("speculators-demo"),
+              help="Where the tiny model and the data go.")
+@click.option("--format", "fmt", type=click.Choice(["safetensors", "pt"]), default="safetensors")
+@click.pass_obj
+def demo(obj, where, fmt):
+    """Run the whole pipeline on a tiny random model and bundled sample conversations."""
+    from speculators_v016.run.console import Console, log_path
+    from speculators_v016.run.demo import run_demo
+
+    with Console(log_path(where, "demo"), obj["mode"], obj["log_level"]) as console:
+        code = run_demo(where, fmt, console)
+    sys.exit(code)
+
+
+def _join_multi_value(argv: list[str], option: str) -> list[str]:
+    """Upstream took ``--layer-ids 2 16 29 31`` (argparse nargs='+'); click takes one value."""
+    out, i = [], 0
+    while i < len(argv):
+        out.append(argv[i])
+        if argv[i] == option:
+            values = []
+            while i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+                values.append(argv[i + 1])
+                i += 1
+            out.append(" ".join(values))
+        i += 1
+    return out
+
+
+def main() -> None:
+    cli.main(args=_join_multi_value(sys.argv[1:], "--layer-ids"), prog_name="speculators-data-gen")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Dataset rows in, token samples out: local JSON/JSONL, hub names, pre-tokenized files.
+
+Conversation rows (ShareGPT ``conversations`` with ``from``/``value``, or
+``messages`` with ``role``/``content``) are validated here, row by row, so a
+bad row is reported with its file and line; then upstream's preprocessing
+(``build_eagle3_dataset``: chat template of the target's tokenizer, assistant
+loss mask, truncation to ``seq_length``) turns them into samples. Pre-tokenized
+rows (``input_ids`` + ``loss_mask``) skip the template. Rows are shuffled with
+the seed and cut to ``max_samples`` as upstream does. What is dropped is
+counted by reason.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loguru import logger
+
+from speculators_v016.store.run_config import file_sha256
+
+
+class BadRowError(ValueError):
+    """A dataset row that cannot be used; the message names file and line."""
+
+
+@dataclass
+class PreparedSamples:
+    input_ids: list[list[int]]
+    loss_masks: list[list[int]]
+    kind: str  # "conversations" or "pretokenized"
+    sources: list[dict]  # per input: path or name, and sha256 of local files
+    skipped: Counter = field(default_factory=Counter)  # reason -> rows
+    truncated: int = 0
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def _read_rows(path: Path):
+    """Yield (where, row) for a .jsonl file or a .json array / JSON Lines file."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise BadRowError(f"{path}: not valid JSON ({exc})") from exc
+        for i, row in enumerate(rows):
+            yield f"{path} row {i}", row
+        return
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield f"{path}:{number}", json.loads(line)
+        except json.JSONDecodeError as exc:
+            yield f"{path}:{number}", BadRowError(f"{path}:{number}: not valid JSON ({exc.msg})")
+
+
+def _conversation(where: str, row) -> list[dict]:
+    """The row's turns as role/content dicts, or BadRowError."""
+    if not isinstance(row, dict):
+        raise BadRowError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+    turns = row.get("conversations", row.get("messages"))
+    if not isinstance(turns, list):
+        raise BadRowError(f"{where}: no 'conversations' or 'messages' list")
+    out = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise BadRowError(f"{where}: turn {i} is not an object")
+        role = turn.get("from", turn.get("role"))
+        content = turn.get("value", turn.get("content"))
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise BadRowError(f"{where}: turn {i} needs string 'from'/'role' and 'value'/'content'")
+        out.append({"from": role, "value": content})
+    return out
+
+
+def _pretokenized(where: str, row) -> tuple[list[int], list[int]]:
+    ids, mask = row.get("input_ids"), row.get("loss_mask")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise BadRowError(f"{where}: 'input_ids' must be a list of integers")
+    if not isinstance(mask, list) or len(mask) != len(ids) or not all(m in (0, 1) for m in mask):
+        raise BadRowError(f"{where}: 'loss_mask' must be a list of 0/1 as long as input_ids ({len(ids)})")
+    return ids, mask
+
+
+def load_rows(paths: list[str], skip_bad_rows: bool, hf_cache_dir: str | None):
+    """(kind, rows, sources, skipped) from every input, in order."""
+    rows, sources, skipped, kinds = [], [], Counter(), set()
+    for given in paths:
+        path = Path(given)
+        if path.suffix not in (".json", ".jsonl"):
+            from speculators.data_generation.preprocessing import load_raw_dataset
+
+            logger.info("loading dataset {} with upstream's loader", given)
+            data = load_raw_dataset(given, cache_dir=hf_cache_dir)
+            sources.append({"name": given})
+            kinds.add("conversations")
+            rows.extend(("hub", _conversation(f"{given} row {i}", r)) for i, r in enumerate(data))
+            continue
+        if not path.is_file():
+            raise BadRowError(f"--train-data-path {given}: no such file")
+        sources.append({"path": str(path.resolve()), "sha256": file_sha256(path)})
+        for where, row in _read_rows(path):
+            try:
+                if isinstance(row, Exception):
+                    raise row
+                if isinstance(row, dict) and "input_ids" in row:
+                    kinds.add("pretokenized")
+                    ids_mask = _pretokenized(where, row)
+                    if not ids_mask[0]:
+                        skipped["empty input_ids"] += 1
+                        continue
+                    rows.append((where, ids_mask))
+                else:
+                    kinds.add("conversations")
+                    turns = _conversation(where, row)
+                    if not turns:
+                        skipped["empty conversation"] += 1
+                        continue
+                    rows.append((where, turns))
+            except BadRowError:
+                if not skip_bad_rows:
+                    raise
+                logger.warning("skipping bad row {}", where)
+                skipped["bad row"] += 1
+    if len(kinds) > 1:
+        raise BadRowError("the inputs mix pre-tokenized rows (input_ids) and conversations: use one kind")
+    return (kinds.pop() if kinds else "conversations"), rows, sources, skipped
+
+
+def prepare_samples(paths: list[str], tokenizer, seq_length: int, *, max_samples: int | None = None,
+                    seed: int = 0, num_proc: int = 8, assistant_pattern: str | None = None,
+                    turn_dropout: bool = False, hf_cache_dir: str | None = None,
+                    skip_bad_rows: bool = False) -> PreparedSamples:
+    """Load, validate, shuffle, cut and tokenize the inputs into samples."""
+    import datasets
+
+    kind, rows, sources, skipped = load_rows(paths, skip_bad_rows, hf_cache_dir)
+    order = list(range(len(rows)))
+    if rows:  # shuffle like upstream: datasets' shuffle with the seed
+        order = datasets.Dataset.from_dict({"i": order}).shuffle(seed=seed)["i"]
+    if max_samples is not None:
+        order = order[:max_samples]
+    picked = [rows[i][1] for i in order]
+    if kind == "pretokenized":
+        ids = [r[0][:seq_length] for r in picked]
+        masks = [r[1][:seq_length] for r in picked]
+        cut = [len(r[0]) > seq_length for r in picked]
+    else:
+        from speculators.data_generation.preprocessing import build_eagle3_dataset
+
+        random.seed(seed)  # turn dropout draws from `random`
+        table = datasets.Dataset.from_dict({"conversations": picked})
+        built = build_eagle3_dataset(table, tokenizer, seq_length, num_proc=max(1, min(num_proc, len(picked) // 64)),
+                                     assistant_pattern=assistant_pattern, turn_dropout=turn_dropout) if picked else []
+        ids = [r["input_ids"].tolist() for r in built]
+        masks = [r["loss_mask"].tolist() for r in built]
+        rejected = len(picked) - len(ids)
+        if rejected:
+            skipped["rejected by the chat template or tokenizer"] += rejected
+        cut = [len(x) >= seq_length for x in ids]  # tokenized with truncation at seq_length
+    keep = [i for i, m in enumerate(masks) if any(m)]
+    if len(keep) != len(masks):
+        skipped["no assistant (trainable) tokens"] += len(masks) - len(keep)
+        ids, masks, cut = [ids[i] for i in keep], [masks[i] for i in keep], [cut[i] for i in keep]
+    truncated = sum(cut)
+    return PreparedSamples(ids, masks, kind, sources, skipped, truncated)

@@ -1,0 +1,124 @@
+"""``speculators-data-gen check``: the engine's hidden states against vLLM's logits and transformers.
+
+:func:`check` runs a handful of samples through the generator, then (1) the
+logit check (:mod:`~speculators_v016.run.logit_check`, any size of target) and
+(2), where transformers can load the target, compares every requested layer
+with transformers on the same weights: the largest absolute error and the
+error relative to the largest reference value, with a pass/fail against a
+tolerance that depends on the engine's dtype. It returns a
+:class:`CheckReport`; the CLI prints it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from speculators_v016.settings import EngineSettings
+
+#: Largest allowed (max abs error / max abs reference value), by engine dtype.
+RELATIVE_TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+
+
+@dataclass
+class LayerError:
+    layer: int
+    max_abs: float
+    relative: float
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return self.relative <= self.tolerance
+
+
+def reference_layer_outputs(model_path: str, prompts: list[list[int]], dtype: torch.dtype,
+                            trust_remote_code: bool = False) -> list[list[torch.Tensor]]:
+    """transformers' output of every decoder layer (before the final norm), per prompt."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code).eval()
+    layers = model.get_decoder().layers
+    seen: dict[int, torch.Tensor] = {}
+    hooks = [layer.register_forward_hook(
+        lambda mod, args, out, i=i: seen.__setitem__(i, (out[0] if isinstance(out, tuple) else out)[0].float()))
+        for i, layer in enumerate(layers)]
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            seen.clear()
+            model(torch.tensor([ids]))
+            out.append([seen[i] for i in range(len(layers))])
+    for hook in hooks:
+        hook.remove()
+    return out
+
+
+def compare(results: list[dict], reference: list[list[torch.Tensor]], layer_ids: list[int],
+            engine_dtype: str) -> list[LayerError]:
+    tolerance = RELATIVE_TOLERANCE.get(engine_dtype, 5e-2)
+    errors = []
+    for j, layer in enumerate(layer_ids):
+        worst_abs = worst_rel = 0.0
+        for res, ref in zip(results, reference):
+            diff = (res["hidden_states"][j].float() - ref[layer]).abs().max().item()
+            worst_abs = max(worst_abs, diff)
+            worst_rel = max(worst_rel, diff / max(ref[layer].abs().max().item(), 1e-12))
+        errors.append(LayerError(layer, worst_abs, worst_rel, tolerance))
+    return errors
+
+
+@dataclass
+class CheckReport:
+    samples: int
+    engine_dtype: str
+    logit_line: str
+    logits_ok: bool
+    layers: list[LayerError] = field(default_factory=list)  # empty: transformers not run
+
+    @property
+    def ok(self) -> bool:
+        return self.logits_ok and all(e.ok for e in self.layers)
+
+    def lines(self) -> list[str]:
+        out = [f"logit check: {self.logit_line}"]
+        if self.layers:
+            out.append(f"{self.samples} samples, engine dtype {self.engine_dtype}, reference transformers float32")
+            out.append(f"{'layer':>6} {'max abs err':>12} {'relative':>10} {'tolerance':>10}  result")
+            out += [f"{e.layer:>6} {e.max_abs:>12.3e} {e.relative:>10.3e} {e.tolerance:>10.1e}  "
+                    f"{'pass' if e.ok else 'FAIL'}" for e in self.layers]
+        return out
+
+
+def check(settings: EngineSettings, train_data_path: list[str], samples: int, seq_length: int,
+          layer_ids: list[int] | None = None, with_transformers: bool = True) -> CheckReport:
+    """Run ``samples`` samples of the dataset through the engine and check their states."""
+    from transformers import AutoTokenizer
+
+    from speculators_v016.generator import VllmHiddenStatesGenerator
+    from speculators_v016.layers import LayerPlan
+    from speculators_v016.run.dataset import prepare_samples
+    from speculators_v016.run.logit_check import LogitChecker
+    from speculators_v016.target import TargetInfo
+
+    model = settings.model
+    tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=settings.trust_remote_code)
+    prepared = prepare_samples(list(train_data_path), tokenizer, seq_length, max_samples=samples, num_proc=1)
+    prompts = prepared.input_ids[:samples]
+    plan = LayerPlan.build(TargetInfo.read(model, settings.trust_remote_code).num_layers, layer_ids)
+    with VllmHiddenStatesGenerator.from_settings(settings, plan) as gen:
+        engine = gen.engine
+        checker = LogitChecker(model, engine.dtype, plan.last_layer_index)
+        results: list = [None] * len(prompts)
+        for index, ids, states in engine.stream(enumerate(prompts), prompt_logprobs=lambda _: checker.active):
+            results[index] = {"input_ids": torch.tensor(ids), "hidden_states": states}
+            if checker.active:
+                checker.add(index, results[index]["input_ids"], states, engine.prompt_logprobs.pop(index))
+        engine_dtype = str(engine.dtype).removeprefix("torch.")
+    logits_ok = checker.result.ok or (bool(checker.result.unavailable) and with_transformers)
+    report = CheckReport(len(prompts), engine_dtype, checker.result.line(), logits_ok)
+    if with_transformers:
+        reference = reference_layer_outputs(model, prompts, torch.float32, settings.trust_remote_code)
+        report.layers = compare(results, reference, list(plan.layer_ids), engine_dtype)
+    return report

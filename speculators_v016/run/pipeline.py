@@ -1,0 +1,271 @@
+"""One data-generation run: dataset -> samples -> engine -> verified files.
+
+The steps, each owned by a module: :mod:`~speculators_v016.run.dataset`
+(rows to token samples), :mod:`~speculators_v016.store.outdir` (folder, lock),
+:mod:`~speculators_v016.store.run_config` (fingerprint, resume check,
+``data_config.json``), :mod:`~speculators_v016.engine.core` (hidden states, streamed),
+:mod:`~speculators_v016.store.writer` and :mod:`~speculators_v016.store.manifest`
+(atomic files, then their manifest lines).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from loguru import logger
+from tqdm import tqdm
+
+from speculators_v016.store import run_config
+from speculators_v016.run.dataset import PreparedSamples, prepare_samples
+from speculators_v016.layers import LayerPlan
+from speculators_v016.settings import (DEFAULT_BATCH_SIZE, DEFAULT_LOGIT_CHECK_SAMPLES, DEFAULT_MAX_BAD_SAMPLES,
+                                         DEFAULT_PREPROCESSING_WORKERS, DEFAULT_SEQ_LENGTH, DEFAULT_TOKEN_FREQ_PATH,
+                                         DEFAULT_WRITE_WORKERS, EngineSettings)
+from speculators_v016.target import PromptError, TargetInfo, check_token_ids
+from speculators_v016.store.manifest import Manifest
+from speculators_v016.store.outdir import OutputDir, shard_dir
+from speculators_v016.store.sample_format import parse_sample_name
+from speculators_v016.store.writer import SampleWriter
+
+
+class NonFiniteError(RuntimeError):
+    """Too many samples had NaN or Inf hidden states."""
+
+
+@dataclass
+class RunOptions:
+    """One run: the engine's settings (passed whole to the generator), and what the run does around them."""
+
+    engine: EngineSettings  # model, dtype, parallelism, budgets; max_model_len = seq_length + 1
+    train_data_path: list[str]
+    output_dir: Path
+    seq_length: int = DEFAULT_SEQ_LENGTH
+    max_samples: int | None = None
+    layer_ids: list[int] | None = None
+    batch_size: int = DEFAULT_BATCH_SIZE
+    token_freq_path: str = DEFAULT_TOKEN_FREQ_PATH
+    hf_cache_dir: str | None = None
+    assistant_pattern: str | None = None
+    turn_dropout: bool = False
+    seed: int = 0
+    start_idx: int = 0
+    num_preprocessing_workers: int = DEFAULT_PREPROCESSING_WORKERS
+    # ours
+    format: str = "safetensors"
+    num_shards: int = 1
+    shard_index: int = 0
+    skip_bad_rows: bool = False
+    max_bad_samples: int = DEFAULT_MAX_BAD_SAMPLES
+    write_workers: int = DEFAULT_WRITE_WORKERS
+    logit_check_samples: int = DEFAULT_LOGIT_CHECK_SAMPLES
+    progress: bool = True
+    deep_verify: bool = False
+
+    @property
+    def target_model_path(self) -> str:
+        return self.engine.model
+
+    @property
+    def trust_remote_code(self) -> bool:
+        return self.engine.trust_remote_code
+
+
+@dataclass
+class RunSummary:
+    output_dir: str
+    written: int = 0
+    already_done: int = 0
+    skipped: dict = field(default_factory=dict)
+    non_finite: list = field(default_factory=list)
+    truncated: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    generation_seconds: float = 0.0
+    logit_check: dict = field(default_factory=dict)
+
+    def lines(self) -> list[str]:
+        rate = self.tokens / self.generation_seconds if self.generation_seconds else 0.0
+        out = [f"output:     {self.output_dir}",
+               f"written:    {self.written} samples ({self.already_done} already done before this run)",
+               f"tokens:     {self.tokens} in {self.generation_seconds:.1f} s of generation "
+               f"({rate:,.0f} tokens/s; {self.seconds:.1f} s in all)",
+               f"bytes:      {self.bytes:,}",
+               f"truncated:  {self.truncated} (to --seq-length; loss masks cut alongside)"]
+        out += [f"skipped:    {n} {reason}" for reason, n in sorted(self.skipped.items())] or ["skipped:    0"]
+        if self.logit_check:
+            out.append(f"logit check: {self.logit_check['line']}")
+        return out
+
+
+def fingerprint(opts: RunOptions, samples: PreparedSamples, layer_ids: list[int]) -> dict:
+    return {
+        "model": run_config.model_fingerprint(opts.target_model_path),
+        "dataset": {"sources": samples.sources, "kind": samples.kind},
+        "preprocessing": {"seq_length": opts.seq_length, "max_samples": opts.max_samples, "seed": opts.seed,
+                          "assistant_pattern": opts.assistant_pattern, "turn_dropout": opts.turn_dropout},
+        "generation": {"layer_ids": layer_ids, "format": opts.format, "dtype": opts.engine.dtype,
+                       "start_idx": opts.start_idx, "num_shards": opts.num_shards,
+                       "shard_index": opts.shard_index},
+    }
+
+
+def run(opts: RunOptions, progress_to=None) -> RunSummary:
+    """Make the samples of ``opts``; a progress bar goes to ``progress_to`` (a text stream) if given."""
+    from transformers import AutoTokenizer
+
+    from speculators_v016.generator import VllmHiddenStatesGenerator
+
+    started = time.monotonic()
+    directory = shard_dir(Path(opts.output_dir), opts.shard_index, opts.num_shards)
+    target = TargetInfo.read(opts.target_model_path, opts.trust_remote_code)
+    plan = LayerPlan.build(target.num_layers, opts.layer_ids)
+    summary = RunSummary(str(directory))
+    with OutputDir(directory) as out:
+        if out.removed_leftovers:
+            logger.warning("removed {} temporary files left by an interrupted run", len(out.removed_leftovers))
+        tokenizer = AutoTokenizer.from_pretrained(opts.target_model_path, trust_remote_code=opts.trust_remote_code)
+        samples = prepare_samples(
+            opts.train_data_path, tokenizer, opts.seq_length, max_samples=opts.max_samples, seed=opts.seed,
+            num_proc=opts.num_preprocessing_workers, assistant_pattern=opts.assistant_pattern,
+            turn_dropout=opts.turn_dropout, hf_cache_dir=opts.hf_cache_dir, skip_bad_rows=opts.skip_bad_rows)
+        summary.skipped, summary.truncated = dict(samples.skipped), samples.truncated
+        if not len(samples):
+            raise PromptError(f"no usable sample in {opts.train_data_path} (skipped: {dict(samples.skipped)})")
+        fp = fingerprint(opts, samples, list(plan.layer_ids))
+        has_samples = any(parse_sample_name(p.name) for p in directory.iterdir())
+        existing = run_config.check_resume(directory, fp, has_samples)
+        done = Manifest(directory).reconcile()
+        mine = [i for i in range(len(samples)) if i % opts.num_shards == opts.shard_index]
+        pending = [i for i in mine if i + opts.start_idx not in done]
+        summary.already_done = len(mine) - len(pending)
+        if opts.token_freq_path:
+            _save_token_frequencies(samples, opts.token_freq_path)
+        if not pending:
+            logger.info("all {} samples of this shard are already written", len(mine))
+            summary.seconds = time.monotonic() - started
+            return summary
+        for i in pending:  # before the engine starts
+            check_token_ids(f"sample {i}", samples.input_ids[i], target.vocab_size, f" of {opts.target_model_path}")
+        generator = VllmHiddenStatesGenerator.from_settings(opts.engine, plan)
+        try:
+            config = existing or _new_config(generator, opts, samples, fp, len(mine))
+            run_config.save(directory, config)
+            _announce(generator, opts, len(pending), summary.already_done)
+            _generate(generator, samples, pending, directory, opts, summary, progress_to)
+        finally:
+            generator.shutdown()
+        summary.seconds = time.monotonic() - started
+        config["speculators_v016"]["last_run"] = asdict(summary)
+        run_config.save(directory, config)
+    return summary
+
+
+def _announce(generator, opts: RunOptions, pending: int, done: int) -> None:
+    """The start line: what runs, with the settings that matter."""
+    engine = generator.engine
+    s = engine.settings
+    logger.bind(terminal=True).info(
+        "{}: layers {} (vLLM aux ids {}), {}, TP {}, {} executor, async scheduling {}, {}, "
+        "max_num_seqs {}, max_num_batched_tokens {}; {} samples to write{}",
+        s.model, list(generator.plan.layer_ids), list(generator.plan.vllm_ids),
+        str(engine.dtype).removeprefix("torch."), s.tensor_parallel_size, engine.executor_kind,
+        "on" if engine.async_scheduling else "OFF", "eager" if s.enforce_eager else "compiled",
+        s.max_num_seqs, engine.max_num_batched_tokens, pending,
+        f" ({done} already done)" if done else "")
+
+
+def _generate(generator, samples: PreparedSamples, pending: list[int], directory: Path, opts: RunOptions,
+              summary: RunSummary, progress_to=None) -> None:
+    layer_ids = list(generator.plan.layer_ids)
+    writer = SampleWriter(directory, opts.format, layer_ids, workers=opts.write_workers)
+    window = max(opts.batch_size, 2 * opts.engine.max_num_seqs)
+    checked = set(pending[: opts.logit_check_samples])
+    checker = _logit_checker(generator, opts) if checked else None
+    engine = generator.engine
+    total_tokens = sum(len(samples.input_ids[i]) for i in pending)
+    started = time.monotonic()
+    bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, disable=not opts.progress or progress_to is None,
+               desc=f"0/{len(pending)} samples", dynamic_ncols=True, file=progress_to, mininterval=1.0)
+    try:
+        feed = ((i, samples.input_ids[i]) for i in pending)
+        for index, ids, states in engine.stream(feed, window=window, prompt_logprobs=checked.__contains__):
+            theirs = engine.prompt_logprobs.pop(index, None) if index in checked else None
+            if theirs is not None and checker is not None and checker.active:
+                if checker.add(index, torch.tensor(ids), states, theirs) > checker.result.tolerance:
+                    logger.error("sample {}: the captured last layer does not reproduce vLLM's own logits "
+                                 "(logit check)", index + opts.start_idx)
+                if checker.result.samples == len(checked):
+                    checker.release()
+            bad = [layer for layer, h in zip(layer_ids, states) if not torch.isfinite(h).all()]
+            if bad:
+                summary.non_finite.append({"index": index + opts.start_idx, "layers": bad})
+                logger.error("sample {}: NaN/Inf hidden states in layers {}: not written",
+                             index + opts.start_idx, bad)
+                if len(summary.non_finite) > opts.max_bad_samples:
+                    raise NonFiniteError(f"{len(summary.non_finite)} samples with NaN/Inf hidden states "
+                                         f"(limit --max-bad-samples {opts.max_bad_samples}); first: "
+                                         f"{summary.non_finite[0]}")
+                continue
+            mask = torch.tensor(samples.loss_masks[index][: len(ids)], dtype=torch.long)
+            writer.put(index + opts.start_idx, {"input_ids": torch.tensor(ids, dtype=torch.long),
+                                                "hidden_states": states, "loss_mask": mask})
+            summary.tokens += len(ids)
+            bar.update(len(ids))
+            bar.set_description(f"{writer.written}/{len(pending)} samples")
+    finally:
+        summary.generation_seconds = time.monotonic() - started
+        try:
+            writer.close()
+        finally:
+            summary.written, summary.bytes = writer.written, writer.bytes
+            bar.set_description(f"{writer.written}/{len(pending)} samples")
+            bar.close()
+    if summary.non_finite:
+        summary.skipped["NaN/Inf hidden states"] = len(summary.non_finite)
+    if checker is not None:
+        summary.logit_check = {"ok": not checker.result.failures, "line": checker.result.line()}
+
+
+def _logit_checker(generator, opts: RunOptions):
+    """The logit check of this run, if the last layer is captured (see speculators_v016.run.logit_check)."""
+    from speculators_v016.run.logit_check import LogitChecker
+
+    return LogitChecker(opts.target_model_path, generator.engine.dtype, generator.plan.last_layer_index)
+
+
+def _save_token_frequencies(samples: PreparedSamples, path: str) -> None:
+    """Upstream's token_freq.pt (its own function: trainable-token counts; an existing file is kept)."""
+    import datasets
+    from speculators.train.vocab_mapping import save_token_frequency_distribution
+
+    table = datasets.Dataset.from_dict({"input_ids": samples.input_ids, "loss_mask": samples.loss_masks})
+    table.set_format(type="torch")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_token_frequency_distribution(table, path)
+
+
+def _new_config(generator, opts: RunOptions, samples: PreparedSamples, fp: dict, shard_samples: int) -> dict:
+    from speculators.data_generation.config_generator import DataGenerationConfig
+
+    import speculators_v016
+
+    config = DataGenerationConfig.from_generator(
+        generator=generator, train_data_path=opts.train_data_path, seq_length=opts.seq_length,
+        cache_dir=str(opts.hf_cache_dir or ""), num_samples=len(samples), max_samples=opts.max_samples,
+        seed=opts.seed).to_dict()
+    config["speculators_v016"] = {
+        "version": speculators_v016.__version__,
+        "layers": generator.layer_mapping,
+        "format": opts.format,
+        "dtype": str(generator.engine.dtype).removeprefix("torch."),
+        "target_quantization": generator.quantization,  # None: unquantized
+        "start_idx": opts.start_idx,
+        "shard": {"index": opts.shard_index, "count": opts.num_shards, "samples": shard_samples},
+        "dataset_samples": len(samples),
+        "fingerprint": fp,
+    }
+    return config

@@ -1,0 +1,110 @@
+"""One training sample on disk: safetensors (default) or upstream's ``.pt`` layout.
+
+A sample is ``input_ids`` (int64 ``[T]``), ``loss_mask`` (int64 ``[T]``, 1 on
+trainable tokens) and one ``[T, hidden]`` tensor per captured layer, in the
+order of ``data_config.json``'s ``layer_ids``.
+
+* ``safetensors``: keys ``input_ids``, ``loss_mask``, ``hidden_states.0`` ...
+  ``hidden_states.{k-1}``; the header's metadata names the format and layer
+  ids. Loading never unpickles anything.
+* ``pt``: upstream 0.3.0's exact ``torch.save`` dict ``{"input_ids",
+  "hidden_states": [tensor per layer], "loss_mask"}``, for stock trainers;
+  we read it only with ``torch.load(weights_only=True)``.
+
+File names come from the sample index alone: ``data_{index}.{ext}``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import struct
+from pathlib import Path
+
+import torch
+
+FORMATS = {"safetensors": ".safetensors", "pt": ".pt"}
+FORMAT_TAG = "speculators-v016/sample-v1"
+_NAME = re.compile(r"^data_(\d+)\.(safetensors|pt)$")
+
+
+def sample_name(index: int, fmt: str) -> str:
+    if not isinstance(index, int) or index < 0:
+        raise ValueError(f"a sample index must be a non-negative int, got {index!r}")
+    return f"data_{index}{FORMATS[fmt]}"
+
+
+def parse_sample_name(name: str) -> tuple[int, str] | None:
+    """(index, format) for a sample file name, None for anything else."""
+    match = _NAME.match(name)
+    return (int(match.group(1)), match.group(2)) if match else None
+
+
+_SAFETENSORS_DTYPES = {
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+    torch.bfloat16: "BF16",
+}
+
+
+def _raw(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without copying them."""
+    return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def safetensors_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> list:
+    """A safetensors file as ``[header, tensor bytes...]``: the tensors' own memory, never joined.
+
+    The layout is the format's: 8-byte little-endian header length, the JSON
+    header (padded with spaces to 8 bytes), then each tensor's data in header order.
+    """
+    header: dict = {"__metadata__": metadata}
+    buffers, offset = [], 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name}: dtype {tensor.dtype} has no safetensors name")
+        raw = _raw(tensor)
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + raw.nbytes]}
+        offset += raw.nbytes
+        buffers.append(raw)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return [struct.pack("<Q", len(text)) + text, *buffers]
+
+
+def encode_parts(sample: dict, fmt: str, layer_ids: list[int]) -> list:
+    """The file contents of one sample, as buffers to write in order."""
+    if fmt == "safetensors":
+        tensors = {"input_ids": sample["input_ids"], "loss_mask": sample["loss_mask"]}
+        tensors.update({f"hidden_states.{j}": h for j, h in enumerate(sample["hidden_states"])})
+        return safetensors_parts(tensors, {"format": FORMAT_TAG, "layer_ids": ",".join(map(str, layer_ids))})
+    if fmt == "pt":
+        buffer = io.BytesIO()
+        torch.save({"input_ids": sample["input_ids"],
+                    "hidden_states": [h.contiguous() for h in sample["hidden_states"]],
+                    "loss_mask": sample["loss_mask"]}, buffer)
+        return [buffer.getbuffer()]
+    raise ValueError(f"unknown sample format {fmt!r}; choose from {sorted(FORMATS)}")
+
+
+def load_sample(path: str | Path) -> dict:
+    """Read a sample file (either format) into upstream's dict layout, without unpickling code."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(path))
+        count = sum(1 for k in tensors if k.startswith("hidden_states."))
+        missing = {"input_ids", "loss_mask", *(f"hidden_states.{j}" for j in range(count))} - set(tensors)
+        if missing:
+            raise ValueError(f"{path}: missing tensors {sorted(missing)}")
+        return {"input_ids": tensors["input_ids"], "loss_mask": tensors["loss_mask"],
+                "hidden_states": [tensors[f"hidden_states.{j}"] for j in range(count)]}
+    if path.suffix == ".pt":
+        data = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
+        if not isinstance(data, dict) or not {"input_ids", "hidden_states", "loss_mask"} <= set(data):
+            raise ValueError(f"{path}: not a speculators sample (expected input_ids, hidden_states, loss_mask)")
+        return data
+    raise ValueError(f"{path}: not a sample file (.safetensors or .pt)")

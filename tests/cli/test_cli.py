@@ -1,0 +1,237 @@
+"""speculators-data-gen end to end on CPU vLLM: demo, upstream-style runs, resume, shards, verify."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.cli import assert_one_voice, CPU, conversations, invoke, load_all, write_jsonl
+from helpers.reference import TOLERANCE, hf_layer_outputs
+from speculators_v016.store.manifest import Manifest
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("data") / "chats.jsonl", conversations(40))
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, model_dir, data_file):
+    """One uninterrupted run, the yardstick for resume and shards."""
+    out = tmp_path_factory.mktemp("ref") / "out"
+    result = invoke("--target-model-path", model_dir, "--train-data-path", data_file, "--output-dir", out,
+                    "--seq-length", 256, "--token-freq-path", out.parent / "tf.pt")
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_demo_runs_and_verifies(tmp_path):
+    """`speculators-data-gen demo` builds a model, generates, verifies, and explains the files."""
+    result = invoke("demo", "--dir", tmp_path)
+    assert result.exit_code == 0, result.output
+    assert "verify:     ok (20 samples)" in result.output
+    assert "eagle_aux_hidden_state_layer_ids = [3, 5, 6]" in result.output
+    assert_one_voice(result.output, [tmp_path / "logs"])
+
+
+def test_reference_run_is_complete_and_exact(reference_run, model_dir):
+    """Every sample is written, verified, and equals transformers within 1e-5."""
+    config = json.loads((reference_run / "data_config.json").read_text())
+    assert config["hidden_states"]["layer_ids"] == [2, 4, 5, 7]  # upstream's field
+    assert config["speculators_v016"]["layers"]["eagle_aux_hidden_state_layer_ids"] == [3, 5, 6]
+    samples = load_all(reference_run)
+    assert sorted(samples) == list(range(40))
+    prompts = [samples[i]["input_ids"].tolist() for i in range(0, 40, 8)]
+    reference = hf_layer_outputs(model_dir, prompts)
+    for i, ref in zip(range(0, 40, 8), reference):
+        for state, layer in zip(samples[i]["hidden_states"], [2, 4, 5, 7]):
+            assert (state - ref[layer]).abs().max().item() < TOLERANCE
+        mask = samples[i]["loss_mask"]
+        assert mask.shape == samples[i]["input_ids"].shape and 0 < int(mask.sum()) < mask.numel()
+
+
+def test_upstream_invocation_with_pt_format(tmp_path, model_dir, data_file):
+    """Upstream's option names (nargs layer ids included) work; --format pt is upstream's layout."""
+    out = tmp_path / "out"
+    result = invoke("--target-model-path", model_dir, "--train-data-path", data_file, "--output-dir", out,
+                    "--seq-length", 256, "--max-samples", 6, "--layer-ids", "1 3 7", "--batch-size", 4,
+                    "--tensor-parallel-size", 1, "--gpu-memory-utilization", 0.5,
+                    "--token-freq-path", tmp_path / "token_freq.pt", "--seed", 3, "--start-idx", 100,
+                    "--num-preprocessing-workers", 1, "--format", "pt")
+    assert result.exit_code == 0, result.output
+    files = sorted(out.glob("data_*.pt"))
+    assert [f.name for f in files] == [f"data_{i}.pt" for i in (100, 101, 102, 103, 104, 105)]
+    sample = torch.load(files[0], weights_only=True)
+    assert set(sample) == {"input_ids", "hidden_states", "loss_mask"}
+    assert len(sample["hidden_states"]) == 3 and sample["hidden_states"][0].shape == (len(sample["input_ids"]), 128)
+    assert (tmp_path / "token_freq.pt").exists()
+
+
+def test_layer_ids_nargs_from_the_command_line():
+    """The real entry point turns upstream's `--layer-ids 2 16 29` into one value."""
+    from speculators_v016.run.cli import _join_multi_value
+
+    assert _join_multi_value(["--layer-ids", "2", "16", "29", "--seed", "1"], "--layer-ids") == \
+        ["--layer-ids", "2 16 29", "--seed", "1"]
+
+
+def test_environment_variables_set_options(tmp_path, model_dir, data_file):
+    """Options come from SPECULATORS_DATA_GEN_* variables too."""
+    out = tmp_path / "env-out"
+    result = invoke("--train-data-path", data_file, "--max-samples", 2, "--seq-length", 128,
+                    "--token-freq-path", "",
+                    env={"SPECULATORS_DATA_GEN_TARGET_MODEL_PATH": str(model_dir),
+                         "SPECULATORS_DATA_GEN_OUTPUT_DIR": str(out)})
+    assert result.exit_code == 0, result.output
+    assert len(Manifest(out).entries()) == 2
+
+
+def test_two_shards_verify_as_one(tmp_path, model_dir, data_file, reference_run):
+    """Shards 0 and 1 of 2, written separately, verify as one dataset equal to the unsharded one."""
+    out = tmp_path / "sharded"
+    for index in (0, 1):
+        result = invoke("--target-model-path", model_dir, "--train-data-path", data_file, "--output-dir", out,
+                        "--seq-length", 256, "--token-freq-path", "", "--num-shards", 2, "--shard-index", index)
+        assert result.exit_code == 0, result.output
+    result = invoke("verify", out)
+    assert result.exit_code == 0, result.output
+    assert "ok: 40 samples" in result.output and "in 2 folder(s)" in result.output
+    reference = load_all(reference_run)
+    for shard in (0, 1):
+        for i, sample in load_all(out / f"shard-{shard:05d}-of-00002").items():
+            assert i % 2 == shard
+            assert torch.equal(sample["input_ids"], reference[i]["input_ids"])
+
+
+def test_one_shard_alone_does_not_verify_as_complete(tmp_path, model_dir, data_file):
+    """A missing shard is reported by verify."""
+    out = tmp_path / "half"
+    result = invoke("--target-model-path", model_dir, "--train-data-path", data_file, "--output-dir", out,
+                    "--seq-length", 256, "--token-freq-path", "", "--num-shards", 2, "--shard-index", 1,
+                    "--max-samples", 8)
+    assert result.exit_code == 0, result.output
+    result = invoke("verify", out)
+    assert result.exit_code == 1 and "shards [0] of 2 are missing" in result.output
+
+
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path, model_dir, data_file, reference_run):
+    """A run killed with SIGKILL mid-way resumes to exactly the uninterrupted run's samples."""
+    out = tmp_path / "killed"
+    args = [sys.executable, "-m", "speculators_v016.run.cli", "--target-model-path", model_dir,
+            "--train-data-path", data_file, "--output-dir", out, "--seq-length", 256, "--token-freq-path", "",
+            "--max-num-seqs", 2, "--write-workers", 1]
+    env = {**os.environ, **CPU}
+    proc = subprocess.Popen([str(a) for a in args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if len(Manifest(out).entries()) >= 5:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    partial = len(Manifest(out).entries())
+    assert 5 <= partial < 40
+    result = invoke("verify", out, "--partial")
+    assert result.exit_code == 0, result.output  # what was written before the kill is intact
+    result = invoke("--target-model-path", model_dir, "--train-data-path", data_file, "--output-dir", out,
+                    "--seq-length", 256, "--token-freq-path", "")
+    assert result.exit_code == 0, result.output
+    assert f"({partial} already done before this run)" in result.output or partial >= 40
+    assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]
+    resumed, reference = load_all(out), load_all(reference_run)
+    assert sorted(resumed) == sorted(reference) == list(range(40))
+    for i in reference:
+        assert torch.equal(resumed[i]["input_ids"], reference[i]["input_ids"])
+        assert torch.equal(resumed[i]["loss_mask"], reference[i]["loss_mask"])
+        for a, b in zip(resumed[i]["hidden_states"], reference[i]["hidden_states"]):
+            assert (a - b).abs().max().item() < TOLERANCE
+
+
+def test_trainer_dataset_reads_both_formats(reference_run, tmp_path, model_dir, data_file):
+    """upstream's Eagle3SampleFileDataset loads our safetensors and pt folders."""
+    from speculators.train.data import Eagle3SampleFileDataset
+
+    pt_out = tmp_path / "pt"
+    result = invoke("--target-model-path", model_dir, "--train-data-path", data_file, "--output-dir", pt_out,
+                    "--seq-length", 256, "--token-freq-path", "", "--format", "pt", "--max-samples", 4)
+    assert result.exit_code == 0, result.output
+    for folder, count in ((reference_run, 40), (pt_out, 4)):
+        dataset = Eagle3SampleFileDataset(max_len=256, datapath=str(folder))
+        assert len(dataset) == count
+        item = dataset[0]
+        assert item["hidden_states"].shape[-1] == 3 * 128  # three input layers concatenated
+        assert item["verifier_last_hidden_states"].shape[-1] == 128
+
+
+def test_eagle3_trainer_runs_on_generated_data(reference_run, model_dir, tmp_path):
+    """A few steps of upstream's EAGLE-3 Trainer run on CPU on our safetensors output."""
+    script = Path(__file__).parents[1] / "helpers" / "eagle3_train_steps.py"
+    proc = subprocess.run([sys.executable, str(script), model_dir, str(reference_run),
+                           str(reference_run.parent / "tf.pt"), str(tmp_path / "ckpt")],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TORCHDYNAMO_DISABLE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"steps": 4, "changed": True, "finite": True}
+
+
+def test_check_compares_with_transformers(model_dir, data_file):
+    """`check` prints per-layer errors against transformers and passes for fp32."""
+    result = invoke("check", "--target-model-path", model_dir, "--train-data-path", data_file,
+                    "--samples", 3, "--dtype", "float32", "--enforce-eager", "--seq-length", 256)
+    assert result.exit_code == 0, result.output
+    rows = [line.split() for line in result.output.splitlines() if line.strip().endswith(("pass", "FAIL"))]
+    assert [int(r[0]) for r in rows] == [2, 4, 5, 7]
+    assert all(r[-1] == "pass" and float(r[1]) < TOLERANCE for r in rows)
+    assert "logit check: ok (3 samples" in result.output
+
+
+def test_check_without_transformers_uses_only_the_final_head(model_dir, data_file):
+    """`check --no-transformers` (targets too big to load) runs the logit check alone."""
+    result = invoke("check", "--target-model-path", model_dir, "--train-data-path", data_file,
+                    "--samples", 2, "--dtype", "float32", "--enforce-eager", "--seq-length", 256, "--no-transformers")
+    assert result.exit_code == 0, result.output
+    assert "logit check: ok (2 samples" in result.output and "max abs err" not in result.output
+
+
+def test_shards_default_from_the_launcher(monkeypatch):
+    """--num-shards/--shard-index default to torchrun's WORLD_SIZE/RANK, else SLURM's, else 1/0."""
+    import click
+
+    from speculators_v016.run.cli import _shard_defaults
+
+    for name in ("WORLD_SIZE", "RANK", "SLURM_NTASKS", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    assert _shard_defaults(None, None) == (1, 0)
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_PROCID", "2")
+    assert _shard_defaults(None, None) == (4, 2)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "5")
+    assert _shard_defaults(None, None) == (8, 5)
+    assert _shard_defaults(2, 1) == (2, 1)
+    with pytest.raises(click.BadParameter, match="shard index 3 is not in"):
+        _shard_defaults(2, 3)
+
+
+def test_quick_verify_after_a_run_skips_reading_files(reference_run, tmp_path):
+    """The post-run check compares sizes with the manifest; `verify` reads contents and finds a flipped byte."""
+    import shutil
+
+    from speculators_v016.store.verify import verify
+
+    copy = tmp_path / "copy"
+    shutil.copytree(reference_run, copy)
+    target = copy / "data_3.safetensors"
+    data = bytearray(target.read_bytes())
+    data[-1] ^= 0xFF  # same size, other content
+    target.write_bytes(bytes(data))
+    assert verify(copy, deep=False).ok
+    deep = verify(copy)
+    assert not deep.ok and deep.problems == [f"{target}: size or sha256 differs from the manifest"]

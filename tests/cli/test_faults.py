@@ -1,0 +1,323 @@
+"""Faults and bad inputs against the real CLI and engine: each named, and nothing written is lost."""
+
+import fcntl
+import json
+import os
+import pickle
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from helpers.cli import CPU, conversations, invoke, load_all, write_jsonl
+from helpers.reference import TOLERANCE
+from speculators_v016.testing.faults import VARIABLE as FAULT
+from speculators_v016.store.manifest import Manifest
+from speculators_v016.store.outdir import LOCK
+
+COUNT = 30
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("fault-data") / "chats.jsonl", conversations(COUNT, seed=5))
+
+
+def generate(model_dir, data, out, *extra, env=None):
+    return invoke("--target-model-path", model_dir, "--train-data-path", data, "--output-dir", out,
+                  "--seq-length", 256, "--token-freq-path", "", *extra, env=env)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, model_dir, data_file):
+    out = tmp_path_factory.mktemp("fault-ref") / "out"
+    result = generate(model_dir, data_file, out)
+    assert result.exit_code == 0, result.output
+    return load_all(out)
+
+
+def assert_resumes_to_reference(model_dir, data_file, out, reference):
+    """Finish the run and compare it with the uninterrupted one; verify the folder."""
+    result = generate(model_dir, data_file, out)
+    assert result.exit_code == 0, result.output
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".tmp-")]
+    assert len(Manifest(out).path.read_text().splitlines()) == COUNT  # no duplicate lines
+    resumed = load_all(out)
+    assert sorted(resumed) == sorted(reference) == list(range(COUNT))
+    for i, sample in reference.items():
+        assert torch.equal(resumed[i]["input_ids"], sample["input_ids"])
+        assert torch.equal(resumed[i]["loss_mask"], sample["loss_mask"])
+        for a, b in zip(resumed[i]["hidden_states"], sample["hidden_states"]):
+            assert (a - b).abs().max().item() < TOLERANCE
+    assert invoke("verify", out).exit_code == 0
+
+
+@pytest.mark.parametrize("point", ["kill-mid-write:4", "kill-before-manifest:4"])
+def test_sigkill_during_a_write_or_before_its_manifest_line(point, tmp_path, model_dir, data_file, reference):
+    """SIGKILL mid-write or between rename and manifest: no partial final file; resume completes exactly."""
+    out = tmp_path / "out"
+    result = generate(model_dir, data_file, out, "--write-workers", 1, env={FAULT: point})
+    assert result.exit_code == -signal.SIGKILL
+    entries = Manifest(out).entries()
+    assert len(entries) == 3
+    for name in (p.name for p in out.glob("data_*.safetensors")):  # every final file is complete
+        assert (out / name).stat().st_size > 0
+    partial = invoke("verify", out, "--partial")
+    assert partial.exit_code == 0, partial.output
+    if point.startswith("kill-mid-write"):
+        assert "temporary file left by an interrupted write" in partial.output
+    else:
+        assert "sample file not in the manifest" in partial.output
+    assert_resumes_to_reference(model_dir, data_file, out, reference)
+
+
+def test_disk_full_aborts_naming_the_path_and_resumes(tmp_path, model_dir, data_file, reference):
+    """A write failing with ENOSPC stops the run (exit 6) naming the file; a rerun completes."""
+    out = tmp_path / "out"
+    result = generate(model_dir, data_file, out, env={FAULT: "enospc-write:5"})
+    assert result.exit_code == 6, result.output
+    assert re.search(r"cannot write .*/out/data_\d+\.safetensors: No space left on device", result.output)
+    assert len(Manifest(out).entries()) < COUNT
+    assert invoke("verify", out, "--partial").exit_code == 0
+    assert_resumes_to_reference(model_dir, data_file, out, reference)
+
+
+def test_worker_death_aborts_promptly_and_resumes(tmp_path, model_dir, reference):
+    """Killing vLLM's worker process ends the run with an error (no hang); a rerun completes."""
+    data = write_jsonl(tmp_path / "many.jsonl", conversations(400, seed=9))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "speculators_v016.run.cli", "--target-model-path", model_dir, "--train-data-path",
+           data, "--output-dir", out, "--seq-length", 256, "--token-freq-path", "", "--executor", "mp",
+           "--max-num-seqs", 2]
+    proc = subprocess.Popen([str(c) for c in cmd], env={**os.environ, **CPU}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while len(Manifest(out).entries()) < 3 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    workers = [c for c in psutil.Process(proc.pid).children(recursive=True)
+               if "python" in c.name().lower() or "vllm" in " ".join(c.cmdline()).lower()]
+    assert proc.poll() is None and workers, "run ended before a worker could be killed"
+    killed_at = time.monotonic()
+    for worker in workers:
+        worker.kill()
+    output, _ = proc.communicate(timeout=120)
+    assert time.monotonic() - killed_at < 120
+    assert proc.returncode == 5, output[-2000:]
+    assert re.search(r"error: .*(died|dead|Worker|worker)", output), output[-2000:]
+    log = re.search(r"last lines of the log \((\S+\.log)\):", output)  # the cause, then where to read more
+    assert log and Path(log.group(1)).is_file() and Path(log.group(1)).parent == out / "logs", output[-2000:]
+    assert "Initializing a V1 LLM engine" in Path(log.group(1)).read_text(errors="replace")
+    assert invoke("verify", out, "--partial").exit_code == 0
+    result = generate(model_dir, data, out, "--max-num-seqs", 8)
+    assert result.exit_code == 0, result.output
+    assert len(Manifest(out).entries()) == 400
+
+
+def test_nan_states_are_not_written_and_reported(tmp_path, model_dir, data_file):
+    """A sample with NaN states is skipped and named with its layer; the limit aborts a run."""
+    out = tmp_path / "out"
+    result = generate(model_dir, data_file, out, env={FAULT: "nan-sample:3"})
+    assert result.exit_code == 0, result.output
+    match = re.search(r"sample (\d+): NaN/Inf hidden states in layers \[7\]: not written", result.output)
+    assert match, result.output
+    assert int(match.group(1)) not in Manifest(out).entries() and len(Manifest(out).entries()) == COUNT - 1
+    assert "skipped:    1 NaN/Inf hidden states" in result.output
+    strict = generate(model_dir, data_file, tmp_path / "strict", "--max-bad-samples", 0,
+                      env={FAULT: "nan-sample:2"})
+    assert strict.exit_code == 5 and "limit --max-bad-samples 0" in strict.output
+
+
+def test_logit_check_catches_rows_one_position_off(tmp_path, model_dir, data_file):
+    """States shifted by one position (a misattribution) fail the logit check: named, exit 1."""
+    result = generate(model_dir, data_file, tmp_path / "out", env={FAULT: "shift-check:2"})
+    assert result.exit_code == 1, result.output
+    assert re.search(r"sample \d+: the captured last layer does not reproduce vLLM's own logits", result.output)
+    assert "logit check: FAILED for 1 sample(s)" in result.output
+
+
+def test_unusable_rows_are_skipped_by_reason(tmp_path, model_dir):
+    """Empty, template-rejected and no-assistant rows are counted by reason; none at all is an error."""
+    good = conversations(3)
+    rows = good + [{"conversations": []},
+                   {"conversations": [{"from": "human", "value": "only a question"}]},
+                   {"conversations": [{"from": "narrator", "value": "nobody speaks"}]}]
+    result = generate(model_dir, write_jsonl(tmp_path / "mixed.jsonl", rows), tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert "skipped:    1 empty conversation" in result.output
+    assert "skipped:    1 no assistant (trainable) tokens" in result.output
+    assert "skipped:    1 rejected by the chat template or tokenizer" in result.output
+    assert len(Manifest(tmp_path / "out").entries()) == 3
+    nothing = generate(model_dir, write_jsonl(tmp_path / "bad.jsonl", rows[3:]), tmp_path / "none")
+    assert nothing.exit_code == 3 and "no usable sample" in nothing.output
+
+
+def test_long_rows_are_truncated_and_counted(tmp_path, model_dir):
+    """Rows over --seq-length are cut to it, counted, and their loss masks stay aligned."""
+    long = {"conversations": [{"from": "human", "value": "tell me more"},
+                              {"from": "gpt", "value": "the quick brown fox " * 40}]}
+    short = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "the fox"}]}
+    out = tmp_path / "out"
+    result = invoke("--target-model-path", model_dir, "--train-data-path",
+                    write_jsonl(tmp_path / "long.jsonl", [long] + [short, short]), "--output-dir", out,
+                    "--seq-length", 48, "--token-freq-path", "")
+    assert result.exit_code == 0, result.output
+    assert "truncated:  1" in result.output, result.output[result.output.find("output:"):]
+    lengths = sorted(s["input_ids"].shape[0] for s in load_all(out).values())
+    assert lengths[-1] == 48
+    assert all(s["loss_mask"].shape == s["input_ids"].shape for s in load_all(out).values())
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "bad.jsonl:2: not valid JSON"),
+    ('{"foo": 1}', "bad.jsonl:2: no 'conversations' or 'messages' list"),
+    ('{"conversations": [{"from": "human", "value": 5}]}', "bad.jsonl:2: turn 0 needs string"),
+])
+def test_malformed_rows_name_file_and_line(line, message, tmp_path, model_dir):
+    """A malformed row fails with file and line (exit 3), or is skipped and counted with --skip-bad-rows."""
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps(conversations(1)[0]) + "\n" + line + "\n" + json.dumps(conversations(2)[1]) + "\n")
+    result = generate(model_dir, data, tmp_path / "out")
+    assert result.exit_code == 3 and message in result.output, result.output
+    skipped = generate(model_dir, data, tmp_path / "out2", "--skip-bad-rows")
+    assert skipped.exit_code == 0 and "skipped:    1 bad row" in skipped.output, skipped.output
+
+
+def test_out_of_vocabulary_ids_fail_before_the_engine(tmp_path, model_dir):
+    """Pre-tokenized ids outside the vocabulary fail (exit 3) before the engine starts or anything is written."""
+    rows = [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [5, 99999], "loss_mask": [0, 1]}]
+    out = tmp_path / "out"
+    result = generate(model_dir, write_jsonl(tmp_path / "tok.jsonl", rows), out)
+    assert result.exit_code == 3 and "outside the vocabulary" in result.output and "99999" in result.output
+    assert not (out / "data_config.json").exists() and "engine ready" not in result.output
+
+
+@pytest.mark.parametrize("ids, message", [("2 99", "out of range"), ("3 3", "more than once")])
+def test_bad_layer_ids_fail_before_the_engine(ids, message, tmp_path, model_dir, data_file):
+    """Invalid or duplicate layer ids: exit 3 before vLLM starts."""
+    result = generate(model_dir, data_file, tmp_path / "out", "--layer-ids", ids)
+    assert result.exit_code == 3 and message in result.output and "engine ready" not in result.output
+
+
+def test_model_without_findable_decoder_layers_is_named(tmp_path, data_file):
+    """A model whose decoder stack we cannot find (GPT-2: transformer.h) fails naming its class."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from speculators_v016.testing.tiny_models import train_tokenizer
+
+    model = tmp_path / "gpt2"
+    tokenizer = train_tokenizer(["the quick brown fox jumps over the lazy dog"] * 5)
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=len(tokenizer),
+                               n_positions=512)).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    result = generate(model, data_file, tmp_path / "out", "--layer-ids", "0 1")
+    assert result.exit_code == 5, result.output
+    assert "cannot find the decoder layers of GPT2LMHeadModel" in result.output
+
+
+def test_resume_with_other_settings_is_refused(tmp_path, model_dir, data_file):
+    """Resuming with another seq length, layers or dataset is refused (exit 4), naming what differs."""
+    out = tmp_path / "out"
+    assert generate(model_dir, data_file, out, "--max-samples", 4).exit_code == 0
+    other_len = generate(model_dir, data_file, out, "--max-samples", 4, "--seq-length", 128)
+    assert other_len.exit_code == 4 and "preprocessing.seq_length: 256 -> 128" in other_len.output
+    other_layers = generate(model_dir, data_file, out, "--max-samples", 4, "--layer-ids", "1 2")
+    assert other_layers.exit_code == 4 and "generation.layer_ids: [2, 4, 5, 7] -> [1, 2]" in other_layers.output
+    other_data = write_jsonl(tmp_path / "other.jsonl", conversations(5, seed=99))
+    assert "dataset.sources" in generate(model_dir, other_data, out, "--max-samples", 4).output
+
+
+def test_foreign_files_and_a_second_writer_are_refused(tmp_path, model_dir, data_file):
+    """A folder with unrelated files, or one another run holds, is refused (exit 4)."""
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    result = generate(model_dir, data_file, foreign)
+    assert result.exit_code == 4 and "holds files this tool did not write (notes.txt)" in result.output
+    assert sorted(os.listdir(foreign)) == ["notes.txt"]  # refused and left as it was: no log put inside
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    with open(locked / LOCK, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        fh.write("4242")
+        fh.flush()
+        result = generate(model_dir, data_file, locked)
+    assert result.exit_code == 4 and "another speculators-data-gen run (pid 4242)" in result.output
+
+
+def test_path_like_fields_never_name_files(tmp_path, model_dir):
+    """Ids and fields that look like paths do not reach file names."""
+    rows = [{"id": "../../escaped", "conversations": [{"from": "human", "value": "../../etc/passwd"},
+                                                       {"from": "gpt", "value": "/etc/shadow"}]},
+            {"id": "/tmp/absolute", **conversations(1)[0]}]
+    work = tmp_path / "deep" / "er"
+    work.mkdir(parents=True)
+    out = work / "out"
+    data = write_jsonl(work / "rows.jsonl", rows)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    result = generate(model_dir, data, out)
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["data_0.safetensors", "data_1.safetensors", "manifest.jsonl", "data_config.json", LOCK, "logs"])
+    [log] = [p.name for p in (out / "logs").iterdir()]
+    assert re.fullmatch(r"run-\d{8}-\d{6}\.log", log)  # named from the clock alone
+    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(
+        before + [p.name for p in out.iterdir()] + ["out", log])
+    assert not Path("/tmp/absolute").exists()
+
+
+class _Payload:
+    """Unpickling this creates a marker file: proof that code ran."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_hostile_pt_is_never_unpickled(tmp_path, model_dir, data_file):
+    """verify reads .pt samples with weights_only: a hostile pickle is flagged and never runs."""
+    out = tmp_path / "out"
+    assert generate(model_dir, data_file, out, "--max-samples", 3, "--format", "pt").exit_code == 0
+    marker = tmp_path / "pwned"
+    hostile = pickle.dumps({"input_ids": _Payload(marker)})
+    (out / "data_1.pt").write_bytes(hostile)
+    manifest = Manifest(out)
+    entries = manifest.entries()  # make the manifest agree, so verify gets as far as loading it
+    import hashlib
+    from dataclasses import replace
+    entries[1] = replace(entries[1], bytes=len(hostile), sha256=hashlib.sha256(hostile).hexdigest())
+    manifest.compact(entries)
+    (out / "evil.pt").write_bytes(hostile)
+    result = invoke("verify", out)
+    assert result.exit_code == 1
+    assert "data_1.pt: cannot be read safely" in result.output
+    assert "evil.pt: not a file of this tool (not opened)" in result.output
+    assert not marker.exists()
+
+
+def test_remote_code_is_refused_unless_asked(tmp_path, model_dir, data_file):
+    """A model folder that needs its own code is refused without --trust-remote-code; nothing runs."""
+    model = tmp_path / "custom"
+    shutil.copytree(model_dir, model)
+    marker = tmp_path / "code-ran"
+    (model / "custom_config.py").write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).touch()\n"
+        "from transformers import LlamaConfig\nclass CustomConfig(LlamaConfig):\n    model_type = 'custom_llama'\n")
+    config = json.loads((model / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "custom_config.CustomConfig"}
+    config["model_type"] = "custom_llama"  # unknown to transformers: only the folder's code can load it
+    (model / "config.json").write_text(json.dumps(config))
+    result = generate(model, data_file, tmp_path / "out")
+    assert result.exit_code == 3 and "--trust-remote-code" in result.output, result.output
+    assert not marker.exists()
+    allowed = generate(model, data_file, tmp_path / "out2", "--trust-remote-code", "--layer-ids", "99")
+    assert marker.exists()  # with the flag, the folder's code is used (then the bad layer id stops the run)
+    assert allowed.exit_code == 3 and "out of range" in allowed.output

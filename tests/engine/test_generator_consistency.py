@@ -1,0 +1,56 @@
+"""The same prompts through differently configured engines give the same states."""
+
+import pytest
+import torch
+
+from helpers.reference import NUM_LAYERS, TOLERANCE, hf_layer_outputs, max_abs_error, random_prompts
+
+LAYERS = list(range(NUM_LAYERS))
+LENGTHS = [300, 7, 150, 61, 2, 520]
+BASE = dict(layer_ids=LAYERS, max_model_len=1024, dtype="float32", max_num_seqs=4)
+
+
+def run(model_dir, prompts, **options):
+    from speculators_v016.generator import VllmHiddenStatesGenerator
+
+    with VllmHiddenStatesGenerator(model_dir, **{**BASE, **options}) as gen:
+        return gen.generate(prompts), gen.engine
+
+
+def largest_difference(a, b) -> float:
+    return max((x - y).abs().max().item() for ra, rb in zip(a, b)
+               for x, y in zip(ra["hidden_states"], rb["hidden_states"]))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(LENGTHS, seed=7)
+
+
+@pytest.fixture(scope="module")
+def chunked_async(model_dir, prompts):
+    return run(model_dir, prompts, enforce_eager=True, max_num_batched_tokens=128)[0]
+
+
+def test_async_on_and_off_are_bit_identical(model_dir, prompts, chunked_async):
+    """Async scheduling on vs off, same batches: bit-identical states."""
+    sync, engine = run(model_dir, prompts, enforce_eager=True, max_num_batched_tokens=128,
+                       async_scheduling=False)
+    assert not engine.async_scheduling and engine.depth == 1
+    for a, b in zip(chunked_async, sync):
+        assert all(torch.equal(x, y) for x, y in zip(a["hidden_states"], b["hidden_states"]))
+
+
+def test_multiprocess_unchunked_equals_uniprocess_chunked(model_dir, prompts, chunked_async):
+    """Multiprocess executor without chunking agrees with uniprocess chunked within 1e-5."""
+    unchunked, engine = run(model_dir, prompts, enforce_eager=True, max_num_batched_tokens=4096,
+                            executor="mp")
+    assert type(engine.executor).__name__ == "CaptureMultiprocExecutor"
+    assert largest_difference(chunked_async, unchunked) < TOLERANCE
+
+
+def test_compiled_equals_eager_and_transformers(model_dir, prompts, chunked_async):
+    """The compiled (torch.compile) path gives the eager states within 1e-5, and transformers'."""
+    compiled, engine = run(model_dir, prompts, enforce_eager=False, max_num_batched_tokens=128)
+    assert largest_difference(chunked_async, compiled) < TOLERANCE
+    assert max_abs_error(compiled, hf_layer_outputs(model_dir, prompts), LAYERS) < TOLERANCE

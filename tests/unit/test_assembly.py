@@ -1,0 +1,97 @@
+"""Per-request stitching of step captures (pure logic, no engine)."""
+
+import pytest
+import torch
+
+from speculators_v016.engine.assembly import Assembler, AttributionError
+from speculators_v016.protocol import StepCapture
+
+
+def rows(start, count, layers=2, hidden=3):
+    """``[layers, count, hidden]`` rows whose values encode prompt position + 1000 x captured layer."""
+    pos = torch.arange(start, start + count, dtype=torch.float32)
+    layer = 1000 * torch.arange(layers, dtype=torch.float32)
+    return (layer[:, None, None] + pos[None, :, None]).expand(layers, count, hidden).clone()
+
+
+def capture(step, parts):
+    return StepCapture(step, [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts],
+                       states=torch.cat([rows(s, n) for _, s, n in parts], dim=1))
+
+
+def test_chunks_are_stitched_in_order():
+    """Chunked prefill pieces of two requests, in batch order, become whole prompts."""
+    asm = Assembler((1, 0))
+    asm.add_request("a", "A", 5)
+    asm.add_request("b", "B", 3)
+    asm.expect(1, {"a": (0, 2), "b": (0, 3)})
+    asm.add(capture(1, [("b", 0, 3), ("a", 0, 2)]))
+    assert [k for k, _ in asm.pop_complete()] == ["B"]
+    asm.expect(2, {"a": (2, 3)})
+    asm.add(capture(2, [("a", 2, 3)]))
+    [(key, states)] = asm.pop_complete()
+    assert key == "A" and len(states) == 2
+    assert states[0][:, 0].tolist() == [1000, 1001, 1002, 1003, 1004]  # requested layer 0 = captured row 1
+    assert states[1][:, 0].tolist() == [0, 1, 2, 3, 4]
+    assert states[0].is_contiguous()
+
+
+def test_disagreement_with_scheduler_is_an_error():
+    """A runner row count that differs from the scheduler's raises AttributionError."""
+    asm = Assembler((0, 1))
+    asm.add_request("a", "A", 5)
+    asm.expect(1, {"a": (0, 4)})
+    with pytest.raises(AttributionError, match="scheduler scheduled"):
+        asm.add(capture(1, [("a", 0, 5)]))
+
+
+def test_unscheduled_step_is_an_error():
+    """A capture for a step that was never scheduled is refused."""
+    asm = Assembler((0,))
+    with pytest.raises(AttributionError, match="not scheduled"):
+        asm.add(capture(7, [("a", 0, 1)]))
+
+
+def test_recompute_after_preemption_restarts():
+    """Rows starting again at position 0 replace what a preempted request had."""
+    asm = Assembler((0, 1))
+    asm.add_request("a", "A", 4)
+    asm.expect(1, {"a": (0, 2)})
+    asm.add(capture(1, [("a", 0, 2)]))
+    asm.expect(2, {"a": (0, 4)})
+    asm.add(capture(2, [("a", 0, 4)]))
+    [(_, states)] = asm.pop_complete()
+    assert states[1][:, 0].tolist() == [1000, 1001, 1002, 1003]
+
+
+def test_decode_rows_past_the_prompt_are_dropped():
+    """Rows beyond the prompt (a decode step) never enter the states."""
+    asm = Assembler((0,))
+    asm.add_request("a", "A", 2)
+    asm.expect(1, {"a": (0, 2)})
+    asm.add(capture(1, [("a", 0, 2)]))
+    asm.expect(2, {"a": (2, 1)})
+    asm.add(capture(2, [("a", 2, 1)]))
+    [(_, states)] = asm.pop_complete()
+    assert states[0].shape[0] == 2
+
+
+def test_rows_are_copied_out_of_the_slot():
+    """What add() received can be overwritten at once (the slot is reused): results keep their values."""
+    asm = Assembler((0, 1))
+    asm.add_request("a", "A", 3)
+    asm.expect(1, {"a": (0, 3)})
+    step = capture(1, [("a", 0, 3)])
+    asm.add(step)
+    step.states.fill_(-1.0)
+    [(_, states)] = asm.pop_complete()
+    assert states[0][:, 0].tolist() == [0, 1, 2] and states[1][:, 0].tolist() == [1000, 1001, 1002]
+
+
+def test_capture_without_rows_is_an_error():
+    """A capture whose states are missing (slot not resolved) is refused, not guessed."""
+    asm = Assembler((0,))
+    asm.add_request("a", "A", 2)
+    asm.expect(1, {"a": (0, 2)})
+    with pytest.raises(AttributionError, match="None rows for 2 scheduled tokens"):
+        asm.add(StepCapture(1, ["a"], [0], [2], slot=0))

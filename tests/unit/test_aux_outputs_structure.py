@@ -1,0 +1,242 @@
+"""The aux-output adapter on model structures that cannot run on CPU vLLM (no engine).
+
+DeepSeek-V3 and Kimi-K2.5 need MLA, which vLLM 0.16's CPU backend lacks; these
+stand-ins have their structure: Kimi wraps a DeepSeek-V3 causal LM as
+``language_model``, whose ``.model`` holds ``layers`` (called with a fourth
+argument) and a fused add-norm.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from speculators_v016.worker.aux_outputs import UnsupportedModelError, find_decoder_stack, install_aux_outputs
+
+
+class FusedAddNorm(nn.Module):
+    """Like vLLM's RMSNorm: norm(x, residual) -> (normed, x + residual)."""
+
+    def forward(self, x, residual=None):
+        total = x if residual is None else x + residual
+        return total / total.norm(dim=-1, keepdim=True), total
+
+
+class DeepseekV2DecoderLayer(nn.Module):
+    def __init__(self, scale):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, positions, hidden_states, residual, llama_4_scaling=None):
+        residual = hidden_states if residual is None else hidden_states + residual
+        return residual * self.scale + positions[:, None], residual
+
+
+class DeepseekV2Model(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(0.5 + i) for i in range(n))
+        self.norm = FusedAddNorm()
+        self.start_layer, self.end_layer = 0, n
+
+    def forward(self, input_ids, positions):
+        hidden, residual = input_ids.float()[:, None].repeat(1, 4), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, None)
+        return self.norm(hidden, residual)[0]
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.model = DeepseekV2Model(n)
+
+    def forward(self, input_ids, positions):
+        return self.model(input_ids, positions)
+
+
+class KimiK25ForConditionalGeneration(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.language_model = DeepseekV3ForCausalLM(n)
+
+    def get_language_model(self):
+        return self.language_model
+
+    def forward(self, input_ids, positions):
+        return self.language_model(input_ids, positions)
+
+
+def reference(model: DeepseekV2Model, input_ids, positions):
+    """hidden + residual at the input of every layer and after the last (vLLM ids 1..n)."""
+    hidden, residual, seen = input_ids.float()[:, None].repeat(1, 4), None, []
+    for layer in model.layers:
+        hidden, residual = layer(positions, hidden, residual, None)
+        seen.append(hidden + residual)
+    return seen
+
+
+def test_finds_the_decoder_inside_a_multimodal_wrapper():
+    """Kimi-K2.5-like wrapper -> language_model -> model.layers is found."""
+    kimi = KimiK25ForConditionalGeneration(4)
+    stack = find_decoder_stack(kimi)
+    assert stack.decoder is kimi.language_model.model and stack.num_layers == 4
+    assert stack.outer is kimi
+
+
+def test_finds_the_decoder_through_a_language_model_attribute():
+    """A wrapper with only a language_model attribute (no getter) is handled too."""
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.language_model = DeepseekV3ForCausalLM(3)
+
+    assert find_decoder_stack(Wrapper()).num_layers == 3
+
+
+def test_kimi_like_model_gets_exact_aux_outputs():
+    """Taps on the DeepSeek stack return hidden+residual for the ids asked, in order."""
+    kimi = KimiK25ForConditionalGeneration(5)
+    info = install_aux_outputs(kimi, [1, 3, 5])
+    assert info == {"model_class": "DeepseekV3ForCausalLM", "decoder_class": "DeepseekV2Model",
+                    "num_layers": 5, "builtin_ids": [], "tap_ids": [1, 3, 5]}
+    ids, pos = torch.tensor([3, 5, 7]), torch.tensor([0, 1, 2])
+    out, aux = kimi(ids, pos)
+    want = reference(kimi.language_model.model, ids, pos)
+    assert len(aux) == 3
+    for got, k in zip(aux, [1, 3, 5]):
+        assert torch.equal(got, want[k - 1])
+    assert torch.equal(out, kimi.language_model.model.norm(want[-1] * 0, want[-1])[0])
+    _, again = kimi(ids, pos)  # the sink is emptied between calls
+    assert len(again) == 3
+
+
+def test_keyword_arguments_are_read_by_name():
+    """A layer called with keywords is tapped from the right arguments."""
+    model = DeepseekV3ForCausalLM(2)
+    install_aux_outputs(model, [2])
+    layer = model.model.layers[1]
+    hidden, residual = torch.ones(2, 4), torch.full((2, 4), 2.0)
+    layer(positions=torch.zeros(2), hidden_states=hidden, residual=residual)
+    _, aux = type(model).forward(model, torch.tensor([1, 2]), torch.tensor([0, 1]))
+    assert len(aux) == 1
+
+
+def test_model_without_decoder_layers_is_named():
+    """A model with no recognisable decoder stack raises, naming its class."""
+    class Mystery(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(2, 2)
+
+    with pytest.raises(UnsupportedModelError, match="cannot find the decoder layers of Mystery"):
+        install_aux_outputs(Mystery(), [1])
+
+
+def test_partial_stack_under_pipeline_parallelism_is_refused():
+    """A stage holding only some layers is refused (capture needs all of them)."""
+    model = DeepseekV3ForCausalLM(4)
+    model.model.start_layer, model.model.end_layer = 2, 4
+    with pytest.raises(UnsupportedModelError, match="pipeline parallelism"):
+        find_decoder_stack(model)
+
+
+def test_ids_out_of_range_are_refused():
+    """vLLM aux ids must be distinct, ascending and within 1..n."""
+    with pytest.raises(ValueError, match="1..4"):
+        install_aux_outputs(DeepseekV3ForCausalLM(4), [0, 2])
+
+
+class StreamLayer(nn.Module):
+    """A pre-norm layer without fused add-norm: it receives the stream whole and returns it."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, positions, hidden_states):
+        return hidden_states + self.scale * torch.tanh(hidden_states) + positions[:, None]
+
+
+class StreamModel(nn.Module):
+    def __init__(self, n, layer=StreamLayer):
+        super().__init__()
+        self.layers = nn.ModuleList(layer(0.5 + i) for i in range(n))
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, input_ids, positions):
+        hidden = input_ids.float()[:, None].repeat(1, 4)
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
+        return self.norm(hidden)
+
+
+class StreamForCausalLM(nn.Module):
+    def __init__(self, n, layer=StreamLayer):
+        super().__init__()
+        self.model = StreamModel(n, layer)
+
+    def forward(self, input_ids, positions):
+        return self.model(input_ids, positions)
+
+
+def test_layers_taking_the_stream_whole_are_tapped():
+    """Layers without a residual argument: the tap reads their input, which is the stream."""
+    model = StreamForCausalLM(3)
+    install_aux_outputs(model, [1, 2, 3])
+    ids, pos = torch.tensor([3, 5]), torch.tensor([0, 1])
+    out, aux = model(ids, pos)
+    hidden, want = ids.float()[:, None].repeat(1, 4), []
+    for layer in model.model.layers:
+        hidden = layer(pos, hidden)
+        want.append(hidden)
+    assert all(torch.equal(a, w) for a, w in zip(aux, want))
+    assert torch.equal(out, model.model.norm(want[-1]))
+
+
+def test_an_unknown_residual_convention_is_refused():
+    """A layer whose residual arrives under another name fails clearly instead of being half-read."""
+    class OddLayer(StreamLayer):
+        def forward(self, positions, hidden_states, residual_in=None):
+            return super().forward(positions, hidden_states)
+
+    with pytest.raises(UnsupportedModelError, match=r"parameters \['residual_in'\] but none named 'residual'"):
+        install_aux_outputs(StreamForCausalLM(2, OddLayer), [1])
+
+
+class Int4Experts(nn.Module):
+    """Like vLLM's CPU W4A8 MoE layer: int4 codes held as int8, a bf16 scale per group of 2."""
+
+    def __init__(self, seed):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.register_buffer("w13_weight", torch.randint(-8, 8, (4, 4), generator=gen, dtype=torch.int8))
+        self.register_buffer("w13_weight_scale", torch.rand(4, 2, generator=gen).to(torch.bfloat16))
+
+    def forward(self, x):
+        weight = self.w13_weight.float() * self.w13_weight_scale.float().repeat_interleave(2, dim=1)
+        return x @ weight.T
+
+
+class Int4MoeLayer(DeepseekV2DecoderLayer):
+    """A decoder layer whose MLP is quantized experts (fused add-norm at its input, as DeepSeek's)."""
+
+    def __init__(self, scale):
+        super().__init__(scale)
+        self.experts = Int4Experts(int(scale * 10))
+
+    def forward(self, positions, hidden_states, residual, llama_4_scaling=None):
+        residual = hidden_states if residual is None else hidden_states + residual
+        return self.experts(residual) * 0.1 + positions[:, None], residual
+
+
+def test_int4_moe_structure_is_tapped_without_touching_the_experts():
+    """INT4 experts (which no x86 CPU engine runs) sit inside the layers: taps read the stream exactly."""
+    model = DeepseekV3ForCausalLM(3)
+    model.model.layers = nn.ModuleList(Int4MoeLayer(0.5 + i) for i in range(3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    install_aux_outputs(model, [1, 2, 3])
+    ids, pos = torch.tensor([3, 5, 7]), torch.tensor([0, 1, 2])
+    _, aux = model(ids, pos)
+    assert all(torch.equal(a, w) for a, w in zip(aux, reference(model.model, ids, pos)))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # quantized weights untouched
+    assert not any(m._forward_pre_hooks for m in model.modules() if isinstance(m, Int4Experts))
