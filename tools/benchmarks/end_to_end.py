@@ -64,7 +64,8 @@ def end_to_end(model: str, data: Path, eager: bool, code_from: str | None = None
     """The CLI's generation phase, as its summary reports it (``code_from``: another checkout's code)."""
     import os
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "speculators_v016.run.cli", "--target-model-path", model, "--train-data-path",
+        # speculators_v016.cli (not .run.cli): the path older checkouts (--before) have too
+        cmd = [sys.executable, "-m", "speculators_v016.cli", "--target-model-path", model, "--train-data-path",
                str(data), "--output-dir", f"{tmp}/out", "--seq-length", str(SEQ), "--dtype", "float32",
                "--token-freq-path", "", "--no-progress", "--num-preprocessing-workers", "1"]
         cmd += ["--enforce-eager"] if eager else []
