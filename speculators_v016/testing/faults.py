@@ -10,8 +10,8 @@ modules carry no fault points: each fault wraps one of their seams here.
   (wraps :func:`speculators_v016.store.atomic_files.write_parts`).
 * ``kill-before-manifest:n``: SIGKILL after the ``n``-th file is in place and
   before its manifest line (wraps :meth:`Manifest.append`).
-* ``nan-sample:n``: the ``n``-th sample the engine yields gets a NaN in its
-  last layer (wraps :meth:`CaptureEngine.stream`).
+* ``nan-sample:n``: the ``n``-th sample the engine yields, among those the logit
+  check does not judge, gets a NaN in its last layer (wraps :meth:`CaptureEngine.stream`).
 * ``shift-check:n``: the ``n``-th logit-checked sample's last layer is shifted
   by one position (wraps :meth:`LogitChecker.add`).
 """
@@ -48,12 +48,14 @@ def install() -> None:
     point = os.environ.get(VARIABLE, "").partition(":")[0]
     if point in ("kill-mid-write", "enospc-write"):
         from speculators_v016.store import atomic_files
+        from speculators_v016.store.sample_format import parse_sample_name
 
         original_parts = atomic_files.write_parts
 
         def write_parts(fh, parts, digest):
-            if not os.path.basename(fh.name).startswith(f"{atomic_files.TMP_PREFIX}data_"):
-                return original_parts(fh, parts, digest)  # only sample files count
+            final = os.path.basename(fh.name).removeprefix(atomic_files.TMP_PREFIX).rpartition(".")[0]
+            if parse_sample_name(final) is None:
+                return original_parts(fh, parts, digest)  # only sample files count (not data_config.json)
             views = [memoryview(p).cast("B") for p in parts]
             if len(views) == 1:  # split a single buffer so the fault lands mid-file
                 half = len(views[0]) // 2
@@ -85,8 +87,9 @@ def install() -> None:
         original_stream = CaptureEngine.stream
 
         def stream(self, *args, **kwargs):
+            checked = kwargs.get("prompt_logprobs") or (lambda key: False)
             for key, ids, states in original_stream(self, *args, **kwargs):
-                if _armed(point):
+                if not checked(key) and _armed(point):
                     states[-1][len(ids) // 2, 0] = float("nan")
                 yield key, ids, states
 
