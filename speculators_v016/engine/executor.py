@@ -1,11 +1,15 @@
-"""vLLM's executor class, extended with the capture set-up after model load and a capture RPC."""
+"""vLLM's executor class, extended with the capture set-up after model load, a capture RPC and a close."""
 
 from __future__ import annotations
+
+from loguru import logger
 
 from speculators_v016.engine.slot_ring import SlotRing
 
 #: vLLM's executor class names, by the kind our settings and summary use.
 KINDS = {"UniProcExecutor": "uni", "MultiprocExecutor": "mp", "RayDistributedExecutor": "ray"}
+#: Seconds the workers get to release the capture at shutdown.
+CLOSE_TIMEOUT_S = 30
 
 
 class Single:
@@ -56,6 +60,18 @@ def capture_executor(base: type, ring: SlotRing | None) -> type:
                 res = self.collective_rpc(method, args=args, non_block=non_block)
                 pick = lambda rs: next((r for r in rs if r is not None), None)  # noqa: E731
             return Single(res, pick) if non_block else pick(res)
+
+        def shutdown(self) -> None:
+            """Release the capture in the workers (staging, the ring's pinned registration), then vLLM's shutdown."""
+            closing = ring is not None and hasattr(self, "capture_info") and not getattr(self, "is_failed", False)
+            if closing and not getattr(self, "_capture_closed", False):
+                self._capture_closed = True
+                try:
+                    self.collective_rpc("speculators_capture_close", timeout=CLOSE_TIMEOUT_S)
+                except Exception as exc:  # noqa: BLE001 - the workers' exit still drops the registration
+                    logger.warning("capture close in the workers failed ({}: {}); shutting down anyway",
+                                   type(exc).__name__, exc)
+            super().shutdown()
 
     CaptureExecutor.__name__ = CaptureExecutor.__qualname__ = f"Capture{base.__name__}"
     return CaptureExecutor

@@ -9,6 +9,13 @@ it back once the step's rows are copied out (:meth:`SlotRing.acquire`,
 (:meth:`SlotRing.attach`) and, on GPUs, registers it once as pinned memory,
 so a step costs no allocation and the capture RPC carries metadata only.
 
+The registration belongs to the mapping that made it, owner or not: it is
+undone by :meth:`SlotRing.close` (the worker's capture close, run on engine
+close and on re-attach) and, failing that, by a finalizer when the mapping is
+dropped or the process exits, always before the memory can be unmapped. A
+range left registered after its memory is gone makes a later registration at
+the same addresses fail (``cudaErrorHostMemoryAlreadyRegistered``).
+
 Two backings:
 
 * **shared** (multiprocess executors): a file in ``/dev/shm`` named
@@ -49,7 +56,7 @@ class SlotRing:
         self.buffer = buffer.view(spec.slots, spec.num_ids, spec.max_rows, spec.hidden)
         self.owner = owner
         self._free = list(range(spec.slots))
-        self._pinned = False
+        self._unpin: weakref.finalize | None = None  # undoes cudaHostRegister, at close or when dropped
         self._unlinked = not spec.shared
         if owner:
             self._finalizer = weakref.finalize(self, _discard, spec.name, spec.path if spec.shared else None)
@@ -103,20 +110,30 @@ class SlotRing:
 
     def pin(self) -> None:
         """Register the mapped slots as pinned memory (once), for direct device-to-host copies."""
-        if self._pinned or not torch.cuda.is_available():
+        if self.pinned or not torch.cuda.is_available():
             return
         err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.spec.total_bytes, 0)
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister of the capture ring ({self.spec.describe()}) failed: {err}")
-        self._pinned = True
+        # The finalizer holds the buffer: the memory stays mapped until it is unregistered.
+        self._unpin = weakref.finalize(self, _unregister, self.buffer)
+
+    @property
+    def pinned(self) -> bool:
+        """Registered with CUDA by this mapping (and not yet unregistered)."""
+        return self._unpin is not None and self._unpin.alive
 
     def close(self) -> None:
-        """Unregister, unlink (owner) and forget the slots; the mapping goes with the last view."""
-        if self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
-            self._pinned = False
+        """Unregister (if pinned), unlink (owner) and forget the slots; the mapping goes with the last view.
+
+        Call only once no copy into the slots is in flight.
+        """
+        unpin, self._unpin = self._unpin, None
+        err = unpin() if unpin is not None else None
         if self.owner:
             self._finalizer()
+        if err:
+            raise RuntimeError(f"cudaHostUnregister of the capture ring ({self.spec.describe()}) failed: {err}")
 
     # -- slots --------------------------------------------------------------
     def slot(self, index: int) -> torch.Tensor:
@@ -142,6 +159,14 @@ class SlotRing:
 def _map(spec: RingSpec) -> torch.Tensor:
     numel = spec.slots * spec.slot_numel
     return torch.from_file(spec.path, shared=True, size=numel, dtype=spec.torch_dtype)
+
+
+def _unregister(buffer: torch.Tensor) -> int:
+    """Undo ``cudaHostRegister`` of ``buffer``; the error code (0: done). Also runs at process exit."""
+    try:
+        return int(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr()))
+    except Exception:  # noqa: BLE001 - the CUDA runtime may be gone at interpreter exit
+        return -1
 
 
 def _discard(name: str, path: str | None) -> None:

@@ -8,16 +8,33 @@ prefix: an extension may not redefine a worker method.
 Between ``execute_model`` and ``sample_tokens`` of step ``k`` the engine calls
 :meth:`~CaptureWorkerExtension.speculators_capture_step` with the ring slot it
 gave that step. On the output rank the step's aux states (only the scheduled
-tokens, no padding) are copied into the slot, one contiguous copy per layer:
-on GPUs a device-to-host copy straight into the slot (registered once as
-pinned memory), enqueued on the compute stream, so it is ordered after the
-step's forward and before the next forward overwrites any buffer (CUDA graphs
-reuse theirs); on CPU a plain copy. The reply is the *previous* step's
-metadata (:class:`StepCapture`: slot, request ids, starts, counts), whose copy
-has long finished: the host thread never waits for the step still running,
-and no state crosses the process boundary by pickling. Other ranks return
-nothing. Without a ring (the Ray executor, whose workers may sit on other
-hosts) the states travel in the reply, as a host tensor.
+tokens, no padding) are copied into the slot, one contiguous copy per layer.
+On GPUs the ring is registered once as pinned memory and the copy takes one
+of two paths, chosen at set-up (:func:`~speculators_v016.worker.staging.plan_staging`)
+and reported in the set-up info (``copy_path``):
+
+* ``staged``: a device-to-device copy into a GPU staging buffer on the
+  compute stream, then the device-to-host copy on a dedicated copy stream
+  (:class:`~speculators_v016.worker.staging.StagingCopier`), so the next
+  forward does not wait for PCIe. The staging bytes are added to the
+  runner's ``model_memory_usage`` before vLLM sizes the KV cache.
+* ``direct`` (the fallback, when staging does not fit): the device-to-host
+  copy enqueued on the compute stream.
+
+Either way the copy is ordered after the step's forward and before the next
+forward overwrites any buffer (CUDA graphs reuse theirs). On CPU it is a
+plain copy. The reply is the *previous* step's metadata
+(:class:`StepCapture`: slot, request ids, starts, counts), waiting for its
+copy into the slot to complete: the host thread never waits for the step
+still running, and no state crosses the process boundary by pickling. Other
+ranks return nothing. Without a ring (the Ray executor, whose workers may sit
+on other hosts) the states travel in the reply, as a host tensor (direct
+path).
+
+:meth:`~CaptureWorkerExtension.speculators_capture_close` releases what the
+capture holds (staging buffers, the ring's pinned registration); the engine's
+executor calls it before vLLM shuts down, a re-attach calls it first, and the
+ring's finalizer unregisters on any other exit path.
 """
 
 from __future__ import annotations
@@ -28,6 +45,7 @@ import torch
 
 from speculators_v016.worker import cpu_async, cpu_rope
 from speculators_v016.worker.aux_outputs import install_aux_outputs
+from speculators_v016.worker.staging import StagingCopier, StagingPlan, plan_staging
 from speculators_v016.engine.slot_ring import SlotRing
 from speculators_v016.protocol import RingSpec, StepCapture
 
@@ -47,7 +65,7 @@ class CaptureWorkerExtension:
     """Mixed into vLLM's worker by ``ParallelConfig.worker_extension_cls``."""
 
     def speculators_capture_setup(self, capture_ids: list[int], output_rank: int, mode: str = "auto",
-                                  ring: RingSpec | None = None) -> dict:
+                                  ring: RingSpec | None = None, staging: str = "auto") -> dict:
         """Install aux outputs and map the ring; run after model load, before profiling and warm-up."""
         runner = self.model_runner
         info = install_aux_outputs(runner.get_model(), capture_ids, mode)
@@ -55,23 +73,95 @@ class CaptureWorkerExtension:
         runner.use_aux_hidden_state_outputs = True
         info["cpu_async_output"] = runner.use_async_scheduling and cpu_async.install(runner.device)
         info["async_scheduling"] = bool(runner.use_async_scheduling)
-        self.speculators_capture_attach(len(capture_ids), self.rank == output_rank, ring)
+        self.speculators_capture_attach(len(capture_ids), self.rank == output_rank, ring, staging)
         info["ring"] = ring is not None and self._speculators_is_output
+        info.update(self._speculators_copy_info)
         return info
 
-    def speculators_capture_attach(self, num_ids: int, is_output: bool, ring: RingSpec | None) -> None:
-        """Map the ring on the output rank (pinned on GPUs); reset the pending capture."""
+    def speculators_capture_attach(self, num_ids: int, is_output: bool, ring: RingSpec | None,
+                                   staging: str = "auto") -> None:
+        """Map the ring on the output rank (pinned on GPUs) and choose the copy path; reset the pending capture.
+
+        ``staging``: ``"auto"`` stages on the GPU when :func:`plan_staging`
+        says it fits, ``"off"`` keeps the direct path. Attaching again first
+        releases what the previous attach held.
+        """
+        if staging not in ("auto", "off"):
+            raise ValueError(f"staging {staging!r}: choose 'auto' or 'off'")
+        if getattr(self, "_speculators_attached", False):
+            self.speculators_capture_close()
         self._speculators_is_output = is_output
         self._speculators_num_ids = num_ids
         self._speculators_pending: _Pending | None = None
         self._speculators_ring = None
-        if is_output and ring is not None:
-            self._speculators_ring = SlotRing.attach(ring)
-            if self.model_runner.device.type == "cuda":
-                self._speculators_ring.pin()
+        self._speculators_staging: StagingCopier | None = None
+        self._speculators_attached, self._speculators_closed = True, False
+        device = self.model_runner.device
+        path = "none" if not is_output else "direct" if device.type == "cuda" else "host"
+        self._speculators_copy_info = {"copy_path": path}
+        if not (is_output and ring is not None):
+            return
+        self._speculators_ring = SlotRing.attach(ring)
+        if device.type != "cuda":
+            return
+        self._speculators_ring.pin()
+        plan = self._speculators_plan_staging(ring, device, staging)
+        if plan.use:
+            try:
+                self._speculators_staging = StagingCopier(plan, (ring.num_ids, ring.max_rows, ring.hidden),
+                                                          ring.torch_dtype, device)
+            except torch.cuda.OutOfMemoryError as exc:
+                plan = StagingPlan(False, plan.buffers, plan.buffer_bytes,
+                                   f"staging buffers could not be allocated ({exc}): direct copies")
+        self._speculators_copy_info = {"copy_path": "staged" if plan.use else "direct",
+                                       "staging": plan.describe(),
+                                       "staging_in_model_memory": self._speculators_account(plan)}
+
+    def _speculators_plan_staging(self, ring: RingSpec, device: torch.device, staging: str) -> StagingPlan:
+        """One staging buffer per step in flight (the ring has one slot more), if it fits (see plan_staging)."""
+        buffers = max(ring.slots - 1, 1)
+        if staging == "off":
+            return StagingPlan(False, buffers, ring.slot_bytes, "staging turned off: direct copies")
+        free, total = torch.cuda.mem_get_info(device)
+        requested, init = getattr(self, "requested_memory", None), getattr(self, "init_snapshot", None)
+        budget_left = None
+        if requested is not None and init is not None:
+            # vLLM's budget (total x gpu_memory_utilization) minus what this instance took since its
+            # start-up snapshot (weights, NCCL, ...): what the activations and the KV cache will share.
+            budget_left = int(requested) - ((total - free) - int(init.cuda_memory))
+        return plan_staging(buffers, ring.slot_bytes, free, budget_left)
+
+    def _speculators_account(self, plan: StagingPlan) -> bool:
+        """Count the staging bytes as model memory, which vLLM subtracts before it sizes the KV cache."""
+        runner = self.model_runner
+        if not hasattr(runner, "model_memory_usage"):
+            return False
+        nbytes = plan.nbytes if plan.use else 0
+        runner.model_memory_usage += nbytes - getattr(self, "_speculators_accounted", 0)
+        self._speculators_accounted = nbytes
+        return plan.use
+
+    def speculators_capture_close(self) -> None:
+        """Release what the capture holds: finish copies in flight, drop staging, unregister the ring."""
+        if not getattr(self, "_speculators_attached", False):
+            return
+        self._speculators_attached, self._speculators_closed = False, True
+        pending, self._speculators_pending = self._speculators_pending, None
+        staging, self._speculators_staging = self._speculators_staging, None
+        ring, self._speculators_ring = self._speculators_ring, None
+        try:
+            if pending is not None and pending.ready is not None:
+                pending.ready.synchronize()  # no copy may land in the slots once they are unregistered
+            if staging is not None:
+                staging.close()
+        finally:
+            if ring is not None:
+                ring.close()
 
     def speculators_capture_step(self, step: int, slot: int | None = None) -> StepCapture | None:
         """Capture step ``step`` (just executed) into ``slot``; return the previous step's capture."""
+        if getattr(self, "_speculators_closed", False):
+            raise RuntimeError(f"step {step}: the capture was closed (speculators_capture_close)")
         if not self._speculators_is_output:
             return None
         pending = self._speculators_pending
@@ -110,10 +200,13 @@ class CaptureWorkerExtension:
         )
         on_gpu = aux[0].device.type == "cuda"
         dst = self._speculators_destination(step, slot, total, aux[0], on_gpu)
-        for j, layer in enumerate(aux):  # one contiguous copy per layer, no intermediate buffer
-            dst[j].copy_(layer[:total], non_blocking=on_gpu)
         if slot is None:
             capture.states = dst
+        staging = self._speculators_staging
+        if staging is not None and slot is not None:
+            return _Pending(capture, staging.copy(aux, total, dst))  # event on the copy stream
+        for j, layer in enumerate(aux):  # one contiguous copy per layer, no intermediate buffer
+            dst[j].copy_(layer[:total], non_blocking=on_gpu)
         if not on_gpu:
             return _Pending(capture, None)
         ready = torch.cuda.Event()

@@ -30,6 +30,7 @@ def test_tp2_equals_tp1(tiny_model, two_cpu_workers):
         assert gen.engine.executor.capture_output_rank == 0
         assert len(gen.engine.capture_info) == 2  # set up on both ranks
         assert [i["ring"] for i in gen.engine.capture_info] == [True, False]  # only the output rank maps it
+        assert [i["copy_path"] for i in gen.engine.capture_info] == ["host", "none"]  # CPU: plain host copies
         tp2 = gen.generate(prompts)
         checker = LogitChecker(model_dir, gen.engine.dtype, NUM_LAYERS - 1)  # vLLM's own logits, under TP
         for key, ids, states in gen.engine.stream(enumerate(prompts), prompt_logprobs=lambda _: True):
@@ -37,6 +38,8 @@ def test_tp2_equals_tp1(tiny_model, two_cpu_workers):
         assert checker.result.ok and checker.result.samples == len(prompts), checker.result.line()
     with VllmHiddenStatesGenerator(model_dir, **ENGINE) as gen:
         tp1 = gen.generate(prompts)
+        worker = gen.engine.executor.driver_worker.worker  # uniprocess: the worker lives here
+    assert worker._speculators_closed and worker._speculators_ring is None  # engine close released the capture
     worst = max((a - b).abs().max().item() for x, y in zip(tp1, tp2)
                 for a, b in zip(x["hidden_states"], y["hidden_states"]))
     assert worst < TOLERANCE

@@ -1,0 +1,169 @@
+"""GPU staging of captured states: the step's rows leave the compute stream as a device-to-device copy.
+
+A device-to-host copy on the compute stream holds the next forward back
+until the step's bytes have crossed PCIe (448 MiB a step is ~9 ms at
+50 GiB/s). :class:`StagingCopier` instead copies the step's rows into a
+staging buffer on the device (on the compute stream, ordered after the
+forward and before the next one overwrites any buffer: ~0.25 ms for
+448 MiB), records an event, and a dedicated copy stream waits on that event
+and moves the staging buffer into the step's host slot while the next
+forward runs. There is one staging buffer per step in flight; the compute
+stream waits, on the device, for a buffer's previous device-to-host copy
+before it writes that buffer again.
+
+Each step, in stream order::
+
+    compute stream:  forward k | wait drained[i] | fill staging[i] | record staged | forward k+1 ...
+    copy stream:                                   wait staged | staging[i] -> slot | record drained[i]
+
+:meth:`StagingCopier.fill` (the device-to-device step) is the seam where a
+transform of the rows (e.g. FP8 quantization into a staging layout of codes
+and scales) belongs; :meth:`StagingCopier.drain` moves a staged buffer to the
+host.
+
+Memory: the buffers are allocated at capture set-up, after vLLM loaded the
+model and before it profiles memory and sizes the KV cache, and the worker
+adds their bytes to the runner's ``model_memory_usage`` (what vLLM 0.16
+subtracts from ``gpu_memory_utilization``'s budget, with the activation
+peak, before it gives the rest to the KV cache). So staging lives inside
+the budget, like the weights, and the KV cache is that much smaller.
+:func:`plan_staging` decides at set-up whether staging is used: it must fit
+in the device's free memory and take at most :data:`MAX_BUDGET_SHARE` of the
+budget vLLM still has to give out (activations and KV cache); otherwise the
+capture keeps the direct path (device-to-host on the compute stream) and
+says why in its set-up info.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+#: Staging takes at most this share of what vLLM has left for activations and the KV cache.
+MAX_BUDGET_SHARE = 0.25
+#: Device memory left free after the staging buffers (allocator slack, the profile run's first blocks).
+FREE_HEADROOM_BYTES = 512 * 2**20
+
+
+@dataclass(frozen=True)
+class StagingPlan:
+    """Whether the capture stages on the device, and why."""
+
+    use: bool
+    buffers: int
+    buffer_bytes: int
+    reason: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffers * self.buffer_bytes
+
+    def describe(self) -> dict:
+        return {"staged": self.use, "buffers": self.buffers, "bytes": self.nbytes, "reason": self.reason}
+
+
+def plan_staging(buffers: int, buffer_bytes: int, free_bytes: int, budget_left: int | None,
+                 share: float = MAX_BUDGET_SHARE) -> StagingPlan:
+    """Stage if ``buffers x buffer_bytes`` fits the free memory and ``share`` of the budget left.
+
+    ``budget_left``: bytes of ``gpu_memory_utilization``'s budget not yet
+    used by this vLLM instance (None when the worker does not say; then only
+    the free memory decides).
+    """
+    if buffers < 1:
+        raise ValueError(f"staging needs at least one buffer, got {buffers}")
+    need = buffers * buffer_bytes
+    mib = lambda n: f"{n / 2**20:,.0f} MiB"  # noqa: E731
+    if budget_left is not None and need > share * budget_left:
+        return StagingPlan(False, buffers, buffer_bytes,
+                           f"{buffers} staging buffers need {mib(need)}, more than {share:.0%} of the "
+                           f"{mib(max(budget_left, 0))} gpu_memory_utilization leaves for activations and "
+                           "KV cache: device-to-host copies stay on the compute stream")
+    if need > free_bytes - FREE_HEADROOM_BYTES:
+        return StagingPlan(False, buffers, buffer_bytes,
+                           f"{buffers} staging buffers need {mib(need)}, the device has {mib(free_bytes)} "
+                           "free: device-to-host copies stay on the compute stream")
+    where = "inside gpu_memory_utilization" if budget_left is not None else "budget unknown"
+    return StagingPlan(True, buffers, buffer_bytes,
+                       f"{buffers} x {mib(buffer_bytes)} staged on the device ({where}); "
+                       "device-to-host copies on a copy stream")
+
+
+class CudaStreams:
+    """The CUDA calls :class:`StagingCopier` makes (a fake stands in for CPU unit tests)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def compute(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def new_stream(self) -> Any:
+        return torch.cuda.Stream(self.device)
+
+    def new_event(self) -> Any:
+        return torch.cuda.Event()
+
+    def use(self, stream: Any) -> AbstractContextManager:
+        return torch.cuda.stream(stream)
+
+
+class StagingCopier:
+    """Staging buffers ``[num_ids, max_rows, hidden]`` on the device, a copy stream and the events between."""
+
+    def __init__(self, plan: StagingPlan, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
+                 streams: CudaStreams | None = None):
+        if not plan.use:
+            raise ValueError(f"staging was not planned: {plan.reason}")
+        self.plan = plan
+        self.streams = streams or CudaStreams(device)
+        self.buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(plan.buffers)]
+        self.copy_stream = self.streams.new_stream()
+        self._drained: list[Any] = [None] * plan.buffers  # event after each buffer's last device-to-host copy
+        self._next = 0
+
+    def copy(self, aux: Sequence[torch.Tensor], total: int, dst: torch.Tensor) -> Any:
+        """Stage ``aux[j][:total]`` (compute stream) and drain it into ``dst[j]`` (copy stream).
+
+        Returns the event recorded on the copy stream after the last
+        device-to-host copy: once it has completed, ``dst`` holds the rows.
+        Call from the thread that runs the forward, right after it (the
+        compute stream is that thread's current stream).
+        """
+        index, self._next = self._next, (self._next + 1) % len(self.buffers)
+        stage = self.buffers[index]
+        compute = self.streams.compute()
+        if self._drained[index] is not None:
+            compute.wait_event(self._drained[index])  # on the device: the buffer's previous copy-out is done
+        self.fill(stage, aux, total)
+        staged = self.streams.new_event()
+        staged.record(compute)
+        self.copy_stream.wait_event(staged)
+        with self.streams.use(self.copy_stream):
+            self.drain(stage, total, dst)
+        drained = self.streams.new_event()
+        drained.record(self.copy_stream)
+        self._drained[index] = drained
+        return drained
+
+    def fill(self, stage: torch.Tensor, aux: Sequence[torch.Tensor], total: int) -> None:
+        """Device-to-device, on the current (compute) stream: the step's rows into ``stage``."""
+        for j, layer in enumerate(aux):
+            stage[j, :total].copy_(layer[:total])
+
+    def drain(self, stage: torch.Tensor, total: int, dst: torch.Tensor) -> None:
+        """Device-to-host, on the copy stream: one contiguous copy per layer into the pinned slot."""
+        for j in range(dst.shape[0]):
+            dst[j].copy_(stage[j, :total], non_blocking=True)
+
+    def close(self) -> None:
+        """Wait for the copies in flight, then let the buffers go."""
+        for event in self._drained:
+            if event is not None:
+                event.synchronize()
+        self._drained = [None] * len(self.buffers)
+        self.buffers = []

@@ -1,0 +1,184 @@
+"""GPU staging bookkeeping, on CPU: the fit decision and the order of copies, events and waits.
+
+A fake stands in for CUDA streams and events (it logs what is recorded and
+waited for, in order); the copies are real tensor copies on CPU. The GPU
+tier (tests/gpu) runs the same class on a device, at the real cadence.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speculators_v016.worker.staging import FREE_HEADROOM_BYTES, StagingCopier, StagingPlan, plan_staging
+
+MIB = 2**20
+
+
+class FakeEvent:
+    count = 0
+
+    def __init__(self, log):
+        FakeEvent.count += 1
+        self.name, self.log, self.recorded_on, self.synchronized = f"e{FakeEvent.count}", log, None, False
+
+    def record(self, stream):
+        self.recorded_on = stream.name
+        self.log.append(("record", stream.name, self.name))
+
+    def synchronize(self):
+        self.synchronized = True
+
+
+class FakeStream:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_event(self, event):
+        self.log.append(("wait", self.name, event.name))
+
+
+class FakeStreams:
+    """Logs stream and event calls; ``current`` is the stream copies are issued on."""
+
+    def __init__(self):
+        self.log: list[tuple] = []
+        self.compute_stream = FakeStream("compute", self.log)
+        self.current = "compute"
+
+    def compute(self):
+        return self.compute_stream
+
+    def new_stream(self):
+        return FakeStream("copy", self.log)
+
+    def new_event(self):
+        return FakeEvent(self.log)
+
+    def use(self, stream):
+        streams = self
+
+        class _On:
+            def __enter__(self):
+                streams.current = stream.name
+
+            def __exit__(self, *exc):
+                streams.current = "compute"
+
+        return _On()
+
+
+def _index(buffers, stage):
+    return next(i for i, b in enumerate(buffers) if b is stage)
+
+
+class LoggingCopier(StagingCopier):
+    """Records on which (fake) stream each fill and drain is issued, and which buffer it uses."""
+
+    def fill(self, stage, aux, total):
+        self.streams.log.append(("fill", self.streams.current, _index(self.buffers, stage)))
+        super().fill(stage, aux, total)
+
+    def drain(self, stage, total, dst):
+        self.streams.log.append(("drain", self.streams.current, _index(self.buffers, stage)))
+        super().drain(stage, total, dst)
+
+
+class NoReuseWaitCopier(LoggingCopier):
+    """A broken copier: it overwrites a staging buffer without waiting for its previous copy-out."""
+
+    def copy(self, aux, total, dst):
+        self._drained = [None] * len(self.buffers)
+        return super().copy(aux, total, dst)
+
+
+def check_order(log: list[tuple], buffers: int) -> None:
+    """Each step: compute waits for the buffer's last drain, fills it, records; copy waits, drains, records."""
+    drained_by_buffer: dict[int, str] = {}
+    i, step = 0, 0
+    while i < len(log):
+        buffer = step % buffers
+        if buffer in drained_by_buffer:
+            assert log[i] == ("wait", "compute", drained_by_buffer[buffer]), (step, log[i])
+            i += 1
+        fill, staged, wait, drain, drained = log[i:i + 5]
+        assert fill == ("fill", "compute", buffer), (step, fill)
+        assert staged[:2] == ("record", "compute"), (step, staged)
+        assert wait == ("wait", "copy", staged[2]), (step, wait)
+        assert drain == ("drain", "copy", buffer), (step, drain)
+        assert drained[:2] == ("record", "copy"), (step, drained)
+        drained_by_buffer[buffer] = drained[2]
+        i, step = i + 5, step + 1
+
+
+def run_copier(cls, buffers: int, steps: list[int]):
+    streams = FakeStreams()
+    plan = StagingPlan(True, buffers, 0, "test")
+    copier = cls(plan, (3, 16, 8), torch.float32, torch.device("cpu"), streams=streams)
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for total in steps:
+        aux = [torch.randn(16, 8, generator=gen) for _ in range(3)]
+        dst = torch.full((3, total, 8), float("nan"))
+        event = copier.copy(aux, total, dst)
+        results.append((aux, total, dst, event))
+    return copier, streams, results
+
+
+def test_plan_stages_when_it_fits_the_budget_and_the_free_memory():
+    """Two 448 MiB buffers fit a 60 GiB budget and 100 GiB free: staged, reason says where."""
+    plan = plan_staging(2, 448 * MIB, 100 * 2**30, 60 * 2**30)
+    assert plan.use and plan.nbytes == 896 * MIB
+    assert plan.describe() == {"staged": True, "buffers": 2, "bytes": 896 * MIB, "reason": plan.reason}
+    assert "inside gpu_memory_utilization" in plan.reason
+
+
+def test_plan_falls_back_when_staging_takes_too_much_of_the_budget():
+    """More than a quarter of what vLLM has left for activations and KV cache: direct copies, reason given."""
+    plan = plan_staging(2, 448 * MIB, 100 * 2**30, 3 * 2**30)
+    assert not plan.use
+    assert "896 MiB, more than 25% of the 3,072 MiB gpu_memory_utilization leaves" in plan.reason
+    assert "stay on the compute stream" in plan.reason
+    assert plan_staging(2, 448 * MIB, 100 * 2**30, 4 * 896 * MIB).use  # exactly a quarter still fits
+
+
+def test_plan_falls_back_when_the_device_lacks_free_memory():
+    """Without a known budget only free memory (minus headroom) decides; too little: direct copies."""
+    assert plan_staging(1, 448 * MIB, 448 * MIB + FREE_HEADROOM_BYTES, None).use
+    plan = plan_staging(1, 448 * MIB, 448 * MIB + FREE_HEADROOM_BYTES - 1, None)
+    assert not plan.use and "the device has 960 MiB free" in plan.reason
+    with pytest.raises(ValueError, match="at least one buffer, got 0"):
+        plan_staging(0, 448 * MIB, 2**40, None)
+
+
+def test_copier_refuses_a_plan_that_does_not_stage():
+    """A fallback plan never builds staging buffers."""
+    with pytest.raises(ValueError, match="staging was not planned: too big"):
+        StagingCopier(StagingPlan(False, 2, 1, "too big"), (1, 1, 1), torch.float32, torch.device("cpu"),
+                      streams=FakeStreams())
+
+
+def test_copier_orders_fill_drain_and_buffer_reuse_by_events():
+    """Fill on compute, drain on the copy stream after the staged event; a buffer is refilled only after its drain."""
+    copier, streams, results = run_copier(LoggingCopier, 2, [16, 5, 16, 1, 9, 16, 2])
+    check_order(streams.log, buffers=2)
+    for aux, total, dst, event in results:
+        assert torch.equal(dst, torch.stack([a[:total] for a in aux])), total
+        assert event.recorded_on == "copy"
+    copier.close()
+    assert copier.buffers == []
+    assert all(event.synchronized for *_, event in results[-2:])  # the last drain of each buffer
+
+
+def test_order_check_catches_a_copier_that_reuses_a_buffer_too_early():
+    """The order check is not vacuous: a copier without the reuse wait fails it."""
+    _, streams, _ = run_copier(NoReuseWaitCopier, 2, [16, 16, 16])
+    with pytest.raises(AssertionError):
+        check_order(streams.log, buffers=2)
+
+
+def test_one_buffer_waits_for_its_own_previous_drain():
+    """With one buffer every step after the first waits on the compute stream for the previous drain."""
+    _, streams, _ = run_copier(LoggingCopier, 1, [4, 4, 4])
+    check_order(streams.log, buffers=1)
+    assert sum(1 for entry in streams.log if entry[:2] == ("wait", "compute")) == 2
