@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SHM_DIR = "/dev/shm"
 PREFIX = "speculators-v016-ring-"
@@ -18,7 +20,12 @@ PREFIX = "speculators-v016-ring-"
 
 @dataclass(frozen=True)
 class RingSpec:
-    """What a worker needs to map the ring (sent through the set-up RPC)."""
+    """What a worker needs to map the ring (sent through the set-up RPC).
+
+    A shared ring's file starts with a header that repeats the shape and the
+    creator's random ``token``: the worker maps the file only if both match
+    (a name that vanished or was replaced fails the run, never maps zeros).
+    """
 
     name: str
     shared: bool
@@ -27,9 +34,13 @@ class RingSpec:
     max_rows: int
     hidden: int
     dtype: str  # e.g. "bfloat16"
+    token: str = ""  # hex; the creator's identity token (shared rings)
+    directory: str = SHM_DIR  # where a shared ring's file lies
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         return getattr(torch, self.dtype)
 
     @property
@@ -38,7 +49,7 @@ class RingSpec:
 
     @property
     def slot_bytes(self) -> int:
-        return self.slot_numel * torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.slot_numel * self.torch_dtype.itemsize
 
     @property
     def total_bytes(self) -> int:
@@ -46,7 +57,7 @@ class RingSpec:
 
     @property
     def path(self) -> str:
-        return os.path.join(SHM_DIR, self.name)
+        return os.path.join(self.directory, self.name)
 
     def describe(self) -> str:
         return (f"{self.slots} slots x {self.max_rows} rows x {self.num_ids} layers x {self.hidden} hidden "

@@ -19,18 +19,31 @@ the same addresses fail (``cudaErrorHostMemoryAlreadyRegistered``).
 Two backings:
 
 * **shared** (multiprocess executors): a file in ``/dev/shm`` named
-  ``speculators-v016-ring-<pid>-<token>``. The engine unlinks it as soon as
-  the worker has mapped it, so even a SIGKILL leaves nothing behind after
-  that point; :mod:`speculators_v016.engine.shm_sweep` reclaims the rest.
+  ``speculators-v016-ring-<pid>-<random>``, created with ``O_EXCL`` and mapped
+  by the engine through the descriptor it created. Its first page is a header:
+  a magic string, a random identity token (also in the :class:`RingSpec` the
+  worker receives) and the shape. The worker opens the name without
+  ``O_CREAT`` and without following links, and maps it only if the size, the
+  owner, the token and the shape all match: a name that vanished (a
+  ``/dev/shm`` cleaner, systemd's ``RemoveIPC``) or was replaced fails the run
+  at start with :class:`RingIdentityError`, never maps a new empty file whose
+  zeros would be written as states. The engine unlinks the name as soon as the
+  worker has mapped it, so even a SIGKILL leaves nothing behind after that
+  point; :mod:`speculators_v016.engine.shm_sweep` reclaims the rest.
 * **local** (uniprocess executor): plain memory of this process, found by the
   worker (same process) through a registry.
 """
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 import secrets
+import stat
+import struct
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -38,75 +51,119 @@ from speculators_v016.protocol import PREFIX, SHM_DIR, RingSpec
 
 _LOCAL: dict[str, torch.Tensor] = {}  # name -> buffer, for the uniprocess executor
 
+#: Bytes before the slots in a shared ring's file (one page: the slots stay page-aligned for pinning).
+HEADER_BYTES = 4096
+MAGIC = b"speculators-ring"
+_HEADER = struct.Struct("<16s16sQQQQ16s")  # magic, token, slots, num_ids, max_rows, hidden, dtype
+
 
 class RingSpaceError(OSError):
     """``/dev/shm`` cannot hold the capture ring."""
 
 
-def _shm_free_bytes() -> int:
-    st = os.statvfs(SHM_DIR)
+class RingIdentityError(RuntimeError):
+    """The shared ring's file is not the one the engine created (gone, replaced, resized, not ours)."""
+
+
+def _shm_free_bytes(directory: str = SHM_DIR) -> int:
+    st = os.statvfs(directory)
     return st.f_bavail * st.f_frsize
+
+
+def file_bytes(spec: RingSpec) -> int:
+    """Size of a shared ring's file: the header page, then the slots."""
+    return HEADER_BYTES + spec.total_bytes
+
+
+def _header(spec: RingSpec) -> bytes:
+    return _HEADER.pack(MAGIC, bytes.fromhex(spec.token), spec.slots, spec.num_ids, spec.max_rows, spec.hidden,
+                        spec.dtype.encode())
 
 
 class SlotRing:
     """The slots, mapped in this process; the owner (engine) also tracks which are free."""
 
-    def __init__(self, spec: RingSpec, buffer: torch.Tensor, owner: bool):
+    def __init__(self, spec: RingSpec, buffer: torch.Tensor, owner: bool,
+                 identity: tuple[int, int] | None = None):
         self.spec = spec
         self.buffer = buffer.view(spec.slots, spec.num_ids, spec.max_rows, spec.hidden)
         self.owner = owner
+        self._identity = identity  # (device, inode) of the file we created: only that one is ever unlinked
         self._free = list(range(spec.slots))
         self._unpin: weakref.finalize | None = None  # undoes cudaHostRegister, at close or when dropped
         self._unlinked = not spec.shared
         if owner:
-            self._finalizer = weakref.finalize(self, _discard, spec.name, spec.path if spec.shared else None)
+            self._finalizer = weakref.finalize(self, _discard, spec.name, spec.path if spec.shared else None,
+                                               identity)
 
     # -- creation and mapping -------------------------------------------
     @classmethod
     def create(cls, *, slots: int, num_ids: int, max_rows: int, hidden: int, dtype: torch.dtype,
-               shared: bool) -> SlotRing:
-        """Make a ring (the engine). ``shared``: a ``/dev/shm`` file for worker processes."""
+               shared: bool, directory: str = SHM_DIR,
+               created: Callable[[str, os.stat_result], None] | None = None) -> SlotRing:
+        """Make a ring (the engine). ``shared``: a file in ``directory`` for worker processes.
+
+        ``created(name, stat)`` is called as soon as the file exists, before the
+        (slow) space reservation: the run records the name there, so a crash
+        at any later point leaves a segment the next run can attribute.
+        """
         name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-        spec = RingSpec(name, shared, slots, num_ids, max_rows, hidden, str(dtype).removeprefix("torch."))
+        spec = RingSpec(name, shared, slots, num_ids, max_rows, hidden, str(dtype).removeprefix("torch."),
+                        token=secrets.token_hex(16) if shared else "", directory=directory)
         if not shared:
             buffer = torch.empty(slots * spec.slot_numel, dtype=dtype)
             _LOCAL[name] = buffer
             return cls(spec, buffer, owner=True)
-        free = _shm_free_bytes()
-        if free < spec.total_bytes:
+        free = _shm_free_bytes(directory)
+        if free < file_bytes(spec):
             raise RingSpaceError(_space_message(spec, free))
-        fd = os.open(spec.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(spec.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        st = os.fstat(fd)
+        identity = (st.st_dev, st.st_ino)
         try:
-            os.posix_fallocate(fd, 0, spec.total_bytes)  # reserve now: no SIGBUS mid-run
-        except OSError as exc:
-            os.close(fd)
-            os.unlink(spec.path)
-            raise RingSpaceError(_space_message(spec, _shm_free_bytes())) from exc
-        os.close(fd)
-        try:
-            return cls(spec, _map(spec), owner=True)
+            if created is not None:
+                created(spec.name, st)
+            try:
+                os.posix_fallocate(fd, 0, file_bytes(spec))  # reserve now: no SIGBUS mid-run
+            except OSError as exc:
+                raise RingSpaceError(_space_message(spec, _shm_free_bytes(directory))) from exc
+            os.pwrite(fd, _header(spec), 0)
+            buffer = _map(fd, spec)  # through our descriptor: the name is never opened again here
         except BaseException:
-            os.unlink(spec.path)
+            _unlink_if_same(spec.path, identity)
             raise
+        finally:
+            os.close(fd)
+        return cls(spec, buffer, owner=True, identity=identity)
 
     @classmethod
     def attach(cls, spec: RingSpec) -> SlotRing:
-        """Map an existing ring (the output-rank worker)."""
+        """Map the engine's ring (the output-rank worker); never creates one.
+
+        A shared ring is opened without ``O_CREAT`` and without following
+        links, and mapped only if it is a regular file of this user with the
+        expected size and the creator's header (token and shape): anything
+        else raises :class:`RingIdentityError`.
+        """
         if not spec.shared:
             if spec.name not in _LOCAL:
                 raise RuntimeError(f"capture ring {spec.name} is not in this process "
                                    "(a local ring needs the uniprocess executor)")
             return cls(spec, _LOCAL[spec.name], owner=False)
-        return cls(spec, _map(spec), owner=False)
+        if len(spec.token) != 32:
+            raise RingIdentityError(f"capture ring {spec.path}: the spec carries no identity token")
+        fd = _open_existing(spec)
+        try:
+            _check_identity(fd, spec)
+            return cls(spec, _map(fd, spec), owner=False)
+        finally:
+            os.close(fd)
 
     def unlink(self) -> None:
         """Remove the ``/dev/shm`` name (mappings stay valid); call once every worker has mapped it."""
         if not self._unlinked:
             self._unlinked = True
-            try:
-                os.unlink(self.spec.path)
-            except FileNotFoundError:
-                pass
+            _unlink_if_same(self.spec.path, self._identity)
 
     def pin(self) -> None:
         """Register the mapped slots as pinned memory (once), for direct device-to-host copies."""
@@ -156,9 +213,11 @@ class SlotRing:
         self._free.append(index)
 
 
-def _map(spec: RingSpec) -> torch.Tensor:
-    numel = spec.slots * spec.slot_numel
-    return torch.from_file(spec.path, shared=True, size=numel, dtype=spec.torch_dtype)
+def _map(fd: int, spec: RingSpec) -> torch.Tensor:
+    """The slots of the file open as ``fd``, mapped shared (the mapping keeps its own reference)."""
+    mapping = mmap.mmap(fd, file_bytes(spec), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(mapping, dtype=spec.torch_dtype, count=spec.slots * spec.slot_numel,
+                            offset=HEADER_BYTES)
 
 
 def _unregister(buffer: torch.Tensor) -> int:
@@ -169,17 +228,63 @@ def _unregister(buffer: torch.Tensor) -> int:
         return -1
 
 
-def _discard(name: str, path: str | None) -> None:
+_VANISHED = ("something removed it between the engine's creation and this worker's mapping (a /dev/shm "
+             "cleaner, systemd RemoveIPC at logout, another container's sweep)")
+
+
+def _open_existing(spec: RingSpec) -> int:
+    """The ring's file, opened read-write without creating it and without following a link."""
+    try:
+        return os.open(spec.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise RingIdentityError(f"capture ring {spec.path} is gone: {_VANISHED}. Refusing to create a new "
+                                "one: the engine would never see what this worker writes") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise RingIdentityError(f"capture ring {spec.path} is a symbolic link now, not the engine's "
+                                    f"file: {_VANISHED}, and something else put a link there") from None
+        raise RingIdentityError(f"capture ring {spec.path} cannot be opened: {exc}") from exc
+
+
+def _check_identity(fd: int, spec: RingSpec) -> None:
+    """The file open as ``fd`` is the engine's ring: regular, ours, its size, its token and shape."""
+    st = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = "is not a regular file"
+    elif st.st_uid != os.getuid():
+        problem = f"belongs to uid {st.st_uid}, not to this user ({os.getuid()})"
+    elif st.st_size != file_bytes(spec):
+        problem = f"holds {st.st_size:,} bytes, the engine's ring {file_bytes(spec):,}"
+    elif os.pread(fd, _HEADER.size, 0) != _header(spec):
+        problem = "does not carry the engine's identity token and shape in its header"
+    if problem is not None:
+        raise RingIdentityError(f"capture ring {spec.path} {problem}: it is not the file the engine created "
+                                f"({_VANISHED}, and another file took its name). Refusing to map it")
+
+
+def _discard(name: str, path: str | None, identity: tuple[int, int] | None) -> None:
     _LOCAL.pop(name, None)
     if path is not None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        _unlink_if_same(path, identity)
+
+
+def _unlink_if_same(path: str, identity: tuple[int, int] | None) -> None:
+    """Remove ``path`` if it still is the file we created (device, inode; not following a link)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if identity is None or (st.st_dev, st.st_ino) != identity:
+        return  # not ours (any more): never deleted
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _space_message(spec: RingSpec, free: int) -> str:
-    return (f"{SHM_DIR} has {free / 2**20:,.0f} MiB free, but the capture ring needs "
+    return (f"{spec.directory} has {free / 2**20:,.0f} MiB free, but the capture ring needs "
             f"{spec.total_bytes:,} bytes ({spec.describe()}). Lower --max-num-batched-tokens "
             f"(now {spec.max_rows}) or capture fewer layers, or give the container a larger "
-            f"{SHM_DIR} (docker run --shm-size)")
+            f"{spec.directory} (docker run --shm-size)")

@@ -14,6 +14,10 @@ modules carry no fault points: each fault wraps one of their seams here.
   check does not judge, gets a NaN in its last layer (wraps :meth:`CaptureEngine.stream`).
 * ``shift-check:n``: the ``n``-th logit-checked sample's last layer is shifted
   by one position (wraps :meth:`LogitChecker.add`).
+* ``ring-vanish:n`` / ``ring-replace:n``: the ``n``-th shared capture ring's
+  ``/dev/shm`` name is deleted (by a cleaner, say) / deleted and re-created as
+  another file of the same size, after the engine made it and before the worker
+  maps it (wraps :meth:`SlotRing.create`).
 """
 
 from __future__ import annotations
@@ -106,6 +110,21 @@ def install() -> None:
             return original_add(self, key, input_ids, states, vllm_logprobs)
 
         LogitChecker.add = add
+    elif point in ("ring-vanish", "ring-replace"):
+        from speculators_v016.engine.slot_ring import SlotRing, file_bytes
+
+        original_create = SlotRing.create.__func__
+
+        def create(cls, **kwargs):
+            ring = original_create(cls, **kwargs)
+            if ring.spec.shared and _armed(point):
+                os.unlink(ring.spec.path)
+                if point == "ring-replace":
+                    with open(ring.spec.path, "xb") as fh:
+                        fh.truncate(file_bytes(ring.spec))
+            return ring
+
+        SlotRing.create = classmethod(create)
     elif point:
         raise SystemExit(f"{VARIABLE}={os.environ[VARIABLE]}: unknown fault point {point!r}")
 

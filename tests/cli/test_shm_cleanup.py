@@ -1,4 +1,4 @@
-"""Shared memory: stale segments of dead runs reclaimed, live ones never; a small /dev/shm refused clearly."""
+"""Shared memory: stale segments of dead runs reclaimed, live ones never; a ring that vanished fails the run."""
 
 import os
 import signal
@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from helpers.cli import CPU, conversations, write_jsonl
-from speculators_v016.engine import slot_ring
+from helpers.cli import CPU, conversations, invoke, write_jsonl
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.engine.shm_sweep import stale_segments, sweep
-from speculators_v016.engine.slot_ring import PREFIX, RingSpaceError, SlotRing
+from speculators_v016.engine.slot_ring import PREFIX, SHM_DIR
+from speculators_v016.testing.faults import VARIABLE as FAULT
 
 
 def make(directory, name, size=4096):
@@ -65,35 +65,24 @@ def test_sweep_never_touches_another_users_segment(tmp_path):
     assert sweep(str(tmp_path)).removed == [] and theirs.exists()
 
 
-def test_small_dev_shm_is_refused_with_the_bytes_needed(monkeypatch):
-    """A /dev/shm that cannot hold the ring fails at once, naming the bytes and how to need fewer."""
-    monkeypatch.setattr(slot_ring, "_shm_free_bytes", lambda: 64 * 2**20)
-    with pytest.raises(RingSpaceError) as info:
-        SlotRing.create(slots=3, num_ids=4, max_rows=8192, hidden=7168, dtype=__import__("torch").bfloat16,
-                        shared=True)
-    message = str(info.value)
-    assert "1,409,286,144 bytes" in message and "--max-num-batched-tokens (now 8192)" in message
-    assert "--shm-size" in message and "64 MiB free" in message
-    assert not [p for p in os.listdir(slot_ring.SHM_DIR) if p.startswith(f"{PREFIX}{os.getpid()}-")]
-
-
-def test_ring_file_is_gone_once_mapped_and_slots_are_bounded():
-    """The owner unlinks the /dev/shm name after mapping; slots come back only when released."""
-    ring = SlotRing.create(slots=2, num_ids=2, max_rows=8, hidden=4, dtype=__import__("torch").float32,
-                           shared=True)
-    worker = SlotRing.attach(ring.spec)
-    worker.slot(1)[0, :3] = 7.0
-    assert (ring.slot(1)[0, :3] == 7.0).all()  # one shared mapping
-    ring.unlink()
-    assert not os.path.exists(ring.spec.path)
-    assert (ring.acquire(), ring.acquire()) == (0, 1)
-    with pytest.raises(RuntimeError, match="all 2 capture slots are in use"):
-        ring.acquire()
-    ring.release(0)
-    with pytest.raises(RuntimeError, match="released twice"):
-        ring.release(0)
-    assert ring.acquire() == 0
-    ring.close()
+@pytest.mark.parametrize("point, message", [("ring-vanish:1", "is gone: something removed it"),
+                                            ("ring-replace:1", "does not carry the engine's identity token")])
+def test_a_ring_gone_before_the_worker_maps_it_fails_the_run_at_start(point, message, tmp_path, model_dir):
+    """Ring name deleted (or replaced) before the worker maps it: exit 5 naming it, no sample written."""
+    data = write_jsonl(tmp_path / "chats.jsonl", conversations(20, seed=7))
+    out = tmp_path / "out"
+    before = set(os.listdir(SHM_DIR))
+    result = invoke("--target-model-path", model_dir, "--train-data-path", data, "--output-dir", out,
+                    "--seq-length", 256, "--token-freq-path", "", "--executor", "mp", env={FAULT: point})
+    assert result.exit_code == 5, result.output
+    assert message in result.output and f"capture ring {SHM_DIR}/{PREFIX}" in result.output
+    assert not list(out.glob("data_*")) and Manifest(out).entries() == {}
+    assert not (out / "data_config.json").exists()
+    new = {n for n in set(os.listdir(SHM_DIR)) - before if n.startswith(PREFIX)}
+    if point.startswith("ring-replace"):  # the impostor stays: the engine deletes only the file it created
+        assert len(new) == 1
+        os.unlink(os.path.join(SHM_DIR, new.pop()))
+    assert not new
 
 
 def test_sigkilled_multiprocess_run_leaves_nothing_after_the_next_run(tmp_path, tiny_model):
