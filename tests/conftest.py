@@ -54,19 +54,30 @@ def record_architecture():
 _SHM_BEFORE: set[str] = set()
 
 
-def pytest_sessionstart(session):
-    from speculators_v016.engine.shm_sweep import stale_segments
+def _shm_left() -> set[str]:
+    """What a run of ours left in /dev/shm: dead runs' recorded segments still there, and ring files of
+    dead processes (a ring is unlinked once the worker mapped it)."""
+    from speculators_v016.engine.shm_records import reclaim
+    from speculators_v016.protocol import PREFIX, SHM_DIR
 
-    _SHM_BEFORE.update(p.name for p in stale_segments())
+    left = {f"{seg.name} (recorded by dead run {run.run})" for run in reclaim(SHM_DIR, delete=False).runs
+            if not run.alive for seg in run.segments if seg.delete}
+    for name in os.listdir(SHM_DIR):
+        pid = name.removeprefix(PREFIX).split("-")[0]
+        if name.startswith(PREFIX) and not (pid.isdigit() and os.path.exists(f"/proc/{pid}")):
+            left.add(f"{name} (a capture ring of a dead process)")
+    return left
+
+
+def pytest_sessionstart(session):
+    _SHM_BEFORE.update(_shm_left())
 
 
 def pytest_sessionfinish(session, exitstatus):
     """Fail the run if it left shared memory behind; write the architecture results for the README table."""
-    from speculators_v016.engine.shm_sweep import stale_segments
-
-    left = sorted(p.name for p in stale_segments() if p.name not in _SHM_BEFORE)
+    left = sorted(_shm_left() - _SHM_BEFORE)
     if left:
-        print(f"\nFAILED: this test run left shared memory in /dev/shm that no process uses: {left}")
+        print(f"\nFAILED: this test run left shared memory in /dev/shm: {left}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if not ARCHITECTURE_RESULTS:
         return

@@ -2,5 +2,5 @@
 
 ``core`` (the step loop), ``executor`` (vLLM's executor plus our capture RPC),
 ``assembly`` (rows -> requests, attributed twice), ``slot_ring`` (the host
-slots the worker fills) and ``shm_sweep`` (shared memory of dead runs).
+slots the worker fills) and ``shm_records`` (shared memory: recorded while a run lives, reclaimed once dead).
 """

@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import time
 from collections import deque
+from contextlib import contextmanager
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,7 @@ from loguru import logger
 
 from speculators_v016.engine.assembly import Assembler, AttributionError, expected_rows
 from speculators_v016.engine.executor import capture_executor, executor_kind
-from speculators_v016.engine.shm_sweep import sweep
+from speculators_v016.engine.shm_records import RunRecord, reclaim_and_log
 from speculators_v016.engine.slot_ring import SlotRing
 from speculators_v016.engine.vllm_check import require_vllm
 from speculators_v016.layers import LayerPlan
@@ -122,13 +123,22 @@ class CaptureEngine:
         self.executor_kind = executor_kind(executor_class)
         self._in_process = self.executor_kind == "uni"
         self._executor_failed = False
-        self.ring = self._make_ring(config)
+        reclaim_and_log()  # dead runs' recorded segments: every engine start, whatever its executor
+        # A record of what this engine holds in /dev/shm, for the next run if this one is killed: only
+        # with worker processes (the uniprocess executor creates nothing there; Ray's workers are not ours).
+        self.shm_record = RunRecord.open() if self.executor_kind not in ("uni", "ray") else None
         try:
-            self.core = EngineCore(config, capture_executor(executor_class, self.ring), log_stats=False,
-                                   executor_fail_callback=self._on_executor_failure)
+            self.ring = self._make_ring(config)
+            try:
+                with self._recording():  # vLLM's queues and semaphores, recorded as they appear
+                    self.core = EngineCore(config, capture_executor(executor_class, self.ring), log_stats=False,
+                                           executor_fail_callback=self._on_executor_failure)
+            except BaseException:
+                if self.ring is not None:
+                    self.ring.close()
+                raise
         except BaseException:
-            if self.ring is not None:
-                self.ring.close()
+            self._close_record()
             raise
         if self.ring is not None:
             self.ring.unlink()  # the output-rank worker has mapped it: a crash now leaves no file
@@ -166,17 +176,28 @@ class CaptureEngine:
         """The capture slots: depth + 1 steps of ``max_num_batched_tokens`` rows (none for Ray)."""
         if self.executor_kind == "ray":  # workers may sit on other hosts: states travel in the reply
             return None
-        reclaimed = sweep()
-        if reclaimed.removed:
-            logger.info("reclaimed {} stale shared-memory segments of dead runs ({:,} bytes) in /dev/shm",
-                        len(reclaimed.removed), reclaimed.bytes)
+        record = self.shm_record
         ring = SlotRing.create(
             slots=(2 if self.async_scheduling else 1) + 1, num_ids=len(self.plan.capture_ids),
             max_rows=config.scheduler_config.max_num_batched_tokens,
             hidden=config.model_config.get_hidden_size(), dtype=config.model_config.dtype,
-            shared=not self._in_process)
+            shared=not self._in_process, created=record.add if record is not None else None)
         logger.debug("capture ring {}: {}", ring.spec.name, ring.spec.describe())
         return ring
+
+    @contextmanager
+    def _recording(self):
+        """Keep this engine's shared-memory record current while vLLM starts (a no-op without a record)."""
+        if self.shm_record is None:
+            yield
+            return
+        with self.shm_record.watching():
+            yield
+
+    def _close_record(self) -> None:
+        record, self.shm_record = getattr(self, "shm_record", None), None
+        if record is not None:
+            record.close()
 
     def _on_executor_failure(self) -> None:
         """Called by vLLM's executor monitor when a worker process dies."""
@@ -338,14 +359,18 @@ class CaptureEngine:
         if core is None:
             if ring is not None:
                 ring.close()
+            self._close_record()
             return
         try:
-            core.shutdown()
+            try:
+                core.shutdown()
+            finally:
+                if ring is not None:
+                    ring.close()
+            del core
+            gc.collect()  # release vLLM's native handles now, not inside a later engine's compile
         finally:
-            if ring is not None:
-                ring.close()
-        del core
-        gc.collect()  # release vLLM's native handles now, not inside a later engine's compile
+            self._close_record()  # after vLLM removed its segments: what is left stays recorded
         if self._in_process:
             # A uniprocess engine initialised vLLM's parallel state in this
             # process; the next engine (maybe another model family, e.g. MoE

@@ -3,7 +3,7 @@
 Accepts the options of upstream speculators 0.3.0's
 ``scripts/data_generation_offline.py`` with the same names and meanings, so
 launch scripts switch by changing the command name; adds resumable, sharded,
-atomic output and the ``verify``, ``check`` and ``demo`` subcommands.
+atomic output and the ``verify``, ``check``, ``demo`` and ``clean-shm`` subcommands.
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ def cli(ctx, target_model_path, train_data_path, output_dir, seq_length, max_sam
     speculators-data-gen verify out/          # every file intact and complete?
     speculators-data-gen check --target-model-path M --train-data-path data.jsonl
     speculators-data-gen demo                 # the whole pipeline on a tiny local model
+    speculators-data-gen clean-shm            # shared memory that killed runs left
 
     Layer ids mean what upstream speculators means: id L is the output of decoder
     layer L before the final norm. A draft trained on the data must be served by
@@ -130,7 +131,7 @@ def cli(ctx, target_model_path, train_data_path, output_dir, seq_length, max_sam
                                         ("--train-data-path", train_data_path), ("--output-dir", output_dir))
                if not value]
     if missing:
-        raise click.UsageError(f"missing {', '.join(missing)} (or a subcommand: verify, check, demo)")
+        raise click.UsageError(f"missing {', '.join(missing)} (or a subcommand: verify, check, demo, clean-shm)")
     from speculators_v016.run.pipeline import RunOptions
     from speculators_v016.settings import EngineSettings
     from speculators_v016.store.outdir import shard_name
@@ -236,6 +237,28 @@ def demo(obj, where, fmt):
     with Console(log_path(where, "demo"), obj["mode"], obj["log_level"]) as console:
         code = run_demo(where, fmt, console)
     sys.exit(code)
+
+
+@cli.command("clean-shm")
+@click.option("--yes", is_flag=True, help="Delete what is listed (without it: only list).")
+@click.option("--shm-dir", default="/dev/shm", show_default=True, hidden=True)
+def clean_shm(yes, shm_dir):
+    """List (and with --yes delete) the shared memory that dead runs of ours recorded in /dev/shm.
+
+    Every run records the segments its processes create (our capture ring,
+    vLLM's psm_* queues, multiprocessing's sem.mp-* semaphores) under a lock it
+    holds while it lives; a run finds and deletes dead runs' segments at start.
+    This command does the same on demand: only recorded names of runs whose lock
+    is free, and only while each is still the recorded file. A run killed before
+    it recorded a segment (within a second of its creation, during engine start)
+    leaves a name no record holds: it is not touched here; remove it by hand.
+    """
+    from speculators_v016.engine.shm_records import reclaim, report_lines
+
+    result = reclaim(shm_dir, delete=yes)
+    for line in report_lines(result, shm_dir, deleted=yes):
+        click.echo(line)
+    sys.exit(0)
 
 
 def _join_multi_value(argv: list[str], option: str) -> list[str]:

@@ -18,6 +18,7 @@ import torch
 from loguru import logger
 from tqdm import tqdm
 
+from speculators_v016.engine.shm_records import reclaim_and_log
 from speculators_v016.store import run_config
 from speculators_v016.run.dataset import PreparedSamples, prepare_samples
 from speculators_v016.layers import LayerPlan
@@ -120,6 +121,7 @@ def run(opts: RunOptions, progress_to=None) -> RunSummary:
     from speculators_v016.generator import VllmHiddenStatesGenerator
 
     started = time.monotonic()
+    reclaim_and_log()  # dead runs' shared memory, also when this run has nothing left to do
     directory = shard_dir(Path(opts.output_dir), opts.shard_index, opts.num_shards)
     target = TargetInfo.read(opts.target_model_path, opts.trust_remote_code)
     plan = LayerPlan.build(target.num_layers, opts.layer_ids)
