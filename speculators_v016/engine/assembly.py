@@ -9,10 +9,14 @@ contiguously; chunked prefill pieces are stitched in order.
 Each captured byte is copied once on this side: from the step's states
 (usually a view of a ring slot, released right after :meth:`Assembler.add`)
 straight into the request's own per-layer tensors, which are what callers get.
+Those tensors are fresh memory, or come from ``allocate`` (e.g.
+:meth:`~speculators_v016.engine.buffer_pool.BufferPool.take`, whose blocks a
+writer gives back once a sample is on disk).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +38,14 @@ class _Request:
     out: list[torch.Tensor] | None = None  # one [prompt_len, hidden] per requested layer
 
 
+Allocate = Callable[[Sequence[tuple[Sequence[int], torch.dtype]]], list[torch.Tensor]]
+
+
+def _fresh(specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> list[torch.Tensor]:
+    """One new tensor per ``(shape, dtype)``."""
+    return [torch.empty(tuple(shape), dtype=dtype) for shape, dtype in specs]
+
+
 def expected_rows(scheduler_output) -> dict[str, tuple[int, int]]:
     """{request id: (first prompt position, rows)} for one scheduled step."""
     starts = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
@@ -45,8 +57,9 @@ def expected_rows(scheduler_output) -> dict[str, tuple[int, int]]:
 class Assembler:
     """Collects step captures; hands out requests whose states are complete."""
 
-    def __init__(self, capture_order: tuple[int, ...]):
+    def __init__(self, capture_order: tuple[int, ...], allocate: Allocate | None = None):
         self.capture_order = capture_order  # requested layer j -> row in the captured stack
+        self.allocate = allocate or _fresh
         self._requests: dict[str, _Request] = {}
         self._expected: dict[int, dict[str, tuple[int, int]]] = {}
         self._complete: list[str] = []
@@ -93,7 +106,7 @@ class Assembler:
         if start in req.chunks:
             raise AttributionError(f"request {req_id}: positions from {start} captured twice")
         if req.out is None:
-            req.out = [torch.empty((req.prompt_len, rows.shape[2]), dtype=rows.dtype) for _ in self.capture_order]
+            req.out = self.allocate([((req.prompt_len, rows.shape[2]), rows.dtype)] * len(self.capture_order))
         for out, j in zip(req.out, self.capture_order):
             out[start: start + keep].copy_(rows[j, :keep])
         req.chunks[start] = keep

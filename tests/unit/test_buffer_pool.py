@@ -1,0 +1,75 @@
+"""The buffer pool: one block per sample, reused once given back, bounded when idle."""
+
+import pytest
+import torch
+
+from speculators_v016.engine.assembly import Assembler
+from speculators_v016.engine.buffer_pool import ALIGN, BufferPool, size_class
+from speculators_v016.protocol import StepCapture
+
+
+def test_size_classes_waste_at_most_an_eighth():
+    """Blocks are rounded up by at most 1/8 (and to 4 KiB)."""
+    for n in [1, 4096, 4097, 10_000, 123_456_789, 117_440_512]:
+        c = size_class(n)
+        assert n <= c <= max(4096, n * 9 // 8 + 1)
+
+
+def test_one_block_holds_a_samples_tensors():
+    """Shapes and dtypes as asked, contiguous, aligned, non-overlapping, in one block."""
+    pool = BufferPool()
+    a, b, c = pool.take([((5, 3), torch.bfloat16), ((5, 3), torch.bfloat16), ((5,), torch.float32)])
+    assert (a.shape, a.dtype, c.shape, c.dtype) == ((5, 3), torch.bfloat16, (5,), torch.float32)
+    assert all(t.is_contiguous() and t.data_ptr() % ALIGN == 0 for t in (a, b, c))
+    assert a.untyped_storage().data_ptr() == c.untyped_storage().data_ptr()
+    a.fill_(1), b.fill_(2), c.fill_(3)
+    assert a.sum() == 15 and b.sum() == 30 and c.sum() == 15
+    assert pool.lent == 1 and pool.allocated == 1
+
+
+def test_a_returned_block_is_reused_without_new_memory():
+    """Give back, take again (same or somewhat smaller): the same memory, no new allocation."""
+    pool = BufferPool()
+    first = pool.take([((1000, 64), torch.float32)] * 2)
+    where = first[0].data_ptr()
+    pool.give_back(first)
+    again = pool.take([((900, 64), torch.float32)] * 2)
+    assert again[0].data_ptr() == where and pool.allocated == 1 and pool.reused == 1
+    small = pool.take([((10, 64), torch.float32)])  # far smaller than any free block: its own block
+    assert pool.allocated == 2 and small[0].data_ptr() != where
+
+
+def test_giving_back_twice_or_foreign_tensors_is_an_error():
+    """Only blocks this pool lent, once each."""
+    pool = BufferPool()
+    mine = pool.take([((4, 4), torch.float32)])
+    pool.give_back(mine)
+    with pytest.raises(RuntimeError, match="given back twice"):
+        pool.give_back(mine)
+    with pytest.raises(RuntimeError, match="not taken from this pool"):
+        pool.give_back([torch.zeros(4, 4)])
+
+
+def test_idle_blocks_beyond_the_limit_are_dropped_oldest_first():
+    """Free memory kept stays under keep_bytes; the blocks returned last are the ones kept."""
+    pool = BufferPool(keep_bytes=3 * 2**20)
+    blocks = [pool.take([((2**20,), torch.uint8)]) for _ in range(4)]
+    for block in blocks:
+        pool.give_back(block)
+    assert pool.free_bytes <= 3 * 2**20 and pool.lent == 0
+    again = {pool.take([((2**20,), torch.uint8)])[0].data_ptr() for _ in range(3)}
+    assert again == {b[0].data_ptr() for b in blocks[1:]} and pool.allocated == 4
+
+
+def test_assembler_puts_states_in_pool_blocks():
+    """With a pool's take, a request's per-layer states share one block and hold the right rows."""
+    pool = BufferPool()
+    asm = Assembler((1, 0), allocate=pool.take)
+    asm.add_request("a", "A", 3)
+    asm.expect(1, {"a": (0, 3)})
+    states = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)
+    asm.add(StepCapture(1, ["a"], [0], [3], states=states))
+    [(key, out)] = asm.pop_complete()
+    assert key == "A" and torch.equal(out[0], states[1]) and torch.equal(out[1], states[0])
+    pool.give_back(out)
+    assert pool.lent == 0
