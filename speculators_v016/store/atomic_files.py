@@ -28,28 +28,48 @@ def fsync_dir(directory: Path) -> None:
 
 
 def write_parts(fh, parts: Sequence, digest) -> int:
-    """Write ``parts`` in order to ``fh``, hashing on the way; return the bytes written."""
+    """Write ``parts`` in order to ``fh``, hashing on the way; return the bytes written.
+
+    Both release the GIL for large buffers, so writers in several threads
+    hash and write on several cores.
+    """
     size = 0
     for part in parts:
-        fh.write(part)
+        view = memoryview(part).cast("B")
+        while view:  # an unbuffered file may write less than asked
+            written = fh.write(view)
+            view = view[written:]
         digest.update(part)
         size += len(part)
     return size
 
 
-def write_atomic(directory: Path, name: str, parts: bytes | Sequence) -> tuple[int, str]:
-    """Write ``parts`` (in order) to ``directory/name`` atomically; return (bytes, sha256 hex)."""
+def write_durable(directory: Path, name: str, parts: bytes | Sequence) -> tuple[int, str]:
+    """Write ``parts`` (in order) to ``directory/name``: temporary name, fsync, rename; return (bytes, sha256 hex).
+
+    The file's contents are on disk before it gets its final name, so the name
+    never shows a partial file; the rename itself is durable once the folder is
+    fsynced (:func:`fsync_dir`), which callers may do once for many files.
+    """
     parts = [memoryview(p).cast("B") for p in ([parts] if isinstance(parts, (bytes, bytearray)) else parts)]
     tmp = directory / f"{TMP_PREFIX}{name}.{os.getpid()}"
     digest = hashlib.sha256()
     try:
-        with tmp.open("wb") as fh:
+        with tmp.open("wb", buffering=0) as fh:
             size = write_parts(fh, parts, digest)
-            fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, directory / name)
-        fsync_dir(directory)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise WriteError(exc.errno, f"cannot write {directory / name}: {exc.strerror or exc}") from exc
     return size, digest.hexdigest()
+
+
+def write_atomic(directory: Path, name: str, parts: bytes | Sequence) -> tuple[int, str]:
+    """:func:`write_durable`, then the folder fsynced: the new name is on disk too."""
+    result = write_durable(directory, name, parts)
+    try:
+        fsync_dir(directory)
+    except OSError as exc:
+        raise WriteError(exc.errno, f"cannot write {directory / name}: {exc.strerror or exc}") from exc
+    return result

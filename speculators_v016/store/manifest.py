@@ -1,7 +1,9 @@
 """The manifest: one JSON line per finished sample, appended only after its file is in place.
 
 A line is written (and fsynced) after the sample file was fsynced and renamed
-to its final name, so the manifest never lists a file that is not complete. A
+to its final name and the rename made durable (the folder fsynced), so the
+manifest never lists a file that is not complete. Lines come in batches, one
+write and one fsync each (:mod:`~speculators_v016.store.group_commit`). A
 crash can leave a final file without its line (it is then written again on
 resume) or a torn last line (ignored), never the reverse.
 """
@@ -51,10 +53,11 @@ class Manifest:
             out[entry.index] = entry
         return out
 
-    def append(self, entry: Entry) -> None:
-        line = json.dumps(asdict(entry), sort_keys=True) + "\n"
+    def append(self, *entries: Entry) -> None:
+        """Append the lines of ``entries`` in one write, then fsync (one commit for a batch of files)."""
+        text = "".join(json.dumps(asdict(e), sort_keys=True) + "\n" for e in entries)
         with self._lock, self.path.open("a") as fh:
-            fh.write(line)
+            fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
 

@@ -1,80 +1,131 @@
-"""Sample files written atomically, by background workers behind a bounded queue.
+"""Sample files written by background workers behind a bounded queue, and committed in groups.
 
-Each file is written under a temporary name in the output folder, fsynced,
-renamed to its final name (``data_{index}.{ext}``) and the folder fsynced
-(:mod:`~speculators_v016.store.atomic_files`); only then is its manifest line
-appended. Safetensors files are written straight from the tensors' memory. The queue between the engine and
-the workers is bounded, so a slow disk slows generation instead of filling
-memory. The first write error stops the run: :meth:`SampleWriter.put`
-raises :class:`WriteError` naming the path.
+Each worker takes a sample, checks it (``reject``, e.g. NaN/Inf states: a
+rejected sample is not written and :meth:`SampleWriter.take_rejected` reports
+it), writes it under a temporary name in the output folder straight from the
+tensors' memory, hashing on the way, fsyncs it and renames it to its final name
+(``data_{index}.{ext}``, :func:`~speculators_v016.store.atomic_files.write_durable`).
+:class:`~speculators_v016.store.group_commit.GroupCommit` then makes the
+renames durable and appends the manifest lines, a batch at a time. Once a
+sample is written (or rejected, or dropped after an error) its ``done``
+callback runs, e.g. to give its buffers back to a pool.
+
+sha256 and file writes release the GIL, so ``workers`` threads hash and write
+on as many cores. The queue between the engine and the workers is bounded, so
+a slow disk slows generation instead of filling memory. The first write error
+stops the run: :meth:`SampleWriter.put` raises :class:`WriteError` naming the path.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
-from speculators_v016.store.atomic_files import WriteError, write_atomic
+from speculators_v016.settings import DEFAULT_WRITE_WORKERS
+from speculators_v016.store.atomic_files import WriteError, write_durable
+from speculators_v016.store.group_commit import DEFAULT_COMMIT_INTERVAL, GroupCommit
 from speculators_v016.store.manifest import Entry, Manifest
 from speculators_v016.store.sample_format import encode_parts, sample_name
 
-class SampleWriter:
-    """Workers that encode, write and record samples handed to :meth:`put`."""
 
-    def __init__(self, directory: Path, fmt: str, layer_ids: list[int], *, workers: int = 2, bound: int = 8):
+class SampleWriter:
+    """Workers that check, encode, write and (in groups) commit samples handed to :meth:`put`.
+
+    ``cpus``: the CPUs the workers may run on (default: those of the thread that
+    makes the writer). vLLM's CPU worker pins the thread it runs on to one core,
+    and threads inherit that pin, so a writer made after a uniprocess engine
+    started would otherwise hash and write on that one core.
+    """
+
+    def __init__(self, directory: Path, fmt: str, layer_ids: list[int], *, workers: int = DEFAULT_WRITE_WORKERS,
+                 bound: int = 8, reject: Callable[[dict], Any] | None = None, cpus: Iterable[int] | None = None,
+                 commit_interval: float = DEFAULT_COMMIT_INTERVAL):
+        if workers < 1:
+            raise ValueError(f"write workers must be at least 1, got {workers}")
         self.directory, self.fmt, self.layer_ids = Path(directory), fmt, layer_ids
         self.manifest = Manifest(self.directory)
         self.queue: queue.Queue = queue.Queue(maxsize=bound)
+        self.reject = reject
+        self.cpus = set(cpus) if cpus else None
         self.error: BaseException | None = None
-        self.written = 0
+        self.written = 0  # samples committed (file durable, manifest line fsynced)
         self.bytes = 0
-        self._count_lock = threading.Lock()
+        self._rejected: list[tuple[int, Any]] = []
+        self._lock = threading.Lock()
+        self.commit = GroupCommit(self.directory, self.manifest, interval=commit_interval, on_commit=self._count)
         self._threads = [threading.Thread(target=self._work, name=f"sample-writer-{i}", daemon=True)
                          for i in range(workers)]
         for thread in self._threads:
             thread.start()
 
     def _work(self) -> None:
+        if self.cpus:
+            os.sched_setaffinity(0, self.cpus)  # this thread only
         while (job := self.queue.get()) is not None:
-            index, sample = job
+            index, sample, done = job
             try:
                 if self.error is None:
                     self._write(index, sample)
             except BaseException as exc:  # noqa: BLE001 - handed to the producer
                 self.error = self.error or exc
             finally:
+                if done is not None:
+                    done()
                 self.queue.task_done()
         self.queue.task_done()
 
     def _write(self, index: int, sample: dict) -> None:
+        reason = self.reject(sample) if self.reject is not None else None
+        if reason:
+            with self._lock:
+                self._rejected.append((index, reason))
+            return
         name = sample_name(index, self.fmt)
-        size, sha256 = write_atomic(self.directory, name, encode_parts(sample, self.fmt, self.layer_ids))
-        self.manifest.append(Entry(index, name, size, sha256, int(sample["input_ids"].shape[0])))
-        with self._count_lock:
-            self.written += 1
-            self.bytes += size
+        size, sha256 = write_durable(self.directory, name, encode_parts(sample, self.fmt, self.layer_ids))
+        self.commit.add(Entry(index, name, size, sha256, int(sample["input_ids"].shape[0])))
+
+    def _count(self, batch: list[Entry]) -> None:
+        with self._lock:
+            self.written += len(batch)
+            self.bytes += sum(e.bytes for e in batch)
+
+    def take_rejected(self) -> list[tuple[int, Any]]:
+        """Samples ``reject`` refused since the last call: ``(index, reason)``."""
+        with self._lock:
+            out, self._rejected = self._rejected, []
+        return out
 
     def _raise_if_failed(self) -> None:
-        if self.error is not None:
-            if isinstance(self.error, WriteError):
-                raise self.error
-            raise WriteError(f"writing samples to {self.directory} failed: {self.error!r}") from self.error
+        error = self.error or self.commit.error
+        if error is not None:
+            if isinstance(error, WriteError):
+                raise error
+            raise WriteError(f"writing samples to {self.directory} failed: {error!r}") from error
 
-    def put(self, index: int, sample: dict) -> None:
-        """Queue a sample (blocks while the queue is full); raise the first write error."""
+    def put(self, index: int, sample: dict, done: Callable[[], None] | None = None) -> None:
+        """Queue a sample (blocks while the queue is full); raise the first write error.
+
+        ``done()`` runs once the writer no longer needs the sample's memory.
+        """
         while True:
             self._raise_if_failed()
             try:
-                self.queue.put((index, sample), timeout=0.5)
+                self.queue.put((index, sample, done), timeout=0.5)
                 return
             except queue.Full:
                 continue
 
     def close(self) -> None:
-        """Wait for every queued sample; raise the first write error."""
-        for _ in self._threads:
-            self.queue.put(None)
-        for thread in self._threads:
-            thread.join()
+        """Wait for every queued sample and commit every written one; raise the first write error."""
+        try:
+            for _ in self._threads:
+                self.queue.put(None)
+            for thread in self._threads:
+                thread.join()
+        finally:
+            self.commit.close()
         self._raise_if_failed()
