@@ -26,7 +26,7 @@ from typing import Any
 
 from loguru import logger
 
-from speculators_v016.engine.assembly import Assembler, AttributionError, expected_rows
+from speculators_v016.engine.assembly import Allocate, Assembler, AttributionError, expected_rows
 from speculators_v016.engine.executor import capture_executor, executor_kind
 from speculators_v016.engine.shm_records import RunRecord, reclaim_and_log
 from speculators_v016.engine.slot_ring import SlotRing
@@ -288,12 +288,15 @@ class CaptureEngine:
             if capture.slot is not None:
                 self.ring.release(capture.slot)
 
-    def stream(self, prompts: Iterable[tuple[Any, list[int]]], window: int | None = None, prompt_logprobs=None
-               ) -> Iterator[tuple[Any, list[int], list]]:
+    def stream(self, prompts: Iterable[tuple[Any, list[int]]], window: int | None = None, prompt_logprobs=None,
+               allocate: Allocate | None = None) -> Iterator[tuple[Any, list[int], list]]:
         """Yield ``(key, input_ids, states per requested layer)`` as each prompt completes.
 
         ``prompt_logprobs(key) -> bool`` picks prompts whose vLLM prompt logprobs
         are kept in :attr:`prompt_logprobs` (by key) before they are yielded.
+        ``allocate`` gives the memory of each prompt's states (default: fresh
+        tensors, which the caller owns), e.g. a
+        :class:`~speculators_v016.engine.buffer_pool.BufferPool`'s ``take``.
 
         If the caller stops early or a prompt is refused, the prompts already
         admitted are aborted and the steps in flight are retired, so the
@@ -302,7 +305,7 @@ class CaptureEngine:
         """
         if self._broken is not None:
             raise RuntimeError(f"this engine failed earlier and cannot be used again: {self._broken}")
-        assembler = Assembler(self.plan.capture_order)
+        assembler = Assembler(self.plan.capture_order, allocate)
         feed, waiting, in_flight = iter(prompts), set(), deque()
         window = window or 2 * self.settings.max_num_seqs
         more = True

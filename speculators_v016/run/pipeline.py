@@ -5,11 +5,12 @@ The steps, each owned by a module: :mod:`~speculators_v016.run.dataset`
 :mod:`~speculators_v016.store.run_config` (fingerprint, resume check,
 ``data_config.json``), :mod:`~speculators_v016.engine.core` (hidden states, streamed),
 :mod:`~speculators_v016.store.writer` and :mod:`~speculators_v016.store.manifest`
-(atomic files, then their manifest lines).
+(atomic files, then their manifest lines, committed in groups).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,7 +20,9 @@ from loguru import logger
 from tqdm import tqdm
 
 from speculators_v016.engine.shm_records import reclaim_and_log
+from speculators_v016.engine.buffer_pool import BufferPool
 from speculators_v016.store import run_config
+from speculators_v016.store.finite import non_finite
 from speculators_v016.run.dataset import PreparedSamples, prepare_samples
 from speculators_v016.layers import LayerPlan
 from speculators_v016.settings import (DEFAULT_BATCH_SIZE, DEFAULT_LOGIT_CHECK_SAMPLES, DEFAULT_MAX_BAD_SAMPLES,
@@ -152,12 +155,13 @@ def run(opts: RunOptions, progress_to=None) -> RunSummary:
             return summary
         for i in pending:  # before the engine starts
             check_token_ids(f"sample {i}", samples.input_ids[i], target.vocab_size, f" of {opts.target_model_path}")
+        cpus = os.sched_getaffinity(0)  # before vLLM's CPU worker pins this thread to one core
         generator = VllmHiddenStatesGenerator.from_settings(opts.engine, plan)
         try:
             config = existing or _new_config(generator, opts, samples, fp, len(mine))
             run_config.save(directory, config)
             _announce(generator, opts, len(pending), summary.already_done)
-            _generate(generator, samples, pending, directory, opts, summary, progress_to)
+            _generate(generator, samples, pending, directory, opts, summary, progress_to, cpus)
         finally:
             generator.shutdown()
         summary.seconds = time.monotonic() - started
@@ -181,40 +185,36 @@ def _announce(generator, opts: RunOptions, pending: int, done: int) -> None:
 
 
 def _generate(generator, samples: PreparedSamples, pending: list[int], directory: Path, opts: RunOptions,
-              summary: RunSummary, progress_to=None) -> None:
+              summary: RunSummary, progress_to=None, cpus=None) -> None:
     layer_ids = list(generator.plan.layer_ids)
-    writer = SampleWriter(directory, opts.format, layer_ids, workers=opts.write_workers)
-    window = max(opts.batch_size, 2 * opts.engine.max_num_seqs)
-    checked = set(pending[: opts.logit_check_samples])
-    checker = _logit_checker(generator, opts) if checked else None
     engine = generator.engine
+    checker = _logit_checker(generator, opts) if opts.logit_check_samples > 0 else None
+    checked = set(pending[: opts.logit_check_samples]) if checker is not None and checker.active else set()
+    pool = BufferPool()  # each sample's states: one block, back to the pool once its file is written
+
+    writer = SampleWriter(directory, opts.format, layer_ids, workers=opts.write_workers,
+                          reject=reject_non_finite(layer_ids), cpus=cpus)
+    window = max(opts.batch_size, 2 * opts.engine.max_num_seqs)
     total_tokens = sum(len(samples.input_ids[i]) for i in pending)
     started = time.monotonic()
     bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, disable=not opts.progress or progress_to is None,
                desc=f"0/{len(pending)} samples", dynamic_ncols=True, file=progress_to, mininterval=1.0)
     try:
         feed = ((i, samples.input_ids[i]) for i in pending)
-        for index, ids, states in engine.stream(feed, window=window, prompt_logprobs=checked.__contains__):
+        want = checked.__contains__ if checked else None
+        for index, ids, states in engine.stream(feed, window=window, prompt_logprobs=want, allocate=pool.take):
             theirs = engine.prompt_logprobs.pop(index, None) if index in checked else None
-            if theirs is not None and checker is not None and checker.active:
+            if theirs is not None and checker.active:
                 if checker.add(index, torch.tensor(ids), states, theirs) > checker.result.tolerance:
                     logger.error("sample {}: the captured last layer does not reproduce vLLM's own logits "
                                  "(logit check)", index + opts.start_idx)
                 if checker.result.samples == len(checked):
                     checker.release()
-            bad = [layer for layer, h in zip(layer_ids, states) if not torch.isfinite(h).all()]
-            if bad:
-                summary.non_finite.append({"index": index + opts.start_idx, "layers": bad})
-                logger.error("sample {}: NaN/Inf hidden states in layers {}: not written",
-                             index + opts.start_idx, bad)
-                if len(summary.non_finite) > opts.max_bad_samples:
-                    raise NonFiniteError(f"{len(summary.non_finite)} samples with NaN/Inf hidden states "
-                                         f"(limit --max-bad-samples {opts.max_bad_samples}); first: "
-                                         f"{summary.non_finite[0]}")
-                continue
             mask = torch.tensor(samples.loss_masks[index][: len(ids)], dtype=torch.long)
             writer.put(index + opts.start_idx, {"input_ids": torch.tensor(ids, dtype=torch.long),
-                                                "hidden_states": states, "loss_mask": mask})
+                                                "hidden_states": states, "loss_mask": mask},
+                       done=lambda states=states: pool.give_back(states))
+            _note_rejected(writer.take_rejected(), summary, opts)
             summary.tokens += len(ids)
             bar.update(len(ids))
             bar.set_description(f"{writer.written}/{len(pending)} samples")
@@ -226,10 +226,32 @@ def _generate(generator, samples: PreparedSamples, pending: list[int], directory
             summary.written, summary.bytes = writer.written, writer.bytes
             bar.set_description(f"{writer.written}/{len(pending)} samples")
             bar.close()
+    _note_rejected(writer.take_rejected(), summary, opts)
     if summary.non_finite:
         summary.skipped["NaN/Inf hidden states"] = len(summary.non_finite)
     if checker is not None:
         summary.logit_check = {"ok": not checker.result.failures, "line": checker.result.line()}
+
+
+def reject_non_finite(layer_ids: list[int]):
+    """The writer's check (in its threads): a sample with NaN/Inf states is not written;
+    the reason is ``(its bad layer ids, its token count)``."""
+    def reject(sample: dict) -> tuple[list[int], int] | None:
+        bad = non_finite(sample["hidden_states"])
+        return ([layer_ids[j] for j in bad], int(sample["input_ids"].shape[0])) if bad else None
+
+    return reject
+
+
+def _note_rejected(rejected: list, summary: RunSummary, opts: RunOptions) -> None:
+    """Samples the writer did not write because of NaN/Inf states: named, counted, and the limit enforced."""
+    for index, (layers, tokens) in rejected:
+        summary.non_finite.append({"index": index, "layers": layers})
+        summary.tokens -= tokens
+        logger.error("sample {}: NaN/Inf hidden states in layers {}: not written", index, layers)
+    if len(summary.non_finite) > opts.max_bad_samples:
+        raise NonFiniteError(f"{len(summary.non_finite)} samples with NaN/Inf hidden states "
+                             f"(limit --max-bad-samples {opts.max_bad_samples}); first: {summary.non_finite[0]}")
 
 
 def _logit_checker(generator, opts: RunOptions):

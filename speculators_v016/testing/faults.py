@@ -7,9 +7,19 @@ modules carry no fault points: each fault wraps one of their seams here.
 
 * ``kill-mid-write:n`` / ``enospc-write:n``: the ``n``-th sample file is half
   written when the process is SIGKILLed / the write fails with ENOSPC
-  (wraps :func:`speculators_v016.store.atomic_files.write_parts`).
+  (wraps :func:`speculators_v016.store.atomic_files.write_parts`). Before the
+  kill, it waits (up to 10 s) until the manifest lists ``n - 1`` samples, so
+  with one write worker the files before it are committed, as with no batching.
+* ``kill-after-rename:n``: SIGKILL right after the ``n``-th sample file got
+  its final name, before its group commit (wraps the writer's ``write_durable``):
+  files in place that the manifest does not list yet.
 * ``kill-before-manifest:n``: SIGKILL after the ``n``-th file is in place and
-  before its manifest line (wraps :meth:`Manifest.append`).
+  before its manifest line; the lines before it in its batch are written
+  first (wraps :meth:`Manifest.append`).
+* ``kill-mid-commit:n``: SIGKILL in the middle of the ``n``-th group commit's
+  manifest write, leaving half of its text (a torn last line).
+* ``kill-after-commit:n``: SIGKILL right after the ``n``-th group commit
+  (folder and manifest fsynced).
 * ``nan-sample:n``: the ``n``-th sample the engine yields, among those the logit
   check does not judge, gets a NaN in its last layer (wraps :meth:`CaptureEngine.stream`).
 * ``shift-check:n``: the ``n``-th logit-checked sample's last layer is shifted
@@ -23,15 +33,21 @@ modules carry no fault points: each fault wraps one of their seams here.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import sys
+import threading
+import time
 from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
 VARIABLE = "SPECULATORS_V016_FAULT"
 _passed: Counter = Counter()
+_lock = threading.Lock()  # writer threads pass points concurrently
 
 
 def _armed(name: str) -> bool:
@@ -39,12 +55,22 @@ def _armed(name: str) -> bool:
     point, _, count = os.environ.get(VARIABLE, "").partition(":")
     if point != name:
         return False
-    _passed[name] += 1
-    return _passed[name] == int(count or 1)
+    with _lock:
+        _passed[name] += 1
+        return _passed[name] == int(count or 1)
 
 
 def _kill() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _wait_for_entries(directory: str, count: int, timeout: float = 10.0) -> None:
+    """Wait until the manifest in ``directory`` lists ``count`` samples (group commits run on their own thread)."""
+    from speculators_v016.store.manifest import Manifest
+
+    deadline = time.monotonic() + timeout
+    while len(Manifest(Path(directory)).entries()) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def install() -> None:
@@ -69,20 +95,47 @@ def install() -> None:
             if _armed(point):
                 fh.flush()
                 if point == "kill-mid-write":
+                    _wait_for_entries(os.path.dirname(fh.name), _passed[point] - 1)
                     _kill()
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), fh.name)
             return size + original_parts(fh, views[first:], digest)
 
         atomic_files.write_parts = write_parts
-    elif point == "kill-before-manifest":
+    elif point == "kill-after-rename":
+        from speculators_v016.store import writer
+
+        original_durable = writer.write_durable
+
+        def write_durable(directory, name, parts):
+            result = original_durable(directory, name, parts)
+            if _armed(point):
+                _kill()
+            return result
+
+        writer.write_durable = write_durable
+    elif point in ("kill-before-manifest", "kill-mid-commit", "kill-after-commit"):
         from speculators_v016.store.manifest import Manifest
 
         original_append = Manifest.append
 
-        def append(self, *args, **kwargs):
-            if _armed(point):
+        def append(self, *entries):
+            if point == "kill-before-manifest":
+                for i in range(len(entries)):
+                    if _armed(point):  # one pass per sample: the lines before it, then the kill
+                        if i:
+                            original_append(self, *entries[:i])
+                        _kill()
+                return original_append(self, *entries)
+            if point == "kill-mid-commit" and _armed(point):
+                text = "".join(json.dumps(asdict(e), sort_keys=True) + "\n" for e in entries)
+                cut = len(text) // 2 + (text[len(text) // 2 - 1] == "\n")  # inside a line: a torn one
+                with self.path.open("a") as fh:
+                    fh.write(text[:cut])
+                    fh.flush()
                 _kill()
-            return original_append(self, *args, **kwargs)
+            original_append(self, *entries)
+            if point == "kill-after-commit" and _armed(point):
+                _kill()
 
         Manifest.append = append
     elif point == "nan-sample":

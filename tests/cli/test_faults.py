@@ -21,6 +21,7 @@ from helpers.reference import TOLERANCE
 from speculators_v016.testing.faults import VARIABLE as FAULT
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.outdir import LOCK
+from speculators_v016.store.sample_format import load_sample
 
 COUNT = 30
 
@@ -76,6 +77,33 @@ def test_sigkill_during_a_write_or_before_its_manifest_line(point, tmp_path, mod
     else:
         assert "sample file not in the manifest" in partial.output
     assert_resumes_to_reference(model_dir, data_file, out, reference)
+
+
+@pytest.mark.parametrize("point", ["kill-after-rename:5", "kill-mid-commit:2", "kill-after-commit:2"])
+def test_sigkill_around_a_group_commit(point, tmp_path, model_dir, data_file, reference):
+    """SIGKILL between rename and commit, mid-commit or after one: every final file complete; resume adds only the rest."""
+    out = tmp_path / "out"
+    result = generate(model_dir, data_file, out, "--write-workers", 2, env={FAULT: point})
+    assert result.exit_code == -signal.SIGKILL
+    manifest = Manifest(out)
+    listed = manifest.entries()
+    if point.startswith("kill-mid-commit"):
+        assert not manifest.path.read_text().endswith("\n")  # a torn last line, which is ignored
+    final = sorted(out.glob("data_*.safetensors"))
+    assert len(final) >= len(listed) and all((out / e.file).is_file() for e in listed.values())
+    if point.startswith("kill-after-rename"):
+        assert len(final) > len(listed)  # in place, not yet committed
+    for path in final:  # complete under its final name, listed or not
+        index = int(path.stem.removeprefix("data_"))
+        sample = load_sample(path)
+        assert torch.equal(sample["input_ids"], reference[index]["input_ids"])
+        for a, b in zip(sample["hidden_states"], reference[index]["hidden_states"]):
+            assert (a - b).abs().max().item() < TOLERANCE
+    partial = invoke("verify", out, "--partial")
+    assert partial.exit_code == 0, partial.output
+    kept = {e.file: ((out / e.file).stat().st_ino, (out / e.file).stat().st_mtime_ns) for e in listed.values()}
+    assert_resumes_to_reference(model_dir, data_file, out, reference)
+    assert {f: ((out / f).stat().st_ino, (out / f).stat().st_mtime_ns) for f in kept} == kept  # not rewritten
 
 
 def test_disk_full_aborts_naming_the_path_and_resumes(tmp_path, model_dir, data_file, reference):
