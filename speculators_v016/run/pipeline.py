@@ -190,6 +190,8 @@ def _generate(generator, samples: PreparedSamples, pending: list[int], directory
     engine = generator.engine
     checker = _logit_checker(generator, opts) if opts.logit_check_samples > 0 else None
     checked = set(pending[: opts.logit_check_samples]) if checker is not None and checker.active else set()
+    if checked:
+        engine.warm_prompt_logprobs()  # vLLM compiles its prompt-logprobs kernel here, not in the first step
     pool = BufferPool()  # each sample's states: one block, back to the pool once its file is written
 
     writer = SampleWriter(directory, opts.format, layer_ids, workers=opts.write_workers,
