@@ -5,7 +5,10 @@ to its final name and the rename made durable (the folder fsynced), so the
 manifest never lists a file that is not complete. Lines come in batches, one
 write and one fsync each (:mod:`~speculators_v016.store.group_commit`). A
 crash can leave a final file without its line (it is then written again on
-resume) or a torn last line (ignored), never the reverse.
+resume) or a torn last line (ignored, and cut off by the next run's
+:meth:`Manifest.reconcile`, even when it is the only line), never the reverse.
+Any other line that is not an entry (garbage, bytes that are not UTF-8) means
+something else changed the file: :class:`ManifestError`, naming the line.
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ from speculators_v016.store.atomic_files import write_atomic
 NAME = "manifest.jsonl"
 
 
+class ManifestError(ValueError):
+    """The manifest cannot be read as ours (not a file, or a line that is not an entry); names path and line."""
+
+
 @dataclass(frozen=True)
 class Entry:
     index: int
@@ -29,29 +36,46 @@ class Entry:
     sha256: str
     tokens: int
 
+    def __post_init__(self) -> None:
+        for name in ("index", "bytes", "tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise TypeError(f"{name} must be a whole number, got {value!r}")
+        if not isinstance(self.file, str) or not isinstance(self.sha256, str):
+            raise TypeError("file and sha256 must be strings")
+
 
 class Manifest:
     def __init__(self, directory: Path):
         self.path = Path(directory) / NAME
         self._lock = threading.Lock()
 
-    def entries(self) -> dict[int, Entry]:
-        """Entries by sample index; a torn last line (crash mid-append) is ignored."""
-        if not self.path.exists():
-            return {}
+    def _read(self) -> tuple[dict[int, Entry], bool]:
+        """(entries by sample index, whether the file ends in a torn line)."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return {}, False
+        except OSError as exc:
+            raise ManifestError(f"{self.path}: cannot be read ({exc.strerror or exc})") from exc
         out: dict[int, Entry] = {}
-        lines = self.path.read_text().split("\n")
+        lines = data.split(b"\n")
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
-                entry = Entry(**json.loads(line))
-            except (json.JSONDecodeError, TypeError) as exc:
+                entry = Entry(**json.loads(line.decode("utf-8")))
+            except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as exc:
                 if number == len(lines):  # last line without newline: torn append
                     break
-                raise ValueError(f"{self.path}:{number}: not a manifest entry ({exc})") from exc
+                raise ManifestError(f"{self.path}:{number}: not a manifest entry of this tool "
+                                    f"({type(exc).__name__}: {str(exc)[:120]})") from exc
             out[entry.index] = entry
-        return out
+        return out, bool(lines[-1])
+
+    def entries(self) -> dict[int, Entry]:
+        """Entries by sample index; a torn last line (crash mid-append) is ignored."""
+        return self._read()[0]
 
     def append(self, *entries: Entry) -> None:
         """Append the lines of ``entries`` in one write, then fsync (one commit for a batch of files)."""
@@ -63,12 +87,12 @@ class Manifest:
 
     def reconcile(self) -> dict[int, Entry]:
         """Entries whose files are in place with the recorded size; the manifest is rewritten to exactly
-        those when any is missing or the last line is torn (the rest is redone by the run)."""
-        entries = self.entries()
+        those when any is missing or the last line is torn, the only line included (the rest is redone by the
+        run; appending after a torn line would glue the next entry onto it)."""
+        entries, torn = self._read()
         folder = self.path.parent
         good = {i: e for i, e in entries.items()
                 if (folder / e.file).is_file() and (folder / e.file).stat().st_size == e.bytes}
-        torn = self.path.exists() and not self.path.read_text().endswith("\n") and entries
         if len(good) != len(entries) or torn:
             self.compact(good)
         return good

@@ -64,9 +64,12 @@ def load(directory: Path) -> dict | None:
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ResumeMismatchError(f"{path} is not valid JSON ({exc}); not a folder of ours to resume") from exc
+    except OSError as exc:
+        raise ResumeMismatchError(f"{path} cannot be read ({exc.strerror or exc}); not a folder of ours "
+                                  "to resume") from exc
 
 
 def check_resume(directory: Path, fingerprint: dict, has_samples: bool) -> dict | None:
