@@ -5,10 +5,21 @@ writes; anything else is refused (we never write among unrelated files). A
 run holds an exclusive ``flock`` on a lock file for its whole life, so two
 runs can never write the same folder. Temporary files left by a killed run
 are removed when the next run takes the lock.
+
+One ``--output-dir`` holds one layout: either one unsharded run, or the
+``shard-K-of-N`` folders of one sharded run (and the shared ``logs``).
+Upstream's trainer reads the folder recursively, so a second layout beside the
+first would be mixed into training: :class:`ShardedRoot` refuses it, and takes a
+shared lock on the root that an unsharded run's exclusive one excludes.
+
+A folder that cannot be created or written is refused naming it: exit 4
+(:class:`OutputDirError`: no permission, read-only), or 6 (:class:`WriteError`:
+no space left).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
@@ -16,13 +27,14 @@ from pathlib import Path
 
 from speculators_v016.store.manifest import NAME as MANIFEST
 from speculators_v016.store.sample_format import parse_sample_name
-from speculators_v016.store.atomic_files import TMP_PREFIX
+from speculators_v016.store.atomic_files import TMP_PREFIX, WriteError
 
 CONFIG = "data_config.json"
 LOCK = ".speculators-data-gen.lock"
 SHARD_DIR = re.compile(r"^shard-(\d{5})-of-(\d{5})$")
 LOGS = "logs"  # the CLI's log files (speculators_v016.run.console)
 OURS = {CONFIG, MANIFEST, LOCK, LOGS}
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 class OutputDirError(RuntimeError):
@@ -31,6 +43,42 @@ class OutputDirError(RuntimeError):
 
 def is_ours(name: str) -> bool:
     return name in OURS or name.startswith(TMP_PREFIX) or parse_sample_name(name) is not None
+
+
+def unsharded_run_files(names) -> list[str]:
+    """Of a folder's ``names``, those an unsharded run writes beside its samples (not logs, not the lock)."""
+    return sorted(n for n in names if is_ours(n) and n not in (LOGS, LOCK))
+
+
+def _summary(names: list[str]) -> str:
+    return f"{', '.join(names[:5])}{', ...' if len(names) > 5 else ''}"
+
+
+def cannot_use(path: Path, exc: OSError, what: str = "") -> OSError | OutputDirError:
+    """The error of a folder or file of ours that cannot be made or written: WriteError when the disk is full
+    (exit 6), OutputDirError otherwise (exit 4); both name ``path``."""
+    reason = exc.strerror or str(exc)
+    if exc.errno in _FULL:
+        return WriteError(exc.errno, f"cannot write {path}: {reason}")
+    return OutputDirError(f"--output-dir: cannot {what or 'create or write'} {path} ({reason}); "
+                          "choose a folder you can write")
+
+
+def _lock(path: Path, mode: int) -> int:
+    """An open lock file under ``path`` held with ``mode`` (``fcntl.LOCK_EX``/``LOCK_SH``)."""
+    try:
+        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise cannot_use(path / LOCK, exc) from None
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+        os.close(fd)
+        who = f"run (pid {holder})" if holder else "sharded run"
+        raise OutputDirError(f"another speculators-data-gen {who} is writing to {path}; "
+                             "one run per folder") from None
+    return fd
 
 
 def shard_name(index: int, count: int) -> str:
@@ -48,31 +96,43 @@ class OutputDir:
         self.path = Path(path)
         self._lock_fd: int | None = None
 
+    def _check_contents(self) -> None:
+        foreign = sorted(n for n in os.listdir(self.path) if not is_ours(n))
+        shards = [n for n in foreign if SHARD_DIR.match(n)]
+        if shards:
+            raise OutputDirError(
+                f"--output-dir {self.path} holds the shard folders of a sharded run ({_summary(shards)}); "
+                "an unsharded run beside them would be mixed into training by a trainer reading the folder "
+                "recursively: use another --output-dir, or the same --num-shards")
+        if foreign:
+            raise OutputDirError(
+                f"--output-dir {self.path} holds files this tool did not write ({_summary(foreign)}); "
+                "use an empty or new folder")
+
     def open(self) -> OutputDir:
         """Create or accept the folder, take the lock, clear temporary leftovers."""
         if self.path.exists() and not self.path.is_dir():
             raise OutputDirError(f"--output-dir {self.path} exists and is not a folder")
-        self.path.mkdir(parents=True, exist_ok=True)
-        foreign = sorted(n for n in os.listdir(self.path) if not is_ours(n))
-        if foreign:
-            raise OutputDirError(
-                f"--output-dir {self.path} holds files this tool did not write "
-                f"({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); "
-                "use an empty or new folder")
-        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._check_contents()  # before the lock file: a refused folder is left as it was
+        except OSError as exc:
+            raise cannot_use(self.path, exc, "create or read") from None
+        fd = _lock(self.path, fcntl.LOCK_EX)
+        try:
+            self._check_contents()  # again, under the lock: a sharded run may have started meanwhile
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            self.removed_leftovers = [n for n in os.listdir(self.path) if n.startswith(TMP_PREFIX)]
+            for name in self.removed_leftovers:
+                (self.path / name).unlink()
+        except OSError as exc:
             os.close(fd)
-            raise OutputDirError(f"another speculators-data-gen run (pid {holder}) is writing to "
-                                 f"{self.path}; one run per folder") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+            raise cannot_use(self.path / LOCK, exc) from None
+        except BaseException:
+            os.close(fd)
+            raise
         self._lock_fd = fd
-        self.removed_leftovers = [n for n in os.listdir(self.path) if n.startswith(TMP_PREFIX)]
-        for name in self.removed_leftovers:
-            (self.path / name).unlink()
         return self
 
     def close(self) -> None:
@@ -82,6 +142,64 @@ class OutputDir:
             self._lock_fd = None
 
     def __enter__(self) -> OutputDir:
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ShardedRoot:
+    """The ``--output-dir`` of shard ``index`` of ``count``: holds shard folders of this count (and logs) only.
+
+    Held with a shared lock for the shard's whole life: shards of one run share
+    it, an unsharded run's exclusive lock on the same file excludes them.
+    """
+
+    def __init__(self, path: Path, count: int):
+        self.path, self.count = Path(path), count
+        self._lock_fd: int | None = None
+
+    def _check_contents(self) -> None:
+        names = os.listdir(self.path)
+        unsharded = unsharded_run_files(names)
+        if unsharded:
+            raise OutputDirError(
+                f"--output-dir {self.path} holds an unsharded run ({_summary(unsharded)}); shard folders beside "
+                "it would be mixed into training by a trainer reading the folder recursively: use another "
+                "--output-dir")
+        others = sorted(n for n in names if SHARD_DIR.match(n) and int(SHARD_DIR.match(n).group(2)) != self.count)
+        if others:
+            raise OutputDirError(
+                f"--output-dir {self.path} holds shard folders of a run split another way ({_summary(others)}); "
+                f"this run is split {self.count} ways: use another --output-dir, or the same --num-shards")
+        foreign = sorted(n for n in names if not SHARD_DIR.match(n) and n not in (LOGS, LOCK))
+        if foreign:
+            raise OutputDirError(f"--output-dir {self.path} holds files this tool did not write "
+                                 f"({_summary(foreign)}); use an empty or new folder")
+
+    def open(self) -> ShardedRoot:
+        if self.path.exists() and not self.path.is_dir():
+            raise OutputDirError(f"--output-dir {self.path} exists and is not a folder")
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._check_contents()
+        except OSError as exc:
+            raise cannot_use(self.path, exc, "create or read") from None
+        fd = _lock(self.path, fcntl.LOCK_SH)
+        try:
+            self._check_contents()
+        except BaseException:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+        return self
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self) -> ShardedRoot:
         return self.open()
 
     def __exit__(self, *exc) -> None:

@@ -1,0 +1,55 @@
+"""One --output-dir, one layout: an unsharded run or shard folders of one count, never both (a trainer reads the
+folder recursively)."""
+
+import pytest
+
+from speculators_v016.store.outdir import LOCK, OutputDir, OutputDirError, ShardedRoot, shard_dir
+
+
+def test_a_sharded_run_into_an_unsharded_run_is_refused(tmp_path):
+    """Shard folders beside a finished unsharded run: refused naming its files, nothing created."""
+    out = tmp_path / "out"
+    with OutputDir(out):
+        (out / "data_config.json").write_text("{}")
+        (out / "data_0.safetensors").write_bytes(b"")
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(OutputDirError, match=r"holds an unsharded run \(data_0.safetensors, data_config.json\)"):
+        ShardedRoot(out, 2).open()
+    assert sorted(p.name for p in out.iterdir()) == before
+
+
+def test_an_unsharded_run_into_shard_folders_is_refused(tmp_path):
+    """An unsharded run into a folder of shard folders: refused naming them (not 'files this tool did not write')."""
+    out = tmp_path / "out"
+    with ShardedRoot(out, 2), OutputDir(shard_dir(out, 1, 2)):
+        pass
+    with pytest.raises(OutputDirError, match=r"holds the shard folders of a sharded run \(shard-00001-of-00002\)"):
+        OutputDir(out).open()
+
+
+def test_shards_of_another_count_are_refused(tmp_path):
+    """A run split 4 ways into a folder of a run split 2 ways: refused naming both."""
+    out = tmp_path / "out"
+    with ShardedRoot(out, 2), OutputDir(shard_dir(out, 0, 2)):
+        pass
+    with pytest.raises(OutputDirError, match=r"another way \(shard-00000-of-00002\); this run is split 4 ways"):
+        ShardedRoot(out, 4).open()
+
+
+def test_shards_share_the_root_and_exclude_an_unsharded_run(tmp_path):
+    """Shards of one run hold the root together; an unsharded run cannot start while they run, nor they during it."""
+    out = tmp_path / "out"
+    with ShardedRoot(out, 2), ShardedRoot(out, 2):
+        with pytest.raises(OutputDirError, match="another speculators-data-gen sharded run is writing to"):
+            OutputDir(out).open()
+    with OutputDir(out):
+        with pytest.raises(OutputDirError, match=r"another speculators-data-gen run \(pid \d+\) is writing to"):
+            ShardedRoot(out, 2).open()
+    assert sorted(p.name for p in out.iterdir()) == [LOCK]
+
+
+def test_an_output_dir_under_a_file_is_refused_by_name(tmp_path):
+    """--output-dir whose parent is a file: OutputDirError naming it, not a raw OSError."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OutputDirError, match=rf"cannot create or read {tmp_path}/file/out \(Not a directory\)"):
+        OutputDir(tmp_path / "file" / "out").open()
