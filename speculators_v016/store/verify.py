@@ -5,22 +5,32 @@ is present; no temporary leftovers and no foreign files (those are reported,
 never opened); every manifest entry's file exists with the recorded size and
 sha256; every file parses (safetensors, or ``.pt`` with ``weights_only``),
 has the recorded number of layers, ``[T, hidden_size]`` states of the recorded
-dtype, a 0/1 loss mask as long as ``input_ids``, and no NaN/Inf; no sample file
-lacks a manifest entry; across shards every index exists exactly once.
+dtype, a 0/1 loss mask as long as ``input_ids``, no NaN/Inf, and no layer that
+no real model produces (all zeros, one row repeated at every position:
+:mod:`~speculators_v016.store.degenerate`); no sample file lacks a manifest
+entry; across shards every index exists exactly once; the folder holds one
+layout (shard folders of one count, or one unsharded run: upstream's trainer
+reads the folder recursively and would mix them).
+
+Whatever the folder holds, the answer is a list of findings, never an
+exception: a config that is not valid JSON or lacks a field, an unknown
+format, a manifest line that is not an entry, a manifest that is a folder are
+each a finding naming the file.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from speculators_v016.store import run_config
-from speculators_v016.store.manifest import Manifest
-from speculators_v016.store.outdir import CONFIG, SHARD_DIR, is_ours
+from speculators_v016.store.degenerate import degenerate_layers
+from speculators_v016.store.manifest import Manifest, ManifestError
+from speculators_v016.store.outdir import CONFIG, SHARD_DIR, is_ours, unsharded_run_files
 from speculators_v016.store.sample_format import FORMATS, load_sample, parse_sample_name
 from speculators_v016.store.atomic_files import TMP_PREFIX
 
@@ -38,12 +48,88 @@ class Report:
         return not self.problems and self.samples > 0
 
 
-def _folders(root: Path) -> list[Path]:
+class ConfigError(ValueError):
+    """``data_config.json`` is not one that this tool writes (the message names the file and field)."""
+
+
+@dataclass(frozen=True)
+class FolderSettings:
+    """What verify needs of a folder's ``data_config.json``."""
+
+    format: str
+    layer_ids: list[int]
+    hidden_size: int
+    dtype: str
+    shard_index: int
+    shard_count: int
+    dataset_samples: int
+    start_idx: int
+    skipped: int  # samples the last run did not write (NaN/Inf)
+
+
+def _field(config: dict, path: str, kind):
+    value = config
+    for key in path.split("."):
+        if not isinstance(value, dict) or key not in value:
+            raise ConfigError(f"no field {path}")
+        value = value[key]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ConfigError(f"field {path} is {value!r}, not a {getattr(kind, '__name__', kind)}")
+    return value
+
+
+def folder_settings(folder: Path) -> FolderSettings | None:
+    """The folder's settings from ``data_config.json``; None without one; ConfigError naming the file."""
+    path = Path(folder) / CONFIG
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+    try:
+        config = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+    try:
+        if not isinstance(config, dict) or "speculators_v016" not in config:
+            raise ConfigError("no speculators_v016 section (not written by speculators-data-gen)")
+        fmt = _field(config, "speculators_v016.format", str)
+        if fmt not in FORMATS:
+            raise ConfigError(f"unknown sample format {fmt!r} (this version reads {sorted(FORMATS)})")
+        layer_ids = _field(config, "speculators_v016.layers.layer_ids", list)
+        if not layer_ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in layer_ids):
+            raise ConfigError(f"field speculators_v016.layers.layer_ids is {layer_ids!r}, not a list of integers")
+        last_run = config["speculators_v016"].get("last_run") or {}
+        return FolderSettings(
+            format=fmt, layer_ids=layer_ids, hidden_size=_field(config, "model.hidden_size", int),
+            dtype=_field(config, "speculators_v016.dtype", str),
+            shard_index=_field(config, "speculators_v016.shard.index", int),
+            shard_count=_field(config, "speculators_v016.shard.count", int),
+            dataset_samples=_field(config, "speculators_v016.dataset_samples", int),
+            start_idx=_field(config, "speculators_v016.start_idx", int),
+            skipped=len(last_run.get("non_finite", [])) if isinstance(last_run, dict) else 0)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def _folders(root: Path, report: Report) -> list[Path]:
+    """The shard folders of ``root``, or ``root`` itself; a layout mixing both (or shard counts) is a finding."""
     shards = sorted(p for p in root.iterdir() if p.is_dir() and SHARD_DIR.match(p.name))
+    if shards:
+        counts = sorted({SHARD_DIR.match(p.name).group(2) for p in shards})
+        if len(counts) > 1:
+            report.problems.append(f"{root}: shard folders of runs split {' and '.join(str(int(c)) for c in counts)} "
+                                   "ways: a trainer reading the folder would mix them")
+        beside = unsharded_run_files(os.listdir(root))
+        if beside:
+            report.problems.append(f"{root}: holds shard folders and an unsharded run's files "
+                                   f"({', '.join(beside[:3])}{', ...' if len(beside) > 3 else ''}): a trainer "
+                                   "reading the folder recursively would mix both")
     return shards or [root]
 
 
-def _check_sample(path: Path, layers: int, hidden: int, dtype: str) -> tuple[int, list[str]]:
+def _check_sample(path: Path, layer_ids: list[int], hidden: int, dtype: str) -> tuple[int, list[str]]:
     try:
         data = load_sample(path)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is a finding
@@ -56,8 +142,9 @@ def _check_sample(path: Path, layers: int, hidden: int, dtype: str) -> tuple[int
     length = ids.shape[0]
     if tuple(mask.shape) != (length,) or not bool(((mask == 0) | (mask == 1)).all()):
         problems.append(f"{path}: loss_mask is not a 0/1 vector aligned with input_ids ({length})")
-    if len(states) != layers:
-        problems.append(f"{path}: {len(states)} hidden-state tensors, data_config.json says {layers}")
+    if len(states) != len(layer_ids):
+        problems.append(f"{path}: {len(states)} hidden-state tensors, data_config.json says {len(layer_ids)}")
+        return length, problems
     for j, h in enumerate(states):
         if tuple(h.shape) != (length, hidden):
             problems.append(f"{path}: hidden_states[{j}] is {tuple(h.shape)}, expected ({length}, {hidden})")
@@ -65,20 +152,34 @@ def _check_sample(path: Path, layers: int, hidden: int, dtype: str) -> tuple[int
             problems.append(f"{path}: hidden_states[{j}] is {h.dtype}, data_config.json says {dtype}")
         elif not bool(torch.isfinite(h).all()):
             problems.append(f"{path}: hidden_states[{j}] has NaN or Inf")
+    if not problems:
+        for j, what in degenerate_layers(ids, states):
+            problems.append(f"{path}: hidden_states[{j}] (layer {layer_ids[j]}): {what}; no model produces "
+                            "this: the capture was broken")
     return length, problems
 
 
 def verify_folder(folder: Path, report: Report, seen: dict[int, Path], partial: bool = False,
-                  deep: bool = True) -> dict | None:
+                  deep: bool = True) -> FolderSettings | None:
+    """Check one folder into ``report``; its settings, or None where it cannot be checked (said in ``report``)."""
     report.folders.append(str(folder))
-    config = run_config.load(folder)
-    if config is None or "speculators_v016" not in config:
+    try:
+        return _verify_folder(folder, report, seen, partial, deep)
+    except (ConfigError, ManifestError) as exc:
+        report.problems.append(str(exc))
+    except Exception as exc:  # noqa: BLE001 - whatever the folder holds, a finding, not a traceback
+        report.problems.append(f"{folder}: cannot be verified ({type(exc).__name__}: {str(exc)[:200]})")
+    return None
+
+
+def _verify_folder(folder: Path, report: Report, seen: dict[int, Path], partial: bool,
+                   deep: bool) -> FolderSettings | None:
+    settings = folder_settings(folder)
+    if settings is None:
         report.problems.append(f"{folder}: no {CONFIG} written by speculators-data-gen")
         return None
-    ours = config["speculators_v016"]
-    fmt, ext = ours["format"], FORMATS[ours["format"]]
-    layers = len(ours["layers"]["layer_ids"])
-    hidden, dtype = config["model"]["hidden_size"], ours["dtype"]
+    fmt, ext = settings.format, FORMATS[settings.format]
+    hidden, dtype = settings.hidden_size, settings.dtype
     names = sorted(os.listdir(folder))
     leftovers = [f"{folder / n}: temporary file left by an interrupted write" for n in names
                  if n.startswith(TMP_PREFIX)]
@@ -114,13 +215,13 @@ def verify_folder(folder: Path, report: Report, seen: dict[int, Path], partial: 
         if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
             report.problems.append(f"{path}: size or sha256 differs from the manifest")
             continue
-        length, problems = _check_sample(path, layers, hidden, dtype)
+        length, problems = _check_sample(path, settings.layer_ids, hidden, dtype)
         report.problems += problems
         if length != entry.tokens and not problems:
             report.problems.append(f"{path}: {length} tokens, the manifest says {entry.tokens}")
         report.samples += 1
         report.tokens += length
-    return config
+    return settings
 
 
 def verify(root: str | Path, partial: bool = False, deep: bool = True) -> Report:
@@ -134,19 +235,23 @@ def verify(root: str | Path, partial: bool = False, deep: bool = True) -> Report
     if not root.is_dir():
         report.problems.append(f"{root}: no such folder")
         return report
-    configs = [c for c in (verify_folder(f, report, seen, partial, deep) for f in _folders(root)) if c]
-    if configs and not partial:
-        ours = [c["speculators_v016"] for c in configs]
-        counts = {o["shard"]["count"] for o in ours}
-        totals = {o["dataset_samples"] for o in ours}
-        starts = {o["start_idx"] for o in ours}
+    try:
+        folders = _folders(root, report)
+    except OSError as exc:
+        report.problems.append(f"{root}: cannot be listed ({exc.strerror or exc})")
+        return report
+    ours = [s for s in (verify_folder(f, report, seen, partial, deep) for f in folders) if s]
+    if ours and not partial:
+        counts = {o.shard_count for o in ours}
+        totals = {o.dataset_samples for o in ours}
+        starts = {o.start_idx for o in ours}
         if len(counts) == len(totals) == len(starts) == 1:
             count, total, start = counts.pop(), totals.pop(), starts.pop()
-            present = {o["shard"]["index"] for o in ours}
+            present = {o.shard_index for o in ours}
             missing_shards = sorted(set(range(count)) - present)
             if missing_shards:
                 report.problems.append(f"{root}: shards {missing_shards} of {count} are missing")
-            skipped = sum(len(o.get("last_run", {}).get("non_finite", [])) for o in ours)
+            skipped = sum(o.skipped for o in ours)
             wanted = set(range(start, start + total))
             absent = sorted(wanted - set(seen))
             if len(absent) > skipped:
