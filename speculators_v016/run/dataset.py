@@ -8,12 +8,21 @@ loss mask, truncation to ``seq_length``) turns them into samples. Pre-tokenized
 rows (``input_ids`` + ``loss_mask``) skip the template. Rows are shuffled with
 the seed and cut to ``max_samples`` as upstream does. What is dropped is
 counted by reason.
+
+Local files are read as a stream (JSON Lines line by line, a ``.json`` array
+element by element through a 1 MiB window), so reading needs memory for the
+largest row, not for the file; the rows kept are the dataset itself. A line
+that is not UTF-8 is a bad row like one that is not JSON (named, skippable with
+``skip_bad_rows``). A folder, a file of another kind or a name upstream does not
+know is refused, naming it.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import random
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,24 +49,115 @@ class PreparedSamples:
         return len(self.input_ids)
 
 
-def _read_rows(path: Path):
-    """Yield (where, row) for a .jsonl file or a .json array / JSON Lines file."""
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json" and text.lstrip().startswith("["):
+_CHUNK = 1 << 20  # bytes read at a time from a .json array
+_SPACE = re.compile(r"[ \t\n\r]*")
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")  # bytes that were not UTF-8, as surrogateescape keeps them
+_DECODER = json.JSONDecoder()
+
+
+def _line_rows(path: Path, fh):
+    """Yield (where, row or BadRowError) per line of a JSON Lines file, one line in memory at a time."""
+    for number, raw in enumerate(fh, 1):
+        where = f"{path}:{number}"
         try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise BadRowError(f"{path}: not valid JSON ({exc})") from exc
-        for i, row in enumerate(rows):
-            yield f"{path} row {i}", row
-        return
-    for number, line in enumerate(text.splitlines(), 1):
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            yield where, BadRowError(f"{where}: not UTF-8 text (byte {exc.start} of the line is "
+                                     f"{raw[exc.start:exc.start + 1]!r})")
+            continue
+        if number == 1:
+            line = line.removeprefix("\ufeff")
         if not line.strip():
             continue
         try:
-            yield f"{path}:{number}", json.loads(line)
+            yield where, json.loads(line)
         except json.JSONDecodeError as exc:
-            yield f"{path}:{number}", BadRowError(f"{path}:{number}: not valid JSON ({exc.msg})")
+            yield where, BadRowError(f"{where}: not valid JSON ({exc.msg})")
+
+
+class _ArrayReader:
+    """The text of a JSON array read in blocks: what is not yet parsed, plus one block, in memory."""
+
+    def __init__(self, fh):
+        self.fh, self.text, self.pos, self.eof = fh, "", 0, False
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+
+    def _more(self) -> bool:
+        if self.eof:
+            return False
+        block = self.fh.read(max(_CHUNK, len(self.text) - self.pos))  # doubles for a row larger than a block
+        self.eof = not block
+        self.text = self.text[self.pos:] + self.decoder.decode(block, final=self.eof)
+        self.pos = 0
+        return True
+
+    def peek(self) -> str:
+        """The next character that is not JSON whitespace ("" at the end)."""
+        while True:
+            self.pos = _SPACE.match(self.text, self.pos).end()
+            if self.pos < len(self.text):
+                return self.text[self.pos]
+            if not self._more():
+                return ""
+
+    def value(self):
+        """(value, its text): the next JSON value; JSONDecodeError where the text is not JSON."""
+        self.peek()
+        seen = None
+        while True:
+            try:
+                value, end = _DECODER.raw_decode(self.text, self.pos)
+                if end < len(self.text) or self.eof:  # a value cut at the block's end may parse short
+                    raw, self.pos = self.text[self.pos:end], end
+                    return value, raw
+            except json.JSONDecodeError as exc:
+                error = (exc.msg, exc.pos - self.pos)
+                # the same error with more text after it is in the text, not the block's end
+                if self.eof or (error == seen and len(self.text) - exc.pos > _CHUNK
+                                and not exc.msg.startswith("Unterminated string")):
+                    raise
+                seen = error
+            self._more()
+
+
+def _array_rows(path: Path, fh):
+    """Yield (where, row or BadRowError) per element of a .json array, one element in memory at a time."""
+    reader = _ArrayReader(fh)
+    if reader.peek() == "\ufeff":
+        reader.pos += 1
+    if reader.peek() != "[":
+        raise BadRowError(f"{path}: not a JSON array")
+    reader.pos += 1
+    index = 0
+    if reader.peek() == "]":
+        return
+    while True:
+        where = f"{path} row {index}"
+        try:
+            row, raw = reader.value()
+        except json.JSONDecodeError as exc:
+            raise BadRowError(f"{where}: not valid JSON ({exc.msg}); the rest of the array cannot be read") from None
+        yield where, (BadRowError(f"{where}: not UTF-8 text") if _NOT_UTF8.search(raw) else row)
+        index += 1
+        after = reader.peek()
+        if after == "]":
+            return
+        if after != ",":
+            raise BadRowError(f"{path} row {index}: not valid JSON (expected ',' or ']' after row {index - 1}, "
+                              f"found {after or 'the end of the file'!r})")
+        reader.pos += 1
+
+
+def _read_rows(path: Path):
+    """Yield (where, row) for a .jsonl file or a .json array / JSON Lines file, streamed: never the whole file in
+    memory. A row that cannot be used (not JSON, not UTF-8) comes as a BadRowError naming file and line."""
+    with path.open("rb") as fh:
+        head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+        fh.seek(0)
+        if path.suffix == ".json" and head.startswith(b"["):
+            yield from _array_rows(path, fh)
+        else:
+            yield from _line_rows(path, fh)
 
 
 def _conversation(where: str, row) -> list[dict]:
@@ -93,9 +193,17 @@ def load_rows(paths: list[str], skip_bad_rows: bool, hf_cache_dir: str | None):
     rows, sources, skipped, kinds = [], [], Counter(), set()
     for given in paths:
         path = Path(given)
+        if path.is_dir():
+            raise BadRowError(f"--train-data-path {given}: is a folder; give .json or .jsonl files "
+                              "(repeat the option for several)")
         if path.suffix not in (".json", ".jsonl"):
-            from speculators.data_generation.preprocessing import load_raw_dataset
+            if path.exists():
+                raise BadRowError(f"--train-data-path {given}: not a .json or .jsonl file")
+            from speculators.data_generation.preprocessing import DATASET_CONFIGS, load_raw_dataset
 
+            if given not in DATASET_CONFIGS:
+                raise BadRowError(f"--train-data-path {given}: no such file, and not a dataset name upstream "
+                                  f"knows ({', '.join(sorted(DATASET_CONFIGS))})")
             logger.info("loading dataset {} with upstream's loader", given)
             data = load_raw_dataset(given, cache_dir=hf_cache_dir)
             sources.append({"name": given})
@@ -140,6 +248,10 @@ def prepare_samples(paths: list[str], tokenizer, seq_length: int, *, max_samples
     """Load, validate, shuffle, cut and tokenize the inputs into samples."""
     import datasets
 
+    if max_samples is not None and max_samples < 1:
+        raise ValueError(f"max_samples must be at least 1 (or None for all), got {max_samples}")
+    if seq_length < 1:
+        raise ValueError(f"seq_length must be at least 1, got {seq_length}")
     kind, rows, sources, skipped = load_rows(paths, skip_bad_rows, hf_cache_dir)
     order = list(range(len(rows)))
     if rows:  # shuffle like upstream: datasets' shuffle with the seed

@@ -1,0 +1,97 @@
+"""Dataset inputs: bytes that are not UTF-8 are a bad row (named, skippable), folders and unknown names are
+refused, and reading streams: memory for the largest row, not the file."""
+
+import json
+import tracemalloc
+
+import pytest
+
+from speculators_v016.run.dataset import BadRowError, load_rows, prepare_samples
+
+
+def chat(i: int, words: int = 3) -> dict:
+    return {"conversations": [{"from": "human", "value": f"question {i} " + "word " * words},
+                              {"from": "gpt", "value": f"answer {i}"}]}
+
+
+def test_non_utf8_line_names_file_and_line_and_can_be_skipped(tmp_path):
+    """A JSONL line that is not UTF-8: BadRowError naming file and line; --skip-bad-rows skips and counts it."""
+    data = tmp_path / "chats.jsonl"
+    data.write_bytes(json.dumps(chat(0)).encode() + b"\n" + b'{"conversations": "caf\xe9"}\n'
+                     + json.dumps(chat(2)).encode() + b"\n")
+    with pytest.raises(BadRowError, match=rf"{data}:2: not UTF-8 text \(byte 22 of the line is b'\\xe9'\)"):
+        load_rows([str(data)], skip_bad_rows=False, hf_cache_dir=None)
+    kind, rows, _, skipped = load_rows([str(data)], skip_bad_rows=True, hf_cache_dir=None)
+    assert [where for where, _ in rows] == [f"{data}:1", f"{data}:3"] and skipped == {"bad row": 1}
+
+
+def test_non_utf8_element_of_a_json_array_is_a_bad_row(tmp_path):
+    """In a .json array, the element holding bytes that are not UTF-8 is the bad row; the others are read."""
+    data = tmp_path / "chats.json"
+    data.write_bytes(b"[" + json.dumps(chat(0)).encode() + b',\n {"conversations": [{"from": "human", "value": '
+                     b'"caf\xe9"}]},\n' + json.dumps(chat(2)).encode() + b"]")
+    with pytest.raises(BadRowError, match=rf"{data} row 1: not UTF-8 text"):
+        load_rows([str(data)], skip_bad_rows=False, hf_cache_dir=None)
+    _, rows, _, skipped = load_rows([str(data)], skip_bad_rows=True, hf_cache_dir=None)
+    assert [turns[0]["value"] for _, turns in rows] == [chat(0)["conversations"][0]["value"],
+                                                        chat(2)["conversations"][0]["value"]]
+    assert skipped == {"bad row": 1}
+
+
+def test_json_array_rows_across_block_boundaries_read_exactly(tmp_path, monkeypatch):
+    """Elements cut by the reading window (values of every JSON kind) are read as json.load reads them."""
+    import speculators_v016.run.dataset as dataset
+
+    monkeypatch.setattr(dataset, "_CHUNK", 7)
+    rows = [{"input_ids": [1, 22, 333, 4444], "loss_mask": [0, 1, 1, 1], "x": [True, None, -1.5e3, "\u00e9\\\""]},
+            {"input_ids": [5], "loss_mask": [1]}] * 5
+    data = tmp_path / "tok.json"
+    data.write_text("\ufeff [\n" + ",\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n]\n")
+    kind, read, _, skipped = load_rows([str(data)], skip_bad_rows=False, hf_cache_dir=None)
+    assert kind == "pretokenized" and not skipped
+    assert [ids for _, (ids, _mask) in read] == [r["input_ids"] for r in rows]
+    data.write_text("[" + json.dumps(rows[0]) + ", {bad}, " + json.dumps(rows[1]) + "]")
+    with pytest.raises(BadRowError, match=rf"{data} row 1: not valid JSON"):
+        load_rows([str(data)], skip_bad_rows=True, hf_cache_dir=None)
+
+
+@pytest.mark.parametrize("given, message", [
+    ("folder", "is a folder; give .json or .jsonl files"),
+    ("notes.txt", "not a .json or .jsonl file"),
+    ("sharegtp", "no such file, and not a dataset name upstream knows (sharegpt, "),
+])
+def test_folders_other_files_and_unknown_names_are_bad_input(tmp_path, given, message):
+    """A folder, a file of another kind, or a misspelt dataset name: BadRowError naming it (exit 3)."""
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "notes.txt").write_text("hello")
+    path = str(tmp_path / given) if given != "sharegtp" else given
+    with pytest.raises(BadRowError) as info:
+        load_rows([path], skip_bad_rows=True, hf_cache_dir=None)
+    assert f"--train-data-path {path}: {message}" in str(info.value)
+
+
+def test_negative_max_samples_is_refused():
+    """max_samples -2 would keep all rows but two: refused before anything is read."""
+    with pytest.raises(ValueError, match="max_samples must be at least 1"):
+        prepare_samples(["unused.jsonl"], None, 128, max_samples=-2)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_reading_needs_memory_for_a_row_not_the_file(tmp_path, suffix):
+    """Peak memory of load_rows beyond the rows it returns stays near the largest row, whatever the file size."""
+    rows = [chat(i, words=200) for i in range(6000)]  # ~7 MB
+    data = tmp_path / f"big{suffix}"
+    lines = [json.dumps(r) for r in rows]
+    data.write_text("\n".join(lines) + "\n" if suffix == ".jsonl" else "[" + ",\n".join(lines) + "]")
+    largest = max(len(line) for line in lines)
+    tracemalloc.start()
+    try:
+        result = load_rows([str(data)], skip_bad_rows=False, hf_cache_dir=None)
+        _, peak = tracemalloc.get_traced_memory()
+        kept, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(result[1]) == len(rows)
+    overhead = peak - kept
+    assert overhead < 4 * (1 << 20) + 8 * largest, (overhead, data.stat().st_size)
+    assert overhead < data.stat().st_size / 2
