@@ -14,10 +14,13 @@ Only the CLI uses this; the library never touches a caller's descriptors.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import TextIO
 
@@ -31,20 +34,66 @@ def log_path(folder: Path, kind: str, suffix: str = "") -> Path:
     return Path(folder) / "logs" / f"{kind}-{stamp}{suffix}.log"
 
 
+def _private(folder: Path) -> bool:
+    """Is ``folder`` a real folder (not a link) of this user that nobody else can enter?"""
+    try:
+        info = os.lstat(folder)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o077
+
+
+def private_dir() -> Path:
+    """A folder for logs that belong to no output folder, only this user's: ``$XDG_RUNTIME_DIR/speculators-
+    data-gen`` where the session has one, else ``<tmp>/speculators-data-gen-<uid>`` (made 0700); where
+    that name is taken by anything else (another user's folder, a link), a fresh ``mkdtemp`` folder."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    candidates = [Path(runtime) / "speculators-data-gen"] if runtime and _private(Path(runtime)) else []
+    candidates.append(Path(tempfile.gettempdir()) / f"speculators-data-gen-{os.geteuid()}")
+    for folder in candidates:
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            pass
+        except OSError:
+            continue
+        if _private(folder):
+            return folder
+    return Path(tempfile.mkdtemp(prefix=f"speculators-data-gen-{os.geteuid()}-"))
+
+
 def run_log_path(output_dir: Path, kind: str = "run", suffix: str = "") -> Path:
-    """The log of a run: in ``output_dir/logs``, unless that folder holds files not ours (the run will
-    refuse it, and we add nothing to it): then in the temporary folder."""
-    from speculators_v016.store.outdir import is_ours
+    """The log of a run: in ``output_dir/logs`` (shared by the shards of a sharded run), unless that folder
+    holds files not ours (the run will refuse it, and we add nothing to it): then in :func:`private_dir`."""
+    from speculators_v016.store.outdir import SHARD_DIR, is_ours
 
     out = Path(output_dir)
-    if out.exists() and (not out.is_dir() or any(not is_ours(n) for n in os.listdir(out))):
-        return log_path(Path(tempfile.gettempdir()) / "speculators-data-gen", kind, suffix)
+    try:
+        foreign = out.exists() and (not out.is_dir() or any(not is_ours(n) and not SHARD_DIR.match(n)
+                                                              for n in os.listdir(out)))
+    except OSError:
+        foreign = True
+    if foreign:
+        return private_dir() / log_path(out, kind, suffix).name
     return log_path(out, kind, suffix)
 
 
 def scratch_log_path(kind: str) -> Path:
-    """The log of a command that writes no folder of its own (verify, check)."""
-    return log_path(Path(tempfile.gettempdir()) / "speculators-data-gen", kind)
+    """The log of a command that writes no folder of its own (verify, check): in :func:`private_dir`."""
+    return private_dir() / log_path(Path("."), kind).name
+
+
+def open_log(path: Path, mode: int = 0o644) -> tuple[int, Path]:
+    """(fd, path) of a new log file at ``path``, or ``path`` with ``-2``, ``-3`` ... before ``.log`` where that
+    name exists: never an existing file, never through a symbolic link (O_EXCL | O_NOFOLLOW)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_APPEND | os.O_CLOEXEC
+    for n in range(1, 100):
+        candidate = path if n == 1 else path.with_name(f"{path.stem}-{n}{path.suffix}")
+        try:
+            return os.open(candidate, flags, mode), candidate
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "too many log files of the same second", str(path))
 
 
 class Console:
@@ -56,19 +105,19 @@ class Console:
         self.out: TextIO = sys.stdout
         self.err: TextIO = sys.stderr
         self._saved: tuple[int, int] | None = None
+        self.fallback = ""  # why the log is not where it was asked for
 
     # -- set-up -----------------------------------------------------------
     def __enter__(self) -> Console:
         from loguru import logger
 
-        if self.log_file is not None:
-            self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        fd = self._open_log() if self.log_file is not None else None
+        if fd is not None:
             sys.stdout.flush()
             sys.stderr.flush()
             self._saved = (os.dup(1), os.dup(2))
             self.out = os.fdopen(os.dup(self._saved[0]), "w", buffering=1, encoding="utf-8", errors="replace")
             self.err = os.fdopen(os.dup(self._saved[1]), "w", buffering=1, encoding="utf-8", errors="replace")
-            fd = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
             os.close(fd)
@@ -82,7 +131,28 @@ class Console:
             logger.add(sys.stderr, level=self.log_level, format="{time:YYYY-MM-DD HH:mm:ss} | {level: <7} | "
                        "{name}:{line} | {message}")
         logger.add(self.err, level="DEBUG", format=self._terminal_format, filter=self._for_terminal, colorize=False)
+        if self.fallback:
+            logger.warning("cannot write the log in {}; it is in {}", self.fallback, self.log_file)
         return self
+
+    def _open_log(self) -> int | None:
+        """The log file's descriptor: at ``log_file``, else (its folder cannot be made or written: read-only,
+        no permission, disk full) in :func:`private_dir`; None (no log, everything on the terminal) when
+        neither works."""
+        folder = self.log_file.parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, self.log_file = open_log(self.log_file, 0o600 if _private(folder) else 0o644)
+            return fd
+        except OSError as exc:
+            reason = f"{folder}: {exc.strerror or exc}"
+        try:
+            fd, self.log_file = open_log(private_dir() / self.log_file.name, 0o600)
+            self.fallback = reason
+            return fd
+        except OSError:
+            self.log_file, self.mode = None, "verbose"
+            return None
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -93,8 +163,14 @@ class Console:
         logger.remove()
         if self._saved is None:
             return
-        sys.stdout.flush()
-        sys.stderr.flush()
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except OSError:  # the log's disk is full: what is left in the buffers must not reach the terminal
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._saved[0])
+            os.dup2(null, self._saved[1])
+            os.close(null)
         os.dup2(self._saved[0], 1)
         os.dup2(self._saved[1], 2)
         for fd in self._saved:
@@ -135,8 +211,11 @@ class Console:
         self.echo(message, err=True)
         if self.log_file is None:
             return
-        sys.stdout.flush()
-        sys.stderr.flush()
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except OSError:  # the log's disk is full; what it holds is shown below
+            pass
         tail = [line for line in _tail(self.log_file) if line.strip()][-TAIL_LINES:]
         if tail:
             self.echo(f"last lines of the log ({self.log_file}):", err=True)
@@ -144,6 +223,15 @@ class Console:
                 self.echo(f"  | {line}", err=True)
         else:
             self.echo(f"log: {self.log_file}", err=True)
+
+    def log_exception(self, exc: BaseException) -> None:
+        """The traceback of ``exc``, in the log (with --verbose: on the terminal); nothing if it cannot be written
+        (a full disk): the terminal already has our message, and the exit code stays the error's."""
+        try:
+            traceback.print_exception(exc, file=sys.stderr)
+            sys.stderr.flush()
+        except OSError:
+            pass
 
     def where(self) -> None:
         if self.log_file is not None:
