@@ -6,12 +6,23 @@ The steps, each owned by a module: :mod:`~speculators_v016.run.dataset`
 ``data_config.json``), :mod:`~speculators_v016.engine.core` (hidden states, streamed),
 :mod:`~speculators_v016.store.writer` and :mod:`~speculators_v016.store.manifest`
 (atomic files, then their manifest lines, committed in groups).
+
+The run checks what it captured before it writes it (its *self-check*): every
+sample's layers are screened for states no model produces (a layer all zeros,
+one row repeated: :mod:`~speculators_v016.store.degenerate`), and the first
+``logit_check_samples`` samples' last layer must reproduce vLLM's own prompt
+logprobs (:mod:`~speculators_v016.run.logit_check`). Until the logit check has
+judged its samples, every finished sample is held back from the writer; a
+failure stops the run with :class:`SelfCheckError` (exit 7) before anything it
+judged is written, so a resume redoes them.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -29,14 +40,20 @@ from speculators_v016.settings import (DEFAULT_BATCH_SIZE, DEFAULT_LOGIT_CHECK_S
                                          DEFAULT_PREPROCESSING_WORKERS, DEFAULT_SEQ_LENGTH, DEFAULT_TOKEN_FREQ_PATH,
                                          DEFAULT_WRITE_WORKERS, EngineSettings)
 from speculators_v016.target import PromptError, TargetInfo, check_token_ids
+from speculators_v016.store.atomic_files import WriteError
+from speculators_v016.store.degenerate import degenerate_layers, may_be_degenerate
 from speculators_v016.store.manifest import Manifest
-from speculators_v016.store.outdir import OutputDir, shard_dir
+from speculators_v016.store.outdir import OutputDir, ShardedRoot, shard_dir
 from speculators_v016.store.sample_format import parse_sample_name
 from speculators_v016.store.writer import SampleWriter
 
 
 class NonFiniteError(RuntimeError):
     """Too many samples had NaN or Inf hidden states."""
+
+
+class SelfCheckError(RuntimeError):
+    """The captured states failed the run's own check (logit check, or states no model produces)."""
 
 
 @dataclass
@@ -129,7 +146,8 @@ def run(opts: RunOptions, progress_to=None) -> RunSummary:
     target = TargetInfo.read(opts.target_model_path, opts.trust_remote_code)
     plan = LayerPlan.build(target.num_layers, opts.layer_ids)
     summary = RunSummary(str(directory))
-    with OutputDir(directory) as out:
+    root = ShardedRoot(Path(opts.output_dir), opts.num_shards) if opts.num_shards > 1 else nullcontext()
+    with root, OutputDir(directory) as out:
         if out.removed_leftovers:
             logger.warning("removed {} temporary files left by an interrupted run", len(out.removed_leftovers))
         tokenizer = AutoTokenizer.from_pretrained(opts.target_model_path, trust_remote_code=opts.trust_remote_code)
@@ -193,9 +211,17 @@ def _generate(generator, samples: PreparedSamples, pending: list[int], directory
     if checked:
         engine.warm_prompt_logprobs()  # vLLM compiles its prompt-logprobs kernel here, not in the first step
     pool = BufferPool()  # each sample's states: one block, back to the pool once its file is written
+    # every finished sample waits here until the logit check has judged all of its samples
+    awaiting = set(checked)
+    held: list[tuple[int, dict]] = []
 
     writer = SampleWriter(directory, opts.format, layer_ids, workers=opts.write_workers,
                           reject=reject_non_finite(layer_ids), cpus=cpus)
+
+    def put(name: int, sample: dict) -> None:
+        states = sample["hidden_states"]
+        writer.put(name, sample, done=lambda: pool.give_back(states))
+
     window = max(opts.batch_size, 2 * opts.engine.max_num_seqs)
     total_tokens = sum(len(samples.input_ids[i]) for i in pending)
     started = time.monotonic()
@@ -206,20 +232,30 @@ def _generate(generator, samples: PreparedSamples, pending: list[int], directory
         want = checked.__contains__ if checked else None
         for index, ids, states in engine.stream(feed, window=window, prompt_logprobs=want, allocate=pool.take):
             theirs = engine.prompt_logprobs.pop(index, None) if index in checked else None
-            if theirs is not None and checker.active:
-                if checker.add(index, torch.tensor(ids), states, theirs) > checker.result.tolerance:
-                    logger.error("sample {}: the captured last layer does not reproduce vLLM's own logits "
-                                 "(logit check)", index + opts.start_idx)
-                if checker.result.samples == len(checked):
-                    checker.release()
+            name = index + opts.start_idx
+            input_ids = torch.tensor(ids, dtype=torch.long)
+            _check_plausible(name, input_ids, states, layer_ids, bool(awaiting))
+            if index in awaiting and theirs is not None:
+                _check_logits(checker, name, input_ids, states, theirs, len(held))
             mask = torch.tensor(samples.loss_masks[index][: len(ids)], dtype=torch.long)
-            writer.put(index + opts.start_idx, {"input_ids": torch.tensor(ids, dtype=torch.long),
-                                                "hidden_states": states, "loss_mask": mask},
-                       done=lambda states=states: pool.give_back(states))
-            _note_rejected(writer.take_rejected(), summary, opts)
+            sample = {"input_ids": input_ids, "hidden_states": states, "loss_mask": mask}
+            if awaiting:
+                held.append((name, sample))
+            else:
+                put(name, sample)
             summary.tokens += len(ids)
             bar.update(len(ids))
+            if index in awaiting:
+                awaiting.discard(index)
+                if not awaiting:  # every checked sample judged and passed: write what waited, drop the head
+                    checker.release()
+                    for held_name, held_sample in held:
+                        put(held_name, held_sample)
+                    held.clear()
+            _note_rejected(writer.take_rejected(), summary, opts)
             bar.set_description(f"{writer.written}/{len(pending)} samples")
+        for held_name, held_sample in held:  # judged and passed; a checked sample vLLM gave no logprobs for
+            put(held_name, held_sample)
     finally:
         summary.generation_seconds = time.monotonic() - started
         try:
@@ -256,6 +292,33 @@ def _note_rejected(rejected: list, summary: RunSummary, opts: RunOptions) -> Non
                              f"(limit --max-bad-samples {opts.max_bad_samples}); first: {summary.non_finite[0]}")
 
 
+def _check_plausible(name: int, input_ids: torch.Tensor, states: list, layer_ids: list[int], holding: bool) -> None:
+    """Raise SelfCheckError if a layer of sample ``name`` holds states no model produces."""
+    if not may_be_degenerate(input_ids, states):
+        return
+    found = degenerate_layers(input_ids, states)
+    if found:
+        j, what = found[0]
+        kept = ("nothing of this run was written" if holding else
+                "samples written before it passed this check and are kept")
+        raise SelfCheckError(
+            f"self-check failed: sample {name}, layer {layer_ids[j]}: {what}. No model produces this: the "
+            f"capture is broken, and the run stops ({kept}; this sample is not written). Please report it "
+            "with the log")
+
+
+def _check_logits(checker, name: int, input_ids: torch.Tensor, states: list, theirs, held: int) -> None:
+    """Raise SelfCheckError if sample ``name``'s last layer does not reproduce vLLM's own logits."""
+    delta = checker.add(name, input_ids, states, theirs)
+    if not delta <= checker.result.tolerance:  # NaN fails too
+        raise SelfCheckError(
+            f"self-check failed: sample {name}: the captured last layer, normed and projected, does not reproduce "
+            f"vLLM's own prompt logprobs (logit check: max |delta| {delta:.3g}, tolerance "
+            f"{checker.result.tolerance:.0e}). The captured states are wrong for this model or setup; the run "
+            f"stops before writing any sample ({held + 1} finished samples held back; a resume redoes them). "
+            "Please report it with the log")
+
+
 def _logit_checker(generator, opts: RunOptions):
     """The logit check of this run, if the last layer is captured (see speculators_v016.run.logit_check)."""
     from speculators_v016.run.logit_check import LogitChecker
@@ -270,8 +333,15 @@ def _save_token_frequencies(samples: PreparedSamples, path: str) -> None:
 
     table = datasets.Dataset.from_dict({"input_ids": samples.input_ids, "loss_mask": samples.loss_masks})
     table.set_format(type="torch")
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    save_token_frequency_distribution(table, path)
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_token_frequency_distribution(table, path)
+    except OSError as exc:
+        raise WriteError(exc.errno, f"cannot write --token-freq-path {path}: {exc.strerror or exc}") from exc
+    except RuntimeError as exc:  # torch.save reports a failed write so
+        if "write" not in str(exc).lower():
+            raise
+        raise WriteError(errno.EIO, f"cannot write --token-freq-path {path}: {exc}") from exc
 
 
 def _new_config(generator, opts: RunOptions, samples: PreparedSamples, fp: dict, shard_samples: int) -> dict:

@@ -1,26 +1,47 @@
-"""One run of the pipeline as the terminal sees it: the summary, the verify line, the exit code."""
+"""One run of the pipeline as the terminal sees it: the summary, the verify line, the exit code.
+
+Exit codes: 0 done; 1 the post-run verify found problems; 3 bad input data; 4
+output folder refused; 5 generation failed; 6 a file could not be written; 7
+the run's self-check failed (the captured states do not reproduce the model's
+logits, or no model produces them): nothing it judged was written; 130
+interrupted. (2, usage errors, is click's, before a run starts.)
+"""
 
 from __future__ import annotations
 
-import sys
-import traceback
+import errno
+
+SELF_CHECK_FAILED = 7
 
 
 def exit_code(exc: BaseException) -> int:
     from speculators_v016.run.dataset import BadRowError
+    from speculators_v016.run.pipeline import SelfCheckError
     from speculators_v016.target import PromptError, RemoteCodeError
     from speculators_v016.layers import LayerIdError
+    from speculators_v016.store.manifest import ManifestError
     from speculators_v016.store.outdir import OutputDirError
     from speculators_v016.store.run_config import ResumeMismatchError
     from speculators_v016.store.atomic_files import WriteError
 
     if isinstance(exc, (BadRowError, PromptError, LayerIdError, RemoteCodeError)):
         return 3
-    if isinstance(exc, (OutputDirError, ResumeMismatchError)):
+    if isinstance(exc, (OutputDirError, ResumeMismatchError, ManifestError)):
         return 4
-    if isinstance(exc, WriteError):
+    if isinstance(exc, WriteError) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)):
         return 6
+    if isinstance(exc, SelfCheckError):
+        return SELF_CHECK_FAILED
     return 5
+
+
+def _message(exc: BaseException, code: int) -> str:
+    """What the terminal says: our message; the exception's type only where it is not one of ours (5)."""
+    from speculators_v016.store.atomic_files import WriteError
+
+    if code == 6 and not isinstance(exc, WriteError) and getattr(exc, "filename", None):
+        return f"error: cannot write {exc.filename}: {exc.strerror}"
+    return f"error: {exc}" if code != 5 else f"error: {type(exc).__name__}: {exc}"
 
 
 def run_and_report(opts, console, verify_after: bool = True) -> int:
@@ -36,14 +57,19 @@ def run_and_report(opts, console, verify_after: bool = True) -> int:
         return 130
     except Exception as exc:  # noqa: BLE001 - every failure gets a message and an exit code
         code = exit_code(exc)
-        console.failure(f"error: {exc}" if code != 5 else f"error: {type(exc).__name__}: {exc}")
-        traceback.print_exception(exc, file=sys.stderr)  # the log (or, with --verbose, the terminal)
+        console.failure(_message(exc, code))
+        console.log_exception(exc)  # the log (or, with --verbose, the terminal)
         return code
     for line in summary.lines():
         console.echo(line, summary=True)
     code = 0 if summary.logit_check.get("ok", True) else 1
     if verify_after:
-        report = verify(summary.output_dir, partial=opts.num_shards > 1, deep=opts.deep_verify)
+        try:
+            report = verify(summary.output_dir, partial=opts.num_shards > 1, deep=opts.deep_verify)
+        except Exception as exc:  # noqa: BLE001 - verify reports findings; this is a bug of ours, said so
+            console.log_exception(exc)
+            console.failure(f"verify:     could not run ({type(exc).__name__}: {exc})")
+            return 1
         kind = "" if opts.deep_verify else "; names, sizes, completeness: `verify DIR` reads every file"
         console.echo(f"verify:     {'ok' if report.ok else 'FAILED'} ({report.samples} samples{kind})", summary=True)
         for problem in report.problems[:20]:

@@ -28,6 +28,9 @@ modules carry no fault points: each fault wraps one of their seams here.
   ``/dev/shm`` name is deleted (by a cleaner, say) / deleted and re-created as
   another file of the same size, after the engine made it and before the worker
   maps it (wraps :meth:`SlotRing.create`).
+* ``zero-states:n``: from the ``n``-th sample the engine yields on, every
+  hidden state is 0, as when the capture ring was replaced by an empty file
+  (wraps :meth:`CaptureEngine.stream`).
 """
 
 from __future__ import annotations
@@ -148,6 +151,20 @@ def install() -> None:
             for key, ids, states in original_stream(self, *args, **kwargs):
                 if not checked(key) and _armed(point):
                     states[-1][len(ids) // 2, 0] = float("nan")
+                yield key, ids, states
+
+        CaptureEngine.stream = stream
+    elif point == "zero-states":
+        from speculators_v016.engine.core import CaptureEngine
+
+        original_stream = CaptureEngine.stream
+        zeroing = []
+
+        def stream(self, *args, **kwargs):
+            for key, ids, states in original_stream(self, *args, **kwargs):
+                if zeroing or _armed(point):
+                    zeroing.append(key)
+                    states = [torch.zeros_like(h) for h in states]
                 yield key, ids, states
 
         CaptureEngine.stream = stream

@@ -162,12 +162,59 @@ def test_nan_states_are_not_written_and_reported(tmp_path, model_dir, data_file)
     assert strict.exit_code == 5 and "limit --max-bad-samples 0" in strict.output
 
 
-def test_logit_check_catches_rows_one_position_off(tmp_path, model_dir, data_file):
-    """States shifted by one position (a misattribution) fail the logit check: named, exit 1."""
-    result = generate(model_dir, data_file, tmp_path / "out", env={FAULT: "shift-check:2"})
-    assert result.exit_code == 1, result.output
-    assert re.search(r"sample \d+: the captured last layer does not reproduce vLLM's own logits", result.output)
-    assert "logit check: FAILED for 1 sample(s)" in result.output
+def test_logit_check_failure_stops_the_run_before_writing(tmp_path, model_dir, data_file, reference):
+    """States shifted by one position fail the logit check: exit 7, nothing written, a resume redoes them all."""
+    out = tmp_path / "out"
+    result = generate(model_dir, data_file, out, env={FAULT: "shift-check:2"})
+    assert result.exit_code == 7, result.output
+    assert re.search(r"error: self-check failed: sample \d+: the captured last layer, normed and projected, does not "
+                     r"reproduce vLLM's own prompt logprobs \(logit check: max \|delta\| [\d.e+-]+, tolerance 1e-04\)",
+                     result.output), result.output
+    assert "the run stops before writing any sample" in result.output
+    assert Manifest(out).entries() == {} and not list(out.glob("data_*.safetensors"))
+    assert_resumes_to_reference(model_dir, data_file, out, reference)
+
+
+def test_all_zero_states_stop_the_run_without_the_logit_check(tmp_path, model_dir, data_file):
+    """All states 0 (a ring replaced by an empty file) with layers the logit check cannot judge: exit 7, named."""
+    out = tmp_path / "out"
+    args = ("--layer-ids", "2 4", "--max-samples", 8)
+    result = generate(model_dir, data_file, out, *args, env={FAULT: "zero-states:1"})
+    assert result.exit_code == 7, result.output
+    assert re.search(r"error: self-check failed: sample \d+, layer 2: every value is 0. No model produces this",
+                     result.output), result.output
+    assert Manifest(out).entries() == {} and not list(out.glob("data_*.safetensors"))
+    resumed = generate(model_dir, data_file, out, *args)
+    assert resumed.exit_code == 0 and "written:    8 samples (0 already done" in resumed.output, resumed.output
+    assert invoke("verify", out).exit_code == 0
+
+
+def test_zero_states_mid_run_stop_it_keeping_what_passed(tmp_path, model_dir, data_file, reference):
+    """States going to 0 mid-run: exit 7 naming the sample; samples written before stay valid; resume completes."""
+    out = tmp_path / "out"
+    result = generate(model_dir, data_file, out, "--write-workers", 1, env={FAULT: "zero-states:6"})
+    assert result.exit_code == 7, result.output
+    match = re.search(r"self-check failed: sample (\d+), layer 2: every value is 0", result.output)
+    assert match, result.output
+    entries = Manifest(out).entries()
+    assert int(match.group(1)) not in entries and 0 < len(entries) < COUNT
+    partial = invoke("verify", out, "--partial")  # reads every file: states, NaN, degenerate layers
+    assert partial.exit_code == 0, partial.output
+    assert_resumes_to_reference(model_dir, data_file, out, reference)
+
+
+def test_a_torn_first_manifest_line_is_cut_off_on_resume(tmp_path, model_dir, data_file):
+    """The first manifest line torn (disk full, power loss): the resume rewrites it, the folder verifies."""
+    out = tmp_path / "out"
+    assert generate(model_dir, data_file, out, "--max-samples", 4).exit_code == 0
+    manifest = out / "manifest.jsonl"
+    manifest.write_bytes(manifest.read_bytes()[:25])
+    result = generate(model_dir, data_file, out, "--max-samples", 4)
+    assert result.exit_code == 0, result.output
+    assert "written:    4 samples (0 already done before this run)" in result.output
+    assert sorted(Manifest(out).entries()) == [0, 1, 2, 3]
+    verified = invoke("verify", out)
+    assert verified.exit_code == 0, verified.output
 
 
 def test_unusable_rows_are_skipped_by_reason(tmp_path, model_dir):

@@ -1,0 +1,66 @@
+"""The exit code and the one message of a failed run, whatever else fails while reporting it."""
+
+import errno
+import io
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from speculators_v016.run import pipeline
+from speculators_v016.run.console import Console
+from speculators_v016.run.pipeline import RunSummary, SelfCheckError
+from speculators_v016.run.run_report import exit_code, run_and_report
+from speculators_v016.store import verify as verify_module
+from speculators_v016.store.manifest import ManifestError
+
+
+@pytest.mark.parametrize("exc, code", [
+    (OSError(errno.ENOSPC, "No space left on device", "/out/logs"), 6),
+    (OSError(errno.EDQUOT, "Disk quota exceeded"), 6),
+    (ManifestError("/out/manifest.jsonl:2: not a manifest entry"), 4),
+    (SelfCheckError("self-check failed"), 7),
+    (RuntimeError("engine died"), 5),
+])
+def test_exit_codes_by_kind(exc, code):
+    """A full disk anywhere is 6, a manifest we did not write 4, a failed self-check 7, the rest 5."""
+    assert exit_code(exc) == code
+
+
+class _Full(io.StringIO):
+    def write(self, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def opts():
+    return SimpleNamespace(progress=False, num_shards=1, deep_verify=False)
+
+
+def test_a_failure_with_a_full_log_keeps_its_exit_code_and_one_message(monkeypatch, capsys):
+    """The traceback cannot go to the full log: the exit code stays the error's, one message, no traceback."""
+    def fail(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", "/out/data_3.safetensors")
+
+    monkeypatch.setattr(pipeline, "run", fail)
+    console = Console(None)
+    monkeypatch.setattr(sys, "stderr", _Full())  # the log's descriptor, on a full disk
+    code = run_and_report(opts(), console)
+    monkeypatch.undo()
+    assert code == 6
+    err = capsys.readouterr().err
+    assert err == "error: cannot write /out/data_3.safetensors: No space left on device\n"
+
+
+def test_a_post_run_verify_that_raises_is_reported_not_a_traceback(monkeypatch, capsys, tmp_path):
+    """The post-run verify runs under the run's error handling: a message and exit 1, never a traceback."""
+    monkeypatch.setattr(pipeline, "run", lambda *a, **k: RunSummary(str(tmp_path)))
+
+    def broken(*args, **kwargs):
+        raise KeyError("format")
+
+    monkeypatch.setattr(verify_module, "verify", broken)
+    code = run_and_report(opts(), Console(None))
+    assert code == 1
+    captured = capsys.readouterr()
+    assert "verify:     could not run (KeyError: 'format')" in captured.err
+    assert "written:    0 samples" in captured.out
