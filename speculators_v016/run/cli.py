@@ -9,6 +9,7 @@ atomic output and the ``verify``, ``check``, ``demo`` and ``clean-shm`` subcomma
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -23,32 +24,62 @@ ENV_PREFIX = "SPECULATORS_DATA_GEN"
 EXIT_CODES = """\b
 Exit codes: 0 done (or verified); 1 verify/check found problems; 2 usage error;
 3 bad input data; 4 output folder refused (foreign files, locked, settings
-differ from the run being resumed); 5 generation failed (engine, model,
-NaN/Inf limit); 6 a file could not be written; 130 interrupted.
+differ from the run being resumed, not writable, another layout); 5 generation
+failed (engine, model, NaN/Inf limit); 6 a file could not be written (disk
+full); 7 the run's self-check failed (captured states do not reproduce the
+model's logits, or no model produces them): nothing it judged was written;
+130 interrupted.
 Every option can also be set from the environment, e.g.
 SPECULATORS_DATA_GEN_TARGET_MODEL_PATH, SPECULATORS_DATA_GEN_OUTPUT_DIR."""
 
 
+def _env_int(names: tuple[str, ...], minimum: int) -> int | None:
+    """The first of the launcher variables ``names`` that is set, as an integer >= ``minimum``; usage error if not."""
+    for name in names:
+        value = os.environ.get(name)
+        if value:
+            try:
+                number = int(value)
+            except ValueError:
+                number = None
+            if number is None or number < minimum:
+                raise click.UsageError(f"environment variable {name}={value!r} is not a whole number >= {minimum} "
+                                       "(launchers such as torchrun and SLURM set it; or give --num-shards and "
+                                       "--shard-index)")
+            return number
+    return None
+
+
 def _shard_defaults(num_shards: int | None, shard_index: int | None) -> tuple[int, int]:
     """--num-shards/--shard-index, else a launcher's RANK/WORLD_SIZE (torchrun) or SLURM's."""
-    env = os.environ
     if num_shards is None:
-        num_shards = int(env.get("WORLD_SIZE") or env.get("SLURM_NTASKS") or 1)
+        num_shards = _env_int(("WORLD_SIZE", "SLURM_NTASKS"), 1) or 1
     if shard_index is None:
-        shard_index = int(env.get("RANK") or env.get("SLURM_PROCID") or 0) if num_shards > 1 else 0
+        shard_index = (_env_int(("RANK", "SLURM_PROCID"), 0) or 0) if num_shards > 1 else 0
     if not 0 <= shard_index < num_shards:
         raise click.BadParameter(f"shard index {shard_index} is not in [0, {num_shards})", param_hint="--shard-index")
     return num_shards, shard_index
 
 
 def _layer_ids(value: str | None) -> list[int] | None:
-    if not value:
+    """None when the option is absent; an empty or negative value is a usage error (never the default)."""
+    if value is None:
         return None
     try:
-        return [int(v) for v in value.replace(",", " ").split()]
+        ids = [int(v) for v in value.replace(",", " ").split()]
     except ValueError:
         raise click.BadParameter(f"{value!r}: give integers, e.g. --layer-ids 2 16 29 31",
                                  param_hint="--layer-ids") from None
+    if not ids:
+        raise click.BadParameter("no layer id given (an empty value, e.g. an unset variable?); give ids such as "
+                                 "--layer-ids 2 16 29 31, or leave the option out for the default layers",
+                                 param_hint="--layer-ids")
+    negative = [i for i in ids if i < 0]
+    if negative:
+        raise click.BadParameter(f"{negative} negative: id L is the output of decoder layer L, from 0 to n-1 "
+                                 "(the last layer); ids counted from the end are not accepted, give n-1 itself",
+                                 param_hint="--layer-ids")
+    return ids
 
 
 @click.group(invoke_without_command=True, epilog=EXIT_CODES,
@@ -61,37 +92,37 @@ def _layer_ids(value: str | None) -> list[int] | None:
                    "Repeat to combine.")
 @click.option("--output-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Folder for the samples; an interrupted run resumes in it.")
-@click.option("--seq-length", type=int, default=DEFAULT_SEQ_LENGTH, help="Longest sample in tokens; longer ones are truncated.")
-@click.option("--max-samples", type=int, default=None, help="Use at most this many rows (after shuffling).")
+@click.option("--seq-length", type=click.IntRange(min=1), default=DEFAULT_SEQ_LENGTH, help="Longest sample in tokens; longer ones are truncated.")
+@click.option("--max-samples", type=click.IntRange(min=1), default=None, help="Use at most this many rows (after shuffling).")
 @click.option("--layer-ids", default=None,
               help="Layers to capture: id L = output of decoder layer L, before the final norm "
-                   "(upstream's meaning). Space- or comma-separated. Default: 2, n//2, n-3, n-1.")
-@click.option("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="Prompts admitted ahead of the engine (at least 2 x max-num-seqs).")
-@click.option("--tensor-parallel-size", type=int, default=None, help="GPUs per model. Default: all visible GPUs, or 1.")
-@click.option("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION, help="vLLM's GPU memory fraction.")
+                   "(upstream's meaning), 0 to n-1. Space- or comma-separated. Default: 2, n//2, n-3, n-1.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=DEFAULT_BATCH_SIZE, help="Prompts admitted ahead of the engine (at least 2 x max-num-seqs).")
+@click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=None, help="GPUs per model. Default: all visible GPUs, or 1.")
+@click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True), default=DEFAULT_GPU_MEMORY_UTILIZATION, help="vLLM's GPU memory fraction.")
 @click.option("--token-freq-path", default=DEFAULT_TOKEN_FREQ_PATH, help="Where upstream's token frequency file goes.")
 @click.option("--hf-cache-dir", default=None, help="Cache folder for hub datasets.")
 @click.option("--assistant-pattern", default=None, help="Regex of assistant spans (default: from the chat template).")
 @click.option("--turn-dropout", is_flag=True, help="Keep a random number of leading turns per conversation.")
 @click.option("--seed", type=int, default=0, help="Shuffle (and turn dropout) seed.")
-@click.option("--start-idx", type=int, default=0, help="Offset added to every sample index in file names.")
-@click.option("--num-preprocessing-workers", type=int, default=DEFAULT_PREPROCESSING_WORKERS, help="Processes for tokenization.")
+@click.option("--start-idx", type=click.IntRange(min=0), default=0, help="Offset added to every sample index in file names.")
+@click.option("--num-preprocessing-workers", type=click.IntRange(min=1), default=DEFAULT_PREPROCESSING_WORKERS, help="Processes for tokenization.")
 @click.option("--format", "fmt", type=click.Choice(["safetensors", "pt"]), default="safetensors",
               help="safetensors (no pickle), or pt: upstream's data_{i}.pt layout for stock trainers.")
-@click.option("--num-shards", type=int, default=None, help="Split samples over this many runs (default: WORLD_SIZE).")
-@click.option("--shard-index", type=int, default=None, help="Which shard this run writes (default: RANK).")
+@click.option("--num-shards", type=click.IntRange(min=1), default=None, help="Split samples over this many runs (default: WORLD_SIZE).")
+@click.option("--shard-index", type=click.IntRange(min=0), default=None, help="Which shard this run writes (default: RANK).")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model folder's own Python code to run.")
 @click.option("--skip-bad-rows", is_flag=True, help="Skip (and count) malformed dataset rows instead of failing.")
-@click.option("--max-bad-samples", type=int, default=DEFAULT_MAX_BAD_SAMPLES, help="Abort after more samples than this with NaN/Inf states.")
+@click.option("--max-bad-samples", type=click.IntRange(min=0), default=DEFAULT_MAX_BAD_SAMPLES, help="Abort after more samples than this with NaN/Inf states.")
 @click.option("--dtype", default="auto", help="vLLM dtype (auto = the checkpoint's; on CPU auto means bfloat16).")
 @click.option("--enforce-eager", is_flag=True, help="Skip torch.compile / CUDA graphs (faster start, slower run).")
 @click.option("--sync-scheduling", is_flag=True, help="Turn vLLM's async scheduling off (one step in flight).")
-@click.option("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="Prompts per engine step at most.")
-@click.option("--max-num-batched-tokens", type=int, default=None, help=f"Tokens per engine step (default: max({MIN_DEFAULT_BATCHED_TOKENS}, seq-length+1)).")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=DEFAULT_MAX_NUM_SEQS, help="Prompts per engine step at most.")
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None, help=f"Tokens per engine step (default: max({MIN_DEFAULT_BATCHED_TOKENS}, seq-length+1)).")
 @click.option("--executor", type=click.Choice(EXECUTORS), default=None,
               help="vLLM executor (default: vLLM's choice: uni for one device, mp for tensor parallelism).")
-@click.option("--write-workers", type=int, default=DEFAULT_WRITE_WORKERS, help="Threads writing sample files.")
-@click.option("--logit-check-samples", type=int, default=DEFAULT_LOGIT_CHECK_SAMPLES,
+@click.option("--write-workers", type=click.IntRange(min=1), default=DEFAULT_WRITE_WORKERS, help="Threads writing sample files.")
+@click.option("--logit-check-samples", type=click.IntRange(min=0), default=DEFAULT_LOGIT_CHECK_SAMPLES,
               help="Samples whose captured last layer, normed and projected, must reproduce vLLM's own prompt "
                    "logprobs (needs only the final norm and lm_head; 0: off).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
@@ -132,11 +163,12 @@ def cli(ctx, target_model_path, train_data_path, output_dir, seq_length, max_sam
                if not value]
     if missing:
         raise click.UsageError(f"missing {', '.join(missing)} (or a subcommand: verify, check, demo, clean-shm)")
+    shards, index = _shard_defaults(num_shards, shard_index)
+    layers = _layer_ids(layer_ids)
     from speculators_v016.run.pipeline import RunOptions
     from speculators_v016.settings import EngineSettings
     from speculators_v016.store.outdir import shard_name
 
-    shards, index = _shard_defaults(num_shards, shard_index)
     if tensor_parallel_size is None:
         import torch
 
@@ -148,7 +180,7 @@ def cli(ctx, target_model_path, train_data_path, output_dir, seq_length, max_sam
         enforce_eager=enforce_eager, dtype=dtype, executor=executor, trust_remote_code=trust_remote_code, seed=seed)
     opts = RunOptions(
         engine=engine, train_data_path=list(train_data_path), output_dir=output_dir, seq_length=seq_length,
-        max_samples=max_samples, layer_ids=_layer_ids(layer_ids), batch_size=batch_size,
+        max_samples=max_samples, layer_ids=layers, batch_size=batch_size,
         token_freq_path=token_freq_path, hf_cache_dir=hf_cache_dir, assistant_pattern=assistant_pattern,
         turn_dropout=turn_dropout, seed=seed, start_idx=start_idx, num_preprocessing_workers=num_preprocessing_workers,
         format=fmt, num_shards=shards, shard_index=index, skip_bad_rows=skip_bad_rows,
@@ -173,7 +205,12 @@ def verify(obj, directory, partial):
     from speculators_v016.store.verify import verify as run_verify
 
     with Console(scratch_log_path("verify"), obj["mode"], obj["log_level"]) as console:
-        report = run_verify(directory, partial=partial)
+        try:
+            report = run_verify(directory, partial=partial)
+        except Exception as exc:  # noqa: BLE001 - verify reports findings; anything else is a bug of ours, said so
+            console.failure(f"FAIL {directory}: verify could not run ({type(exc).__name__}: {exc})")
+            console.log_exception(exc)
+            sys.exit(1)
         for problem in report.problems:
             console.echo(f"FAIL {problem}", summary=True)
         for note in report.notes:
@@ -187,12 +224,12 @@ def verify(obj, directory, partial):
 @cli.command()
 @click.option("--target-model-path", required=True)
 @click.option("--train-data-path", multiple=True, required=True)
-@click.option("--samples", type=int, default=4, help="How many samples to compare.")
-@click.option("--seq-length", type=int, default=512)
+@click.option("--samples", type=click.IntRange(min=1), default=4, help="How many samples to compare.")
+@click.option("--seq-length", type=click.IntRange(min=1), default=512)
 @click.option("--layer-ids", default=None)
 @click.option("--dtype", default="auto", help="The engine's dtype (transformers runs in fp32).")
 @click.option("--enforce-eager", is_flag=True)
-@click.option("--tensor-parallel-size", type=int, default=1)
+@click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1)
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--no-transformers", is_flag=True,
               help="Only the logit check (final norm + lm_head vs vLLM's logits): for targets that do not fit "
@@ -206,6 +243,7 @@ def check(obj, target_model_path, train_data_path, samples, seq_length, layer_id
 
     from speculators_v016.settings import EngineSettings
 
+    layers = _layer_ids(layer_ids)
     with Console(scratch_log_path("check"), obj["mode"], obj["log_level"]) as console:
         try:
             from speculators_v016.run.fidelity import check as run_check
@@ -213,7 +251,7 @@ def check(obj, target_model_path, train_data_path, samples, seq_length, layer_id
             settings = EngineSettings(model=target_model_path, max_model_len=seq_length + 1, dtype=dtype,
                                       enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
                                       trust_remote_code=trust_remote_code)
-            report = run_check(settings, list(train_data_path), samples, seq_length, _layer_ids(layer_ids),
+            report = run_check(settings, list(train_data_path), samples, seq_length, layers,
                                with_transformers=not no_transformers)
         except Exception as exc:  # noqa: BLE001 - explained, logged, exit code by kind
             console.failure(f"error: {type(exc).__name__}: {exc}")
@@ -261,17 +299,26 @@ def clean_shm(yes, shm_dir):
     sys.exit(0)
 
 
+_INT = re.compile(r"[+-]?\d+(,[+-]?\d+)*,?")
+
+
 def _join_multi_value(argv: list[str], option: str) -> list[str]:
-    """Upstream took ``--layer-ids 2 16 29 31`` (argparse nargs='+'); click takes one value."""
+    """Upstream took ``--layer-ids 2 16 29 31`` (argparse nargs='+'); click takes one value. The values are the
+    arguments that follow and do not start with ``-``, or are integers (``-1``: refused with its own message)."""
     out, i = [], 0
     while i < len(argv):
-        out.append(argv[i])
-        if argv[i] == option:
-            values = []
-            while i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+        arg = argv[i]
+        if arg == "--":
+            out += argv[i:]
+            break
+        if arg == option or arg.startswith(option + "="):
+            values = [arg.partition("=")[2]] if "=" in arg else []
+            while i + 1 < len(argv) and (not argv[i + 1].startswith("-") or _INT.fullmatch(argv[i + 1])):
                 values.append(argv[i + 1])
                 i += 1
-            out.append(" ".join(values))
+            out += [option, " ".join(v for v in values if v)]
+        else:
+            out.append(arg)
         i += 1
     return out
 
