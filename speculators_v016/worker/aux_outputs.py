@@ -10,30 +10,40 @@ Two sources, combined in ascending id order:
 * **built-in**: models implementing vLLM's ``SupportsEagle3`` compute ids
   ``1 .. n-1`` in their own forward (``set_aux_hidden_state_layers``);
 * **taps** (our adapter): forward pre-hooks on the decoder layers and on the
-  final norm record the residual stream as the model itself passes it on:
-  ``hidden_states + residual`` where the layer takes a ``residual`` (fused
-  add-norm), ``hidden_states`` where it takes the stream whole. Sandwich norms
-  (Gemma-2/3) and embedding scaling need nothing more: they act inside the
-  layers and before the first one. They serve models without ``SupportsEagle3`` (Mixtral,
-  DeepSeek-V2/V3, Kimi-K2.5, Qwen2-MoE, ...) and id ``n`` for every model.
-  The model's own forward runs unchanged (so model-specific steps such as
-  embedding scaling are kept); only the outermost model's class is swapped
-  for a subclass whose ``forward`` returns ``(hidden, aux)`` as vLLM's
-  runner expects when ``use_aux_hidden_state_outputs`` is on.
+  final norm record the residual stream as the model itself passes it on.
+  Which arguments make up the stream there (``hidden_states + residual`` for
+  a fused add-norm, ``hidden_states`` alone for a parallel block that passes
+  its ``residual`` along unused, the one tensor a post-norm layer takes) is
+  never read from parameter names: :mod:`~speculators_v016.worker.stream_proof`
+  establishes it on the loaded model before anything is installed, and after
+  installation checks that every aux output (taps and built-in) equals the
+  proven stream; otherwise the run is refused. They serve models without
+  ``SupportsEagle3`` (Mixtral, DeepSeek-V2/V3, Kimi-K2.5, Command-R, GPT-NeoX,
+  ...) and id ``n`` for every model. The model's own forward runs unchanged
+  (so model-specific steps such as embedding scaling are kept); only the
+  outermost model's class is swapped for a subclass whose ``forward`` returns
+  ``(hidden, aux)`` as vLLM's runner expects when ``use_aux_hidden_state_outputs`` is on.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from speculators_v016.worker.stream_proof import (CheckForward, Location, StreamConvention, StreamProofError,
+                                                  UnsupportedModelError, prove_streams, read, verify_aux)
 
-class UnsupportedModelError(TypeError):
-    """The model's decoder stack cannot be found or tapped."""
+__all__ = ["StreamProofError", "UnsupportedModelError", "find_decoder_stack", "install_aux_outputs"]
+
+#: Where causal LMs hold their decoder, its layer list and its final norm (vLLM 0.16's names). Finding
+#: them by name only locates candidates: the stream proof checks that the layers run in order and that
+#: the norm's output is the model's output.
+DECODER_NAMES = ("model", "transformer", "gpt_neox", "backbone")
+LAYERS_NAMES = ("layers", "h", "blocks")
+NORM_NAMES = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "norm_f", "final_norm", "embedding_norm")
 
 
 @dataclass
@@ -42,19 +52,29 @@ class DecoderStack:
 
     outer: nn.Module  # what vLLM's runner calls
     language_model: nn.Module  # the causal LM (== outer unless multimodal)
-    decoder: nn.Module  # holds .layers and .norm
+    decoder: nn.Module  # holds the layers and the final norm
+    layers: nn.ModuleList
+    norm: nn.Module
+    names: tuple[str, str, str]  # attribute names of decoder, layers, norm
 
     @property
     def num_layers(self) -> int:
-        return len(self.decoder.layers)
+        return len(self.layers)
+
+
+def _one(owner: nn.Module, names: Sequence[str], kind: type) -> list[tuple[str, nn.Module]]:
+    return [(name, getattr(owner, name)) for name in names if isinstance(getattr(owner, name, None), kind)]
 
 
 def find_decoder_stack(model: nn.Module) -> DecoderStack:
-    """Locate ``layers`` and ``norm``, looking through multimodal wrappers.
+    """Locate the decoder layers and the final norm, looking through multimodal wrappers.
 
     vLLM multimodal models (e.g. ``KimiK25ForConditionalGeneration``) expose
     their text model through ``get_language_model()`` or a ``language_model``
-    attribute; causal LMs hold the decoder in ``.model``.
+    attribute; causal LMs hold the decoder in ``.model`` (``.transformer``,
+    ``.gpt_neox``, ``.backbone`` in some families), with its layers in
+    ``.layers`` (``.h``, ``.blocks``) and its final norm in ``.norm`` (``.ln_f``,
+    ``.final_layer_norm``, ``.final_layernorm``, ``.norm_f``, ``.final_norm``, LFM2's ``.embedding_norm``).
     """
     lm = model
     getter = getattr(model, "get_language_model", None)
@@ -62,19 +82,24 @@ def find_decoder_stack(model: nn.Module) -> DecoderStack:
         lm = getter()
     elif isinstance(getattr(model, "language_model", None), nn.Module):
         lm = model.language_model
-    decoder = getattr(lm, "model", None)
-    layers = getattr(decoder, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or not isinstance(getattr(decoder, "norm", None), nn.Module):
+    found = [(d, l, nm, decoder, layers, norm)
+             for d, decoder in _one(lm, DECODER_NAMES, nn.Module)
+             for l, layers in _one(decoder, LAYERS_NAMES, nn.ModuleList)
+             for nm, norm in _one(decoder, NORM_NAMES, nn.Module)]
+    where = f" inside its language model {type(lm).__name__}" if lm is not model else ""
+    if len(found) != 1:
         raise UnsupportedModelError(
-            f"cannot find the decoder layers of {type(model).__name__}: expected "
-            f"<causal LM>.model.layers (a ModuleList) and .model.norm"
-            + (f" inside its language model {type(lm).__name__}" if lm is not model else ""))
+            f"cannot find the decoder layers of {type(model).__name__}{where}: expected one "
+            f"<causal LM>.{{{','.join(DECODER_NAMES)}}} holding a ModuleList .{{{','.join(LAYERS_NAMES)}}} "
+            f"and a final norm .{{{','.join(NORM_NAMES)}}}, found "
+            + (", ".join(f"{d}.{l} + {d}.{nm}" for d, l, nm, *_ in found) or "none"))
+    d, l, nm, decoder, layers, norm = found[0]
     start, end = getattr(decoder, "start_layer", 0), getattr(decoder, "end_layer", len(layers))
     if (start, end) != (0, len(layers)):
         raise UnsupportedModelError(
             f"{type(model).__name__} holds only decoder layers {start}..{end - 1} of {len(layers)} "
             "in this process (pipeline parallelism); capture needs every layer on the last stage")
-    return DecoderStack(model, lm, decoder)
+    return DecoderStack(model, lm, decoder, layers, norm, (d, l, nm))
 
 
 def has_builtin_aux(model: nn.Module) -> bool:
@@ -84,59 +109,21 @@ def has_builtin_aux(model: nn.Module) -> bool:
     return bool(supports_eagle3(model)) and hasattr(model, "set_aux_hidden_state_layers")
 
 
-def _arg_index(module: nn.Module, names: Sequence[str]) -> tuple[int, str]:
-    """Positional index (in the call, without self) and name of the first parameter found."""
-    forward = type(module).forward
-    params = list(inspect.signature(forward).parameters.values())[1:]
-    if params and params[0].kind is inspect.Parameter.VAR_POSITIONAL:  # vLLM CustomOp dispatch
-        forward = getattr(type(module), "forward_native", forward)
-        params = list(inspect.signature(forward).parameters.values())[1:]
-    params = [p.name for p in params]
-    for name in names:
-        if name in params:
-            return params.index(name), name
-    raise UnsupportedModelError(
-        f"{type(module).__name__}.forward has none of the parameters {list(names)}; "
-        "cannot read the residual stream there")
-
-
-def _residual_arg(module: nn.Module) -> tuple[int, str] | None:
-    """Where a layer receives the residual stream's second half, or None if it takes the stream whole.
-
-    Two conventions are known: a ``residual`` parameter (vLLM's fused add-norm:
-    the stream is ``hidden_states + residual``), or none (the layer's input is
-    the stream). Any other parameter that names a residual is an unknown
-    convention, refused rather than guessed.
-    """
-    try:
-        return _arg_index(module, ("residual",))
-    except UnsupportedModelError:
-        forward = type(module).forward
-        names = list(inspect.signature(getattr(type(module), "forward_native", forward)).parameters)
-        names += list(inspect.signature(forward).parameters)
-        odd = sorted({n for n in names if "residual" in n.lower()})
-        if odd:
-            raise UnsupportedModelError(
-                f"{type(module).__name__}.forward has parameters {odd} but none named 'residual'; "
-                "cannot tell how the residual stream arrives there") from None
-        return None
+def tap_locations(convention: StreamConvention) -> tuple[Location, ...]:
+    """The arguments a tap adds up: the proven ones."""
+    return convention.slots
 
 
 class _Tap:
-    """Forward pre-hook: record the residual stream at a module's input (``hidden_states`` [+ ``residual``])."""
+    """Forward pre-hook: record the residual stream at a module's input (the sum of the arguments at ``slots``)."""
 
-    def __init__(self, module: nn.Module, sink: list, hidden_names: Sequence[str]):
+    def __init__(self, sink: list, slots: tuple[Location, ...]):
         self.sink = sink
-        self.h_at, self.h_name = _arg_index(module, hidden_names)
-        self.r_at, self.r_name = _residual_arg(module) or (None, None)
-
-    def _get(self, args, kwargs, at, name):
-        return args[at] if len(args) > at else kwargs.get(name)
+        self.slots = slots
 
     def __call__(self, module, args, kwargs):
-        hidden = self._get(args, kwargs, self.h_at, self.h_name)
-        residual = None if self.r_at is None else self._get(args, kwargs, self.r_at, self.r_name)
-        self.sink.append(hidden if residual is None else hidden + residual)
+        parts = [read(args, kwargs, where) for where in self.slots]
+        self.sink.append(parts[0] if len(parts) == 1 else parts[0] + parts[1])
 
 
 def _with_aux_outputs(base: type, sink: list, builtin: bool) -> type:
@@ -155,11 +142,16 @@ def _with_aux_outputs(base: type, sink: list, builtin: bool) -> type:
     return type(f"AuxOutputs{base.__name__}", (base,), {"forward": forward, "__module__": __name__})
 
 
-def install_aux_outputs(model: nn.Module, vllm_ids: Sequence[int], mode: str = "auto") -> dict:
-    """Install capture of ``vllm_ids`` (ascending, distinct) on ``model``; return what was done.
+def install_aux_outputs(model: nn.Module, vllm_ids: Sequence[int], mode: str = "auto", *,
+                        check: CheckForward) -> dict:
+    """Prove the stream at ``vllm_ids``, install their capture on ``model``, verify it; return what was done.
 
-    ``mode`` is ``auto`` (built-in where the model has it, taps for the rest)
-    or ``taps`` (taps for every id, also on built-in models: for testing).
+    ``vllm_ids``: ascending, distinct, in ``1..n``. ``mode`` is ``auto``
+    (built-in where the model has it, taps for the rest) or ``taps`` (taps for
+    every id, also on built-in models). ``check`` runs the model's forward on a
+    few tokens (:mod:`~speculators_v016.worker.stream_proof`); raises
+    :class:`~speculators_v016.worker.stream_proof.StreamProofError` where the
+    stream cannot be established or a recorded aux state is not it.
     """
     stack = find_decoder_stack(model)
     n = stack.num_layers
@@ -167,6 +159,7 @@ def install_aux_outputs(model: nn.Module, vllm_ids: Sequence[int], mode: str = "
     ids = tuple(vllm_ids)
     if list(ids) != sorted(set(ids)) or not ids or not all(1 <= k <= n for k in ids):
         raise ValueError(f"vLLM aux ids must be distinct, ascending and in 1..{n}, got {list(ids)}")
+    conventions = prove_streams(stack.layers, stack.norm, ids, check)
     builtin = mode == "auto" and has_builtin_aux(stack.outer)
     builtin_ids = tuple(k for k in ids if k < n) if builtin else ()
     tap_ids = tuple(k for k in ids if k not in builtin_ids)
@@ -176,15 +169,18 @@ def install_aux_outputs(model: nn.Module, vllm_ids: Sequence[int], mode: str = "
         stack.outer.set_aux_hidden_state_layers(builtin_ids)
     sink: list[torch.Tensor] = []
     for k in tap_ids:
-        target = stack.decoder.layers[k] if k < n else stack.decoder.norm
-        names = ("hidden_states", "x", "hidden", "input")
-        target.register_forward_pre_hook(_Tap(target, sink, names), with_kwargs=True)
+        target = stack.layers[k] if k < n else stack.norm
+        target.register_forward_pre_hook(_Tap(sink, tap_locations(conventions[k])), with_kwargs=True)
     if tap_ids:
         stack.outer.__class__ = _with_aux_outputs(type(stack.outer), sink, builtin)
+    verify_aux(stack.layers, stack.norm, conventions, check,
+               {k: "built-in" if k in builtin_ids else "tap" for k in ids})
     return {
         "model_class": model_class,
         "decoder_class": type(stack.decoder).__name__,
+        "decoder": ".".join(stack.names),
         "num_layers": n,
         "builtin_ids": list(builtin_ids),
         "tap_ids": list(tap_ids),
+        "streams": {k: conventions[k].kind for k in ids},
     }

@@ -45,6 +45,7 @@ import torch
 
 from speculators_v016.worker import cpu_async, cpu_rope
 from speculators_v016.worker.aux_outputs import install_aux_outputs
+from speculators_v016.worker.check_forward import engine_check_forward
 from speculators_v016.worker.staging import StagingCopier, StagingPlan, plan_staging
 from speculators_v016.engine.slot_ring import SlotRing
 from speculators_v016.protocol import RingSpec, StepCapture
@@ -66,10 +67,11 @@ class CaptureWorkerExtension:
 
     def speculators_capture_setup(self, capture_ids: list[int], output_rank: int, mode: str = "auto",
                                   ring: RingSpec | None = None, staging: str = "auto") -> dict:
-        """Install aux outputs and map the ring; run after model load, before profiling and warm-up."""
+        """Prove the stream, install aux outputs and map the ring; run after model load, before profiling and warm-up."""
         runner = self.model_runner
-        info = install_aux_outputs(runner.get_model(), capture_ids, mode)
-        info["cpu_rope_native"] = cpu_rope.install(runner.get_model(), runner.device)
+        rope_native = cpu_rope.install(runner.get_model(), runner.device)
+        info = install_aux_outputs(runner.get_model(), capture_ids, mode, check=engine_check_forward(runner))
+        info["cpu_rope_native"] = rope_native
         runner.use_aux_hidden_state_outputs = True
         info["cpu_async_output"] = runner.use_async_scheduling and cpu_async.install(runner.device)
         info["async_scheduling"] = bool(runner.use_async_scheduling)

@@ -3,14 +3,27 @@
 DeepSeek-V3 and Kimi-K2.5 need MLA, which vLLM 0.16's CPU backend lacks; these
 stand-ins have their structure: Kimi wraps a DeepSeek-V3 causal LM as
 ``language_model``, whose ``.model`` holds ``layers`` (called with a fourth
-argument) and a fused add-norm.
+argument) and a fused add-norm. The stream proof's behaviour on layouts no
+engine here runs is tested on stand-ins in test_stream_proof.py.
 """
+
+import contextlib
 
 import pytest
 import torch
 from torch import nn
 
-from speculators_v016.worker.aux_outputs import UnsupportedModelError, find_decoder_stack, install_aux_outputs
+from speculators_v016.worker.aux_outputs import UnsupportedModelError, find_decoder_stack
+from speculators_v016.worker.aux_outputs import install_aux_outputs as _install
+from speculators_v016.worker.stream_proof import CheckForward
+
+IDS, POS = torch.tensor([3, 5, 7]), torch.tensor([0, 1, 2])
+
+
+def install_aux_outputs(model, ids, mode="auto", inputs=(IDS, POS)):
+    """install_aux_outputs with the stand-in's own forward as the check forward."""
+    check = CheckForward(lambda: model(*inputs), contextlib.nullcontext, len(inputs[0]))
+    return _install(model, ids, mode, check=check)
 
 
 class FusedAddNorm(nn.Module):
@@ -97,8 +110,10 @@ def test_kimi_like_model_gets_exact_aux_outputs():
     """Taps on the DeepSeek stack return hidden+residual for the ids asked, in order."""
     kimi = KimiK25ForConditionalGeneration(5)
     info = install_aux_outputs(kimi, [1, 3, 5])
+    fused = "sum: hidden_states + residual (fused add-norm)"
     assert info == {"model_class": "DeepseekV3ForCausalLM", "decoder_class": "DeepseekV2Model",
-                    "num_layers": 5, "builtin_ids": [], "tap_ids": [1, 3, 5]}
+                    "decoder": "model.layers.norm", "num_layers": 5, "builtin_ids": [], "tap_ids": [1, 3, 5],
+                    "streams": {1: fused, 3: fused, 5: "sum: x + residual (fused add-norm)"}}
     ids, pos = torch.tensor([3, 5, 7]), torch.tensor([0, 1, 2])
     out, aux = kimi(ids, pos)
     want = reference(kimi.language_model.model, ids, pos)
@@ -111,14 +126,20 @@ def test_kimi_like_model_gets_exact_aux_outputs():
 
 
 def test_keyword_arguments_are_read_by_name():
-    """A layer called with keywords is tapped from the right arguments."""
-    model = DeepseekV3ForCausalLM(2)
-    install_aux_outputs(model, [2])
-    layer = model.model.layers[1]
-    hidden, residual = torch.ones(2, 4), torch.full((2, 4), 2.0)
-    layer(positions=torch.zeros(2), hidden_states=hidden, residual=residual)
-    _, aux = type(model).forward(model, torch.tensor([1, 2]), torch.tensor([0, 1]))
-    assert len(aux) == 1
+    """A model that calls its layers with keywords is tapped from the right arguments."""
+    class KeywordModel(DeepseekV2Model):
+        def forward(self, input_ids, positions):
+            hidden, residual = input_ids.float()[:, None].repeat(1, 4), None
+            for layer in self.layers:
+                hidden, residual = layer(positions=positions, hidden_states=hidden, residual=residual)
+            return self.norm(hidden, residual=residual)[0]
+
+    model = DeepseekV3ForCausalLM(3)
+    model.model = KeywordModel(3)
+    want = reference(model.model, IDS, POS)
+    install_aux_outputs(model, [1, 2, 3])
+    _, aux = model(IDS, POS)
+    assert all(torch.equal(a, w) for a, w in zip(aux, want))
 
 
 def test_model_without_decoder_layers_is_named():
@@ -193,14 +214,15 @@ def test_layers_taking_the_stream_whole_are_tapped():
     assert torch.equal(out, model.model.norm(want[-1]))
 
 
-def test_an_unknown_residual_convention_is_refused():
-    """A layer whose residual arrives under another name fails clearly instead of being half-read."""
+def test_a_parameter_name_does_not_decide_the_convention():
+    """A residual-named parameter the model never passes does not make the tap add it."""
     class OddLayer(StreamLayer):
         def forward(self, positions, hidden_states, residual_in=None):
             return super().forward(positions, hidden_states)
 
-    with pytest.raises(UnsupportedModelError, match=r"parameters \['residual_in'\] but none named 'residual'"):
-        install_aux_outputs(StreamForCausalLM(2, OddLayer), [1])
+    model = StreamForCausalLM(2, OddLayer)
+    info = install_aux_outputs(model, [1, 2])
+    assert info["streams"] == {1: "whole: hidden_states", 2: "whole: input"}
 
 
 class Int4Experts(nn.Module):
@@ -240,3 +262,38 @@ def test_int4_moe_structure_is_tapped_without_touching_the_experts():
     assert all(torch.equal(a, w) for a, w in zip(aux, reference(model.model, ids, pos)))
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # quantized weights untouched
     assert not any(m._forward_pre_hooks for m in model.modules() if isinstance(m, Int4Experts))
+
+
+class Gpt2LikeLM(nn.Module):
+    """transformer.h + ln_f, the GPT-2 / BLOOM / Falcon naming."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.transformer = nn.Module()
+        self.transformer.h = nn.ModuleList(StreamLayer(0.5 + i) for i in range(n))
+        self.transformer.ln_f = nn.LayerNorm(4)
+
+    def forward(self, input_ids, positions):
+        hidden = input_ids.float()[:, None].repeat(1, 4)
+        for layer in self.transformer.h:
+            hidden = layer(positions, hidden)
+        return self.transformer.ln_f(hidden)
+
+
+def test_decoders_held_under_other_names_are_found_and_tapped():
+    """transformer.h + ln_f (and gpt_neox.layers + final_layer_norm) are found; the proof checks the structure."""
+    model = Gpt2LikeLM(3)
+    info = install_aux_outputs(model, [1, 3])
+    assert info["decoder"] == "transformer.h.ln_f" and info["streams"] == {1: "whole: hidden_states",
+                                                                          3: "whole: input"}
+    _, aux = model(IDS, POS)
+    assert torch.equal(aux[1], model.transformer.h[2](POS, model.transformer.h[1](POS, aux[0])))
+
+
+def test_two_candidate_decoders_are_refused():
+    """Two places that could hold the decoder: refused, both named, rather than one picked."""
+    model = DeepseekV3ForCausalLM(2)
+    model.transformer = DeepseekV2Model(2)
+    with pytest.raises(UnsupportedModelError, match=r"found model.layers \+ model.norm, transformer.layers \+ "
+                                                    r"transformer.norm"):
+        find_decoder_stack(model)
