@@ -2,5 +2,5 @@
 
 ``dataset`` (rows -> token samples), ``pipeline`` (the run), ``cli`` (the
 command), ``console`` (the terminal and the log), ``run_report`` (summary and
-exit codes), ``logit_check`` and ``fidelity`` (self-checks), ``demo``.
+exit codes), ``logit_check``, ``layer_replay`` and ``fidelity`` (self-checks), ``demo``.
 """

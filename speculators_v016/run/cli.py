@@ -232,12 +232,13 @@ def verify(obj, directory, partial):
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1)
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--no-transformers", is_flag=True,
-              help="Only the logit check (final norm + lm_head vs vLLM's logits): for targets that do not fit "
-                   "in memory here.")
+              help="Skip the whole-model comparison with transformers (targets that do not fit in memory "
+                   "here); the logit check (final norm + lm_head vs vLLM's logits) and the layer replay (one "
+                   "layer's weights at a time) still run.")
 @click.pass_obj
 def check(obj, target_model_path, train_data_path, samples, seq_length, layer_ids, dtype, enforce_eager,
           tensor_parallel_size, trust_remote_code, no_transformers):
-    """Check captured states: against vLLM's own logits (any size), and transformers' layers (if it fits)."""
+    """Check captured states: vLLM's own logits and each layer replayed in transformers (any size); the whole model in transformers (if it fits)."""
     from speculators_v016.run.console import Console, scratch_log_path
     from speculators_v016.run.run_report import exit_code
 

@@ -5,17 +5,24 @@ logit check (:mod:`~speculators_v016.run.logit_check`, any size of target) and
 (2), where transformers can load the target, compares every requested layer
 with transformers on the same weights: the largest absolute error and the
 error relative to the largest reference value, with a pass/fail against a
-tolerance that depends on the engine's dtype. It returns a
-:class:`CheckReport`; the CLI prints it.
+tolerance that depends on the engine's dtype, and (3) replays every requested
+layer ``L >= 1`` in transformers from the captured layer ``L - 1``
+(:mod:`~speculators_v016.run.layer_replay`: one layer's weights at a time, so
+any size of target; ``L - 1`` is captured for the check where it was not
+requested). It returns a :class:`CheckReport`; the CLI prints it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from speculators_v016.settings import EngineSettings
+
+if TYPE_CHECKING:
+    from speculators_v016.run.layer_replay import ReplayReport
 
 #: Largest allowed (max abs error / max abs reference value), by engine dtype.
 RELATIVE_TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
@@ -33,13 +40,22 @@ class LayerError:
         return self.relative <= self.tolerance
 
 
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """A transformers causal LM's decoder layers (``model.layers``, ``gpt_neox.layers``, ``transformer.h``, ...)."""
+    for decoder in (model.get_decoder(), model.base_model):
+        for name in ("layers", "h", "blocks"):
+            if isinstance(getattr(decoder, name, None), torch.nn.ModuleList):
+                return getattr(decoder, name)
+    raise TypeError(f"cannot find the decoder layers of transformers' {type(model).__name__}")
+
+
 def reference_layer_outputs(model_path: str, prompts: list[list[int]], dtype: torch.dtype,
                             trust_remote_code: bool = False) -> list[list[torch.Tensor]]:
     """transformers' output of every decoder layer (before the final norm), per prompt."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code).eval()
-    layers = model.get_decoder().layers
+    layers = decoder_layers(model)
     seen: dict[int, torch.Tensor] = {}
     hooks = [layer.register_forward_hook(
         lambda mod, args, out, i=i: seen.__setitem__(i, (out[0] if isinstance(out, tuple) else out)[0].float()))
@@ -76,10 +92,11 @@ class CheckReport:
     logit_line: str
     logits_ok: bool
     layers: list[LayerError] = field(default_factory=list)  # empty: transformers not run
+    replay: ReplayReport | None = None
 
     @property
     def ok(self) -> bool:
-        return self.logits_ok and all(e.ok for e in self.layers)
+        return self.logits_ok and all(e.ok for e in self.layers) and (self.replay is None or self.replay.ok)
 
     def lines(self) -> list[str]:
         out = [f"logit check: {self.logit_line}"]
@@ -88,17 +105,24 @@ class CheckReport:
             out.append(f"{'layer':>6} {'max abs err':>12} {'relative':>10} {'tolerance':>10}  result")
             out += [f"{e.layer:>6} {e.max_abs:>12.3e} {e.relative:>10.3e} {e.tolerance:>10.1e}  "
                     f"{'pass' if e.ok else 'FAIL'}" for e in self.layers]
+        if self.replay is not None:
+            out += self.replay.lines()
         return out
 
 
 def check(settings: EngineSettings, train_data_path: list[str], samples: int, seq_length: int,
           layer_ids: list[int] | None = None, with_transformers: bool = True) -> CheckReport:
-    """Run ``samples`` samples of the dataset through the engine and check their states."""
+    """Run ``samples`` samples of the dataset through the engine and check their states.
+
+    ``with_transformers=False`` skips only the whole-model comparison (targets
+    that do not fit here); the logit check and the layer replay run anyway.
+    """
     from transformers import AutoTokenizer
 
     from speculators_v016.generator import VllmHiddenStatesGenerator
     from speculators_v016.layers import LayerPlan
     from speculators_v016.run.dataset import prepare_samples
+    from speculators_v016.run.layer_replay import replay_inputs, replay_layers
     from speculators_v016.run.logit_check import LogitChecker
     from speculators_v016.target import TargetInfo
 
@@ -106,19 +130,26 @@ def check(settings: EngineSettings, train_data_path: list[str], samples: int, se
     tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=settings.trust_remote_code)
     prepared = prepare_samples(list(train_data_path), tokenizer, seq_length, max_samples=samples, num_proc=1)
     prompts = prepared.input_ids[:samples]
-    plan = LayerPlan.build(TargetInfo.read(model, settings.trust_remote_code).num_layers, layer_ids)
-    with VllmHiddenStatesGenerator.from_settings(settings, plan) as gen:
+    num_layers = TargetInfo.read(model, settings.trust_remote_code).num_layers
+    plan = LayerPlan.build(num_layers, layer_ids)
+    # the layers asked for, plus the input of each (captured for the replay only)
+    captured = LayerPlan.build(num_layers, list(plan.layer_ids) + replay_inputs(plan.layer_ids))
+    with VllmHiddenStatesGenerator.from_settings(settings, captured) as gen:
         engine = gen.engine
-        checker = LogitChecker(model, engine.dtype, plan.last_layer_index)
+        checker = LogitChecker(model, engine.dtype, captured.last_layer_index)
         results: list = [None] * len(prompts)
         for index, ids, states in engine.stream(enumerate(prompts), prompt_logprobs=lambda _: checker.active):
             results[index] = {"input_ids": torch.tensor(ids), "hidden_states": states}
             if checker.active:
                 checker.add(index, results[index]["input_ids"], states, engine.prompt_logprobs.pop(index))
         engine_dtype = str(engine.dtype).removeprefix("torch.")
+    by_layer = [dict(zip(captured.layer_ids, r["hidden_states"])) for r in results]
     logits_ok = checker.result.ok or (bool(checker.result.unavailable) and with_transformers)
     report = CheckReport(len(prompts), engine_dtype, checker.result.line(), logits_ok)
+    report.replay = replay_layers(model, by_layer, list(plan.layer_ids), RELATIVE_TOLERANCE.get(engine_dtype, 5e-2),
+                                  settings.trust_remote_code)
     if with_transformers:
         reference = reference_layer_outputs(model, prompts, torch.float32, settings.trust_remote_code)
-        report.layers = compare(results, reference, list(plan.layer_ids), engine_dtype)
+        requested = [{"hidden_states": [states[layer] for layer in plan.layer_ids]} for states in by_layer]
+        report.layers = compare(requested, reference, list(plan.layer_ids), engine_dtype)
     return report

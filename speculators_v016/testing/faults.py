@@ -31,6 +31,9 @@ modules carry no fault points: each fault wraps one of their seams here.
 * ``zero-states:n``: from the ``n``-th sample the engine yields on, every
   hidden state is 0, as when the capture ring was replaced by an empty file
   (wraps :meth:`CaptureEngine.stream`).
+* ``wrong-layer:n``: from the ``n``-th sample on, the middle captured layer
+  holds the layer captured before it, as if its tap read the wrong layer
+  (wraps :meth:`CaptureEngine.stream`).
 """
 
 from __future__ import annotations
@@ -165,6 +168,21 @@ def install() -> None:
                 if zeroing or _armed(point):
                     zeroing.append(key)
                     states = [torch.zeros_like(h) for h in states]
+                yield key, ids, states
+
+        CaptureEngine.stream = stream
+    elif point == "wrong-layer":
+        from speculators_v016.engine.core import CaptureEngine
+
+        original_stream = CaptureEngine.stream
+        armed = []
+
+        def stream(self, *args, **kwargs):
+            for key, ids, states in original_stream(self, *args, **kwargs):
+                if armed or _armed(point):
+                    armed.append(key)
+                    middle = len(states) // 2
+                    states[middle] = states[middle - 1].clone()
                 yield key, ids, states
 
         CaptureEngine.stream = stream

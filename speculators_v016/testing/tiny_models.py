@@ -65,7 +65,43 @@ ARCHITECTURES = {
         "qk_rope_head_dim": 32, "v_head_dim": 32, "moe_intermediate_size": 64, "n_routed_experts": 8,
         "n_shared_experts": 2, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "topk_method": "greedy",
         "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": False}),
+    # Parallel blocks (attention and MLP from one LayerNorm, added to the stream together); the
+    # layers take a `residual` argument they do not add (Command-R). Cohere2 (Command-R7B / Command-A):
+    # sliding-window layers with RoPE, every 4th layer global without it.
+    "cohere": ("CohereConfig", {"tie_word_embeddings": True}),
+    "cohere2": ("Cohere2Config", {"head_dim": 32, "sliding_window": 64, "tie_word_embeddings": True}),
+    # GPT-NeoX / Pythia: parallel residual, decoder held as gpt_neox.layers + final_layer_norm.
+    "gpt_neox": ("GPTNeoXConfig", {"rotary_pct": 0.25, "use_parallel_residual": True}),
+    # Llama 4 text: chunked attention on RoPE layers (chunks of 128 tokens: vLLM needs a multiple of its
+    # KV block size), no RoPE every 4th layer, qk norm. Dense layers only: vLLM 0.16's CPU MoE asserts on
+    # Llama 4's router weight applied to the input (`assert not apply_router_weight_on_input`), so its
+    # MoE layers (interleave_moe_layer_step=1 or 2 in real models) cannot run here. Attention temperature
+    # tuning off: vLLM decides it from generation_config.json (default: on above 32K context), not from
+    # config.json as transformers does, so at this context length the two would differ.
+    "llama4": ("Llama4TextConfig", {"head_dim": 32, "intermediate_size": 64, "intermediate_size_mlp": 256,
+                                    "num_local_experts": 4, "num_experts_per_tok": 1,
+                                    "interleave_moe_layer_step": 8, "attention_chunk_size": 128,
+                                    "attn_temperature_tuning": False, "use_qk_norm": True,
+                                    "rope_scaling": None}),
+    # Hybrid: three gated-delta-net (linear attention) layers per full-attention layer, MoE MLPs.
+    "qwen3_next": ("Qwen3NextConfig", {"head_dim": 32, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+                                       "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                                       "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                       "shared_expert_intermediate_size": 64, "partial_rotary_factor": 0.5}),
+    # MiniMax-Text-01: lightning (linear) attention layers and softmax attention layers, MoE MLPs.
+    "minimax": ("MiniMaxConfig", {"head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                  "block_size": 16}),
+    # ERNIE 4.5 MoE: dense first layer, then MoE with shared experts.
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", {"moe_intermediate_size": 64, "moe_k": 2, "moe_num_experts": 4,
+                                            "moe_num_shared_experts": 1, "moe_layer_start_index": 1,
+                                            "tie_word_embeddings": False}),
 }
+
+#: Parameters left at zero, per architecture, where vLLM's CPU backend ignores them (so that a tiny
+#: model compares vLLM with transformers on what vLLM computes): ERNIE 4.5's expert-score correction
+#: bias, which vLLM 0.16's CPU MoE routing drops for non-grouped top-k (cpu_fused_moe.select_experts;
+#: vLLM's GPU routing applies it).
+_ZERO = {"ernie4_5_moe": ("e_score_correction_bias",)}
 
 DEFAULT_CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -118,6 +154,9 @@ def build_tiny_model(out: str | Path, arch: str = "llama", *, num_layers: int = 
         for name, buffer in model.named_buffers():  # routing that a zero bias would not exercise
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.1)
+        for name, param in model.named_parameters():
+            if name.endswith(_ZERO.get(arch, ())):
+                param.zero_()
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out

@@ -182,22 +182,42 @@ def test_eagle3_trainer_runs_on_generated_data(reference_run, model_dir, tmp_pat
 
 
 def test_check_compares_with_transformers(model_dir, data_file):
-    """`check` prints per-layer errors against transformers and passes for fp32."""
+    """`check` prints per-layer errors against transformers and a replay of each layer; passes for fp32."""
     result = invoke("check", "--target-model-path", model_dir, "--train-data-path", data_file,
                     "--samples", 3, "--dtype", "float32", "--enforce-eager", "--seq-length", 256)
     assert result.exit_code == 0, result.output
     rows = [line.split() for line in result.output.splitlines() if line.strip().endswith(("pass", "FAIL"))]
-    assert [int(r[0]) for r in rows] == [2, 4, 5, 7]
-    assert all(r[-1] == "pass" and float(r[1]) < TOLERANCE for r in rows)
+    layers = [r for r in rows if r[0].isdigit()]
+    assert [int(r[0]) for r in layers] == [2, 4, 5, 7]
+    assert all(r[-1] == "pass" and float(r[1]) < TOLERANCE for r in layers)
+    replayed = [r for r in rows if r[0] == "replay"]  # layer L from our captured L-1 (captured for the check)
+    assert [(int(r[1]), int(r[2])) for r in replayed] == [(2, 1), (4, 3), (5, 4), (7, 6)]
+    assert all(r[-1] == "pass" and float(r[3]) < TOLERANCE for r in replayed)
     assert "logit check: ok (3 samples" in result.output
 
 
 def test_check_without_transformers_uses_only_the_final_head(model_dir, data_file):
-    """`check --no-transformers` (targets too big to load) runs the logit check alone."""
+    """`check --no-transformers` (targets too big to load) runs the logit check and the one-layer replay only."""
     result = invoke("check", "--target-model-path", model_dir, "--train-data-path", data_file,
                     "--samples", 2, "--dtype", "float32", "--enforce-eager", "--seq-length", 256, "--no-transformers")
     assert result.exit_code == 0, result.output
     assert "logit check: ok (2 samples" in result.output and "max abs err" not in result.output
+    assert sum(line.startswith("replay") and line.endswith("pass") for line in result.output.splitlines()) == 4
+
+
+def test_check_replay_finds_a_wrong_intermediate_layer(model_dir, data_file):
+    """Injected: layer 4 holds layer 3's states. The logit check passes; the layer replay fails on 4 and 5."""
+    from speculators_v016.testing.faults import VARIABLE as FAULT
+
+    result = invoke("check", "--target-model-path", model_dir, "--train-data-path", data_file, "--samples", 2,
+                    "--dtype", "float32", "--enforce-eager", "--seq-length", 256, "--no-transformers",
+                    env={FAULT: "wrong-layer:1"})
+    assert result.exit_code == 1, result.output
+    assert "logit check: ok (2 samples" in result.output
+    replayed = {int(r[1]): (float(r[4]), r[-1]) for r in (line.split() for line in result.output.splitlines())
+                if r and r[0] == "replay"}
+    assert {k: v[1] for k, v in replayed.items()} == {2: "pass", 4: "FAIL", 5: "FAIL", 7: "pass"}
+    assert replayed[4][0] > 0.1 and replayed[5][0] > 0.1  # at the scale of the stream, not of rounding
 
 
 def test_shards_default_from_the_launcher(monkeypatch):
