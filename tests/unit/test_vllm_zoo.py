@@ -1,0 +1,59 @@
+"""The zoo table (docs/vllm016-zoo.md/.json) is in step with the installed, pinned vLLM's model files.
+
+tools/vllm_zoo.py reads every file of vllm/model_executor/models by AST; a layer
+class vLLM adds or drops, a changed forward signature, or a changed
+classification makes the regenerated table differ from the committed one.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import vllm_zoo  # noqa: E402
+
+
+def test_zoo_table_matches_the_installed_vllm():
+    """Regenerating the table from the installed vLLM gives the committed files exactly; a drift names its classes."""
+    markdown, data = vllm_zoo.generate()
+    committed = json.loads(vllm_zoo.TABLE_JSON.read_text())
+    fresh = json.loads(data)
+    added = sorted(set(fresh["classes"]) - set(committed["classes"]))
+    dropped = sorted(set(committed["classes"]) - set(fresh["classes"]))
+    changed = sorted(k for k in set(fresh["classes"]) & set(committed["classes"])
+                     if fresh["classes"][k] != committed["classes"][k])
+    assert (added, dropped, changed) == ([], [], []), f"run tools/vllm_zoo.py: added {added}, dropped {dropped}, " \
+                                                      f"changed {changed}"
+    assert fresh["vllm"] == committed["vllm"] == "0.16.0"
+    assert data == vllm_zoo.TABLE_JSON.read_text() and markdown == vllm_zoo.TABLE_MD.read_text()
+
+
+def test_every_class_is_classified_with_a_reason():
+    """No row without a status in {tested, start-up proof, refused, n/a} and a reason."""
+    rows = json.loads(vllm_zoo.TABLE_JSON.read_text())["classes"]
+    assert len(rows) > 150
+    assert {r["status"] for r in rows.values()} == {"tested", "start-up proof", "refused", "n/a"}
+    assert all(r["reason"] for r in rows.values())
+    assert rows["commandr.CohereDecoderLayer"]["stream"].startswith("residual overwritten before use")
+    assert rows["gpt_neox.GPTNeoXLayer"]["stream"] == "whole stream (one tensor)"
+    assert rows["llama.LlamaDecoderLayer"]["stream"] == "fused add-norm: stream = hidden_states + residual"
+
+
+def test_the_table_knows_the_names_the_capture_uses():
+    """The decoder, layer-list and final-norm names the table judges by are the capture's own."""
+    from speculators_v016.worker import aux_outputs
+
+    assert (vllm_zoo.DECODER_NAMES, vllm_zoo.LAYERS_NAMES, vllm_zoo.NORM_NAMES) == \
+        (aux_outputs.DECODER_NAMES, aux_outputs.LAYERS_NAMES, aux_outputs.NORM_NAMES)
+
+
+def test_tested_rows_name_families_the_engine_tests_run():
+    """Every 'tested' row names a family that tests/engine builds (no stale claim)."""
+    from speculators_v016.testing.tiny_models import ARCHITECTURES
+
+    rows = json.loads(vllm_zoo.TABLE_JSON.read_text())["classes"]
+    tested = [r["reason"].split(" (")[0] for r in rows.values() if r["status"] == "tested"]
+    families = {name.strip().split(" ")[0].rstrip(",") for reason in tested for name in reason.split(", ")}
+    assert families <= set(ARCHITECTURES), families - set(ARCHITECTURES)
