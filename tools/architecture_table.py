@@ -34,6 +34,25 @@ NOT_RUN = {
                                    "grouped routing (DeepSeek/Kimi assert); W4A16 pack-quantized MoE needs GPU "
                                    "kernels. Structure-tested without an engine: taps read the stream exactly "
                                    "and never touch the INT4 experts"),
+    "Qwen3-Next (hybrid)": ("Qwen3NextForCausalLM", "taps", "not run: CPU backend",
+                            "vLLM 0.16's CPU backend fails at load: 'ValueError: too many values to unpack "
+                            "(expected 2)' in layers/utils.py dispatch_cpu_unquantized_gemm (the gated delta net's "
+                            "3-D conv weight), and its linear attention is Triton-only; on GPUs the start-up "
+                            "stream proof decides. The layer replay of `check` reproduces transformers' layers "
+                            "exactly (tested on transformers' own states)"),
+    "MiniMax-Text-01 (hybrid)": ("MiniMaxText01ForCausalLM", "taps", "not run: CPU backend",
+                                 "vLLM 0.16 cannot load transformers' MiniMax checkpoint (KeyError "
+                                 "'model.layers.1.self_attn.diagonal_decay'); with those buffers dropped it loads, "
+                                 "the start-up stream proof passes (whole stream), and warm-up fails in its "
+                                 "lightning attention: 'RuntimeError: Found no NVIDIA driver on your system' "
+                                 "(Triton). Layer replay tested on transformers' own states"),
+    "Llama 4 MoE layers": ("Llama4ForCausalLM", "built-in", "dense layers only",
+                           "vLLM 0.16's CPU MoE asserts on Llama 4's router (`assert not "
+                           "apply_router_weight_on_input`, cpu_fused_moe.py); the llama4 row runs the same decoder "
+                           "layer class with dense MLPs"),
+    "MiniMax-M2": ("MiniMaxM2ForCausalLM", "taps", "not run: no reference",
+                   "transformers 4.57 has no implementation (remote code only), so no tiny model and no "
+                   "reference here; fused add-norm layers: the start-up stream proof decides"),
     "GPT-OSS": ("GptOssForCausalLM", "built-in", "not compared",
                 "ran on the CPU engine in bf16 only (its attention-sink kernel refuses fp32 there), so no "
                 "exact reference; real checkpoints are MXFP4 (GPU kernels)"),

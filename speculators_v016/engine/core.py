@@ -139,6 +139,12 @@ class CaptureEngine:
                 raise
         except BaseException:
             self._close_record()
+            if self._in_process and _IN_PROCESS_ENGINES == 0:
+                # A start refused in this process (e.g. by the stream proof) has set up vLLM's
+                # parallel state here; the next engine needs it fresh, as after a shutdown.
+                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+                cleanup_dist_env_and_memory()
             raise
         if self.ring is not None:
             self.ring.unlink()  # the output-rank worker has mapped it: a crash now leaves no file
