@@ -65,6 +65,18 @@ TESTED = {
     "ernie45_moe.Ernie4_5_MoeDecoderLayer": "ernie4_5_moe (test_model_families)",
 }
 
+#: Decoder layers found by the capture that vLLM's CPU backend cannot run here: class -> what was tried.
+NOT_RUN_HERE = {
+    "qwen3_next.Qwen3NextDecoderLayer":
+        "not run here: vLLM 0.16's CPU backend fails at load ('ValueError: too many values to unpack' in "
+        "dispatch_cpu_unquantized_gemm, the gated delta net's 3-D conv weight) and its linear attention is "
+        "Triton-only; on GPUs the start-up proof decides; layer replay tested on transformers' own states",
+    "minimax_text_01.MiniMaxText01DecoderLayer":
+        "not run here: on CPU the start-up proof passes (whole stream), then warm-up fails in the Triton "
+        "lightning attention ('Found no NVIDIA driver'); on GPUs the start-up proof decides; layer replay tested "
+        "on transformers' own states",
+}
+
 #: Decoder layers the capture refuses (beyond what the names decide): class -> reason.
 REFUSED = {
     "gemma3n.Gemma3nDecoderLayer": "AltUp: the stream travels as several [tokens, hidden] predictions stacked "
@@ -267,7 +279,7 @@ class Zoo:
 
     @staticmethod
     def _first_use(fn: ast.FunctionDef, residual: str) -> str:
-        """How ``residual`` is first used in ``fn`` (source order): 'overwritten', 'norm' (handed to a norm), or the line."""
+        """How ``residual`` is first used in ``fn``: 'overwritten', 'norm' (handed to a norm), or the line."""
         def statements(body):
             for stmt in body:
                 if isinstance(stmt, ast.If) and any(isinstance(n, ast.Name) and n.id == residual
@@ -397,7 +409,8 @@ def _judge(zoo: Zoo, key: tuple[str, str], row: LayerClass, containers: list, pa
         row.reason = "cannot find the decoder layers: " + "; ".join(where)
         return
     row.status = "start-up proof"
-    row.reason = "not run here; runs when the start-up stream proof passes on the loaded model, refused otherwise"
+    row.reason = NOT_RUN_HERE.get(row.name, "not run here; runs when the start-up stream proof passes on the "
+                                            "loaded model, refused otherwise")
 
 
 def _is_lm_decoder(zoo: Zoo, container: tuple[str, str]) -> bool:

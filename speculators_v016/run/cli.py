@@ -238,7 +238,7 @@ def verify(obj, directory, partial):
 @click.pass_obj
 def check(obj, target_model_path, train_data_path, samples, seq_length, layer_ids, dtype, enforce_eager,
           tensor_parallel_size, trust_remote_code, no_transformers):
-    """Check captured states: vLLM's own logits and each layer replayed in transformers (any size); the whole model in transformers (if it fits)."""
+    """Check captured states: vLLM's logits, each layer replayed in transformers, the whole model if it fits."""
     from speculators_v016.run.console import Console, scratch_log_path
     from speculators_v016.run.run_report import exit_code
 
