@@ -42,6 +42,14 @@ def awq(tmp_path_factory):
     return tuple(map(str, build_tiny_awq(tmp_path_factory.mktemp("awq"), "llama", num_layers=LAYERS)))
 
 
+def run_cli(quantized: str, tmp_path, out):
+    """The real command on the INT4 model: 4 conversations, layers 1 and 3, bf16."""
+    return invoke("--target-model-path", quantized, "--train-data-path",
+                  write_jsonl(tmp_path / "chats.jsonl", conversations(4)), "--output-dir", out,
+                  "--seq-length", 128, "--token-freq-path", "", "--layer-ids", "1 3",
+                  env={"SPECULATORS_DATA_GEN_DTYPE": "bfloat16"})
+
+
 def run(model_dir, **options):
     """States of every layer and vLLM's prompt logprobs, for four prompts."""
     from speculators_v016.generator import VllmHiddenStatesGenerator
@@ -87,12 +95,8 @@ def test_awq_int4_dense_target(awq, record_architecture):
 @needs_int4_kernel
 def test_data_config_records_the_quantization(awq, tmp_path):
     """data_config.json names the target's quantization: vLLM's method and the checkpoint's settings."""
-    quantized, _ = awq
     out = tmp_path / "out"
-    result = invoke("--target-model-path", quantized, "--train-data-path",
-                    write_jsonl(tmp_path / "chats.jsonl", conversations(4)), "--output-dir", out,
-                    "--seq-length", 128, "--token-freq-path", "", "--layer-ids", "1 3",
-                    env={"SPECULATORS_DATA_GEN_DTYPE": "bfloat16"})
+    result = run_cli(awq[0], tmp_path, out)
     assert result.exit_code == 0, result.output
     recorded = json.loads((out / "data_config.json").read_text())["speculators_v016"]["target_quantization"]
     assert recorded["vllm_method"] == "cpu_awq"
@@ -104,12 +108,8 @@ def test_data_config_records_the_quantization(awq, tmp_path):
 @pytest.mark.skipif(HAS_INT4_KERNEL, reason="this vLLM CPU build runs INT4 W4A16 (tested above)")
 def test_awq_int4_is_refused_without_the_kernel(awq, tmp_path):
     """Where the CPU build lacks the INT4 kernel, the run fails at start naming it: never states from another path."""
-    quantized, _ = awq
     out = tmp_path / "out"
-    result = invoke("--target-model-path", quantized, "--train-data-path",
-                    write_jsonl(tmp_path / "chats.jsonl", conversations(4)), "--output-dir", out,
-                    "--seq-length", 128, "--token-freq-path", "", "--layer-ids", "1 3",
-                    env={"SPECULATORS_DATA_GEN_DTYPE": "bfloat16"})
+    result = run_cli(awq[0], tmp_path, out)
     assert result.exit_code == 5, result.output
     assert "cpu_gemm_wna16" in result.output
     assert not list(out.glob("data_*"))
