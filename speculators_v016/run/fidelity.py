@@ -132,8 +132,8 @@ def check(settings: EngineSettings, train_data_path: list[str], samples: int, se
     prompts = prepared.input_ids[:samples]
     num_layers = TargetInfo.read(model, settings.trust_remote_code).num_layers
     plan = LayerPlan.build(num_layers, layer_ids)
-    # the layers asked for, plus the input of each (captured for the replay only)
-    captured = LayerPlan.build(num_layers, list(plan.layer_ids) + replay_inputs(plan.layer_ids))
+    # the layers asked for, plus the input of each (captured for the replay only), ascending
+    captured = LayerPlan.build(num_layers, sorted({*plan.layer_ids, *replay_inputs(plan.layer_ids)}))
     with VllmHiddenStatesGenerator.from_settings(settings, captured) as gen:
         engine = gen.engine
         checker = LogitChecker(model, engine.dtype, captured.last_layer_index)
