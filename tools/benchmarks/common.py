@@ -28,17 +28,24 @@ def prompts(count: int, length: int, vocab: int = 400, seed: int = 0) -> list[li
     return torch.randint(5, vocab, (count, length), generator=gen).tolist()
 
 
+def engine_env(code_from: str | None = None) -> dict:
+    """The environment of a measured engine process: every mode gets the same CPU KV cache (vLLM's
+    default is half the RAM), quiet vLLM logs, and ``code_from``'s speculators_v016 first on the path."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+           "VLLM_LOGGING_LEVEL": "WARNING"}
+    if code_from:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(code_from).resolve()), env.get("PYTHONPATH")]))
+    return env
+
+
 def child(script: str, args: dict, code_from: str | None = None) -> dict:
     """Run ``script`` with ``args`` (JSON) in a fresh process; return its last JSON line.
 
     ``code_from``: a checkout whose ``speculators_v016`` the child imports instead of this one's
     (e.g. the previous release, for before/after figures in one run).
     """
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-           "VLLM_LOGGING_LEVEL": "WARNING"}
-    if code_from:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(code_from).resolve()), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, script, json.dumps(args)], capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, script, json.dumps(args)], capture_output=True, text=True,
+                          env=engine_env(code_from))
     if proc.returncode != 0:
         raise RuntimeError(f"{script} {args} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -5,8 +5,11 @@ Both run in fresh processes on the same conversations, model and engine
 settings, interleaved over --rounds. "End to end" is the CLI's generation phase
 (engine + NaN check + encoding + atomic writes + manifest, as its summary
 reports it); "generator alone" streams the same token samples and drops them.
+``--shape wide`` is a wide, thin Llama (hidden 7168, 4 layers, 2 heads of 64,
+MLP 64) on which the states' bytes, not the model, set the pace.
 
     python tools/benchmarks/end_to_end.py [--samples 256] [--rounds 2] [--eager] [--before CHECKOUT]
+    python tools/benchmarks/end_to_end.py --shape wide --samples 64 --batched-tokens 2048 --eager
 """
 
 from __future__ import annotations
@@ -25,9 +28,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import bench_model, child  # noqa: E402
+from common import bench_model, child, engine_env  # noqa: E402
 
 SEQ = 1024
+SHAPES = {
+    "base": dict(hidden=512, layers=8),
+    "wide": dict(hidden=7168, layers=4, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+                 head_dim=64),
+}
 
 
 def conversations(path: Path, count: int) -> Path:
@@ -50,7 +58,7 @@ def generator_alone(args: dict) -> dict:
 
     samples = prepare_samples([args["data"]], AutoTokenizer.from_pretrained(args["model"]), SEQ, num_proc=1)
     gen = VllmHiddenStatesGenerator(args["model"], max_model_len=SEQ + 1, dtype="float32",
-                                    enforce_eager=args["eager"])
+                                    enforce_eager=args["eager"], max_num_batched_tokens=args["batched_tokens"])
     gen.generate(samples.input_ids[:4])
     start = time.perf_counter()
     for _ in gen.stream(samples.input_ids):
@@ -60,19 +68,18 @@ def generator_alone(args: dict) -> dict:
     return {"samples_per_s": len(samples) / seconds, "tokens_per_s": tokens / seconds}
 
 
-def end_to_end(model: str, data: Path, eager: bool, code_from: str | None = None) -> dict:
+def end_to_end(model: str, data: Path, eager: bool, batched_tokens: int | None, code_from: str | None = None
+               ) -> dict:
     """The CLI's generation phase, as its summary reports it (``code_from``: another checkout's code)."""
-    import os
     with tempfile.TemporaryDirectory() as tmp:
         # speculators_v016.cli (not .run.cli): the path older checkouts (--before) have too
         cmd = [sys.executable, "-m", "speculators_v016.cli", "--target-model-path", model, "--train-data-path",
                str(data), "--output-dir", f"{tmp}/out", "--seq-length", str(SEQ), "--dtype", "float32",
                "--token-freq-path", "", "--no-progress", "--num-preprocessing-workers", "1"]
         cmd += ["--enforce-eager"] if eager else []
-        env = dict(os.environ)
-        if code_from:
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(code_from).resolve()), env.get("PYTHONPATH")]))
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        cmd += ["--max-num-batched-tokens", str(batched_tokens)] if batched_tokens else []
+        # cwd: `python -m` puts the working folder first on sys.path, ahead of code_from's PYTHONPATH
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=engine_env(code_from), cwd=tmp)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr[-3000:])
     written = int(re.search(r"written:\s+(\d+) samples", proc.stdout).group(1))
@@ -85,23 +92,32 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--eager", action="store_true")
-    ap.add_argument("--model-dir", default="/tmp/speculators-v016-bench/base")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="base")
+    ap.add_argument("--batched-tokens", type=int, default=None, help="max_num_batched_tokens (default: the engine's)")
+    ap.add_argument("--model-dir", default=None, help="default: /tmp/speculators-v016-bench/<shape>")
     ap.add_argument("--before", default=None, metavar="CHECKOUT",
                     help="also run the CLI with the speculators_v016 of this checkout, interleaved")
     opts = ap.parse_args()
-    model = str(bench_model(Path(opts.model_dir)))
+    shape = dict(SHAPES[opts.shape])
+    where = Path(opts.model_dir or f"/tmp/speculators-v016-bench/{opts.shape}")
+    model = str(bench_model(where, shape.pop("hidden"), shape.pop("layers"), **shape))
     with tempfile.TemporaryDirectory() as tmp:
         data = conversations(Path(tmp) / "chats.jsonl", opts.samples)
         runs = {"cli": [], "gen": []} | ({"before": []} if opts.before else {})
         for _ in range(opts.rounds):
-            runs["cli"].append(end_to_end(model, data, opts.eager))
+            runs["cli"].append(end_to_end(model, data, opts.eager, opts.batched_tokens))
             if opts.before:
-                runs["before"].append(end_to_end(model, data, opts.eager, opts.before))
-            runs["gen"].append(child(__file__, {"model": model, "data": str(data), "eager": opts.eager}))
+                runs["before"].append(end_to_end(model, data, opts.eager, opts.batched_tokens, opts.before))
+            runs["gen"].append(child(__file__, {"model": model, "data": str(data), "eager": opts.eager,
+                                                "batched_tokens": opts.batched_tokens}))
     med = {k: {m: statistics.median(r[m] for r in v) for m in ("samples_per_s", "tokens_per_s")}
            for k, v in runs.items()}
-    print(f"{opts.samples} conversations, seq length {SEQ}, {'eager' if opts.eager else 'compiled'}, "
+    print(f"{opts.shape} model ({SHAPES[opts.shape]}), {opts.samples} conversations, seq length {SEQ}, "
+          f"{'eager' if opts.eager else 'compiled'}, max_num_batched_tokens {opts.batched_tokens or 'default'}, "
           f"{opts.rounds} round(s), medians")
+    for key, values in runs.items():
+        rates = ", ".join(f"{r['tokens_per_s']:,.0f}" for r in values)
+        print(f"  runs {key}: {rates} tokens/s")
     for key, label in (("cli", "speculators-data-gen (written)"), ("before", "  the same, before"),
                        ("gen", "generator alone (dropped)")):
         if key in med:

@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""The host path without vLLM: Kimi-shaped steps from a ring slot to durable, listed files, against the disk.
+
+Synthetic steps of 8192 tokens x 4 layers x 7168 (bf16, 448 MiB) sit in the
+slots of a real :class:`SlotRing`, as the worker leaves them; the engine-side
+:class:`Assembler` copies each request's rows into the run's buffer pool, and
+the run's :class:`SampleWriter` (NaN/Inf check, sha256, write, fsync, rename,
+group commit) puts them in a real folder. Samples have 1536-2560 tokens (2k on
+average), so some straddle two steps. Printed, interleaved over --rounds
+(medians): GiB/s of samples made durable and listed, for each --workers count,
+against raw ``write`` + ``fsync`` of the same bytes to the same folder (one
+stream, and as many streams as the most workers) and against sha256 alone;
+the cores the process used (CPU time / wall); the engine thread's copy per
+448 MiB step into pooled blocks and into fresh memory.
+
+``--before CHECKOUT`` also runs the writer of another checkout's
+``speculators_v016`` (e.g. the previous release: fresh memory per sample, the
+NaN check on the engine thread, three fsyncs per sample), in a child process.
+
+    python tools/benchmarks/host_path.py [--gib 2] [--rounds 2] [--workers 1 2 4] [--dir /tmp] [--before CHECKOUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+import json
+import os
+import queue
+import random
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from speculators_v016.engine.assembly import Assembler
+from speculators_v016.engine.slot_ring import SlotRing
+from speculators_v016.protocol import StepCapture
+from speculators_v016.settings import DEFAULT_WRITE_WORKERS
+from speculators_v016.store.writer import SampleWriter
+
+CURRENT = "reject" in inspect.signature(SampleWriter.__init__).parameters  # False: an earlier checkout's writer
+if CURRENT:
+    from speculators_v016.engine.buffer_pool import BufferPool
+    from speculators_v016.run.pipeline import reject_non_finite
+
+HIDDEN, LAYERS, STEP = 7168, 4, 8192
+DTYPE = torch.bfloat16
+LAYER_IDS = [2, 30, 57, 60]  # as a 61-layer Kimi-K2.5 run would record them
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def steps(lengths: list[int]):
+    """Scheduler-like steps: up to STEP rows each, requests chunked across steps in order.
+
+    Yields ``[(request index, first position, rows), ...]`` per step.
+    """
+    todo = [[i, 0, n] for i, n in enumerate(lengths)]
+    while todo:
+        step, room = [], STEP
+        while todo and room:
+            index, start, left = todo[0]
+            rows = min(left, room)
+            step.append((index, start, rows))
+            room -= rows
+            if rows == left:
+                todo.pop(0)
+            else:
+                todo[0] = [index, start + rows, left - rows]
+        yield step
+
+
+def through_writer(ring: SlotRing, lengths: list[int], folder: Path, workers: int, pool) -> dict:
+    """Slots -> assembler -> writer -> durable files, as the pipeline runs them; bytes, seconds, CPU, copy time.
+
+    With an earlier checkout's writer (``CURRENT`` False): its pipeline's way,
+    fresh tensors, the NaN check on this thread, ``put(index, sample)``.
+    """
+    if CURRENT:
+        writer = SampleWriter(folder, "safetensors", LAYER_IDS, workers=workers, reject=reject_non_finite(LAYER_IDS))
+        assembler = Assembler(tuple(range(LAYERS)), allocate=pool.take if pool else None)
+    else:
+        writer = SampleWriter(folder, "safetensors", LAYER_IDS, workers=workers)
+        assembler = Assembler(tuple(range(LAYERS)))
+    for i, n in enumerate(lengths):
+        assembler.add_request(f"r{i}", i, n)
+    copy = 0.0
+    start, cpu = time.perf_counter(), cpu_seconds()
+    try:
+        for number, parts in enumerate(steps(lengths), 1):
+            slot = ring.acquire()
+            rows = sum(p[2] for p in parts)
+            capture = StepCapture(number, [f"r{i}" for i, _, _ in parts], [s for _, s, _ in parts],
+                                  [n for _, _, n in parts], slot=slot)
+            assembler.expect(number, {f"r{i}": (s, n) for i, s, n in parts})
+            began = time.perf_counter()
+            capture.states = ring.slot(slot)[:, :rows]  # as CaptureEngine._consume does
+            assembler.add(capture)
+            copy += time.perf_counter() - began
+            ring.release(slot)
+            for index, states in assembler.pop_complete():
+                n = lengths[index]
+                sample = {"input_ids": torch.arange(n, dtype=torch.long), "hidden_states": states,
+                          "loss_mask": torch.ones(n, dtype=torch.long)}
+                if not CURRENT:
+                    if any(not torch.isfinite(h).all() for h in states):
+                        raise RuntimeError("NaN in synthetic states")
+                    writer.put(index, sample)
+                else:
+                    writer.put(index, sample, done=(lambda s=states: pool.give_back(s)) if pool else None)
+    finally:
+        writer.close()
+    seconds = time.perf_counter() - start
+    if (CURRENT and writer.take_rejected()) or writer.written != len(lengths):
+        raise RuntimeError("the writer did not write every sample")
+    return {"bytes": writer.bytes, "seconds": seconds, "cpu": cpu_seconds() - cpu,
+            "copy_ms_per_step": 1e3 * copy * STEP / sum(lengths),
+            "commits": writer.commit.commits if CURRENT else len(lengths)}
+
+
+def make_ring() -> SlotRing:
+    ring = SlotRing.create(slots=2, num_ids=LAYERS, max_rows=STEP, hidden=HIDDEN, dtype=DTYPE, shared=False)
+    for s in range(2):
+        for j in range(LAYERS):
+            ring.slot(s)[j].normal_()
+    return ring
+
+
+def before(checkout: str, lengths: list[int], folder: Path) -> dict:
+    """:func:`through_writer` with ``checkout``'s speculators_v016 and its default workers, in a child process."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(checkout).resolve()),
+                                                                         os.environ.get("PYTHONPATH")]))}
+    args = json.dumps({"lengths": lengths, "folder": str(folder)})
+    proc = subprocess.run([sys.executable, __file__, "--child", args], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-3000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def child(args: dict) -> None:
+    ring = make_ring()
+    try:
+        print(json.dumps(through_writer(ring, args["lengths"], Path(args["folder"]), DEFAULT_WRITE_WORKERS, None)))
+    finally:
+        ring.close()
+
+
+def raw_write(buffers: list[memoryview], folder: Path, streams: int) -> dict:
+    """The same bytes, one file each, written and fsynced by ``streams`` threads (no hashing, no rename)."""
+    jobs: queue.Queue = queue.Queue()
+    for i, b in enumerate(buffers):
+        jobs.put((i, b))
+
+    def work():
+        while True:
+            try:
+                i, data = jobs.get_nowait()
+            except queue.Empty:
+                return
+            with open(folder / f"raw_{i}", "wb", buffering=0) as fh:
+                view = data
+                while view:
+                    view = view[fh.write(view):]
+                os.fsync(fh.fileno())
+
+    start, cpu = time.perf_counter(), cpu_seconds()
+    threads = [threading.Thread(target=work) for _ in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"bytes": sum(len(b) for b in buffers), "seconds": time.perf_counter() - start, "cpu": cpu_seconds() - cpu}
+
+
+def sha_alone(buffers: list[memoryview]) -> dict:
+    start, cpu = time.perf_counter(), cpu_seconds()
+    for b in buffers:
+        hashlib.sha256(b).hexdigest()
+    return {"bytes": sum(len(b) for b in buffers), "seconds": time.perf_counter() - start, "cpu": cpu_seconds() - cpu}
+
+
+def clear(folder: Path) -> None:
+    for p in folder.iterdir():
+        p.unlink()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=2.0, help="sample data per measurement")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="folder on the disk to measure (a temp folder inside)")
+    ap.add_argument("--fresh", action="store_true", help="also the default workers without the buffer pool")
+    ap.add_argument("--before", default=None, metavar="CHECKOUT",
+                    help="also the writer of this checkout's speculators_v016 (default workers), in a child process")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    opts = ap.parse_args()
+    if opts.child:
+        return child(json.loads(opts.child))
+    workers = sorted(set(opts.workers) | {DEFAULT_WRITE_WORKERS})
+    rng = random.Random(0)
+    lengths, total = [], 0
+    while total < opts.gib * 2**30:
+        lengths.append(rng.randint(1536, 2560))
+        total += lengths[-1] * LAYERS * HIDDEN * DTYPE.itemsize
+    ring = make_ring()
+    raw_bytes = ring.buffer.view(-1).view(torch.uint8).numpy()
+    size = LAYERS * HIDDEN * DTYPE.itemsize
+    buffers, offset = [], 0
+    for n in lengths:  # the raw baselines write and hash the same number of bytes per file
+        if offset + n * size > raw_bytes.size:
+            offset = 0
+        buffers.append(memoryview(raw_bytes[offset: offset + n * size]))
+        offset += n * size
+    pool = BufferPool()
+    runs: dict[str, list[dict]] = {}
+    base = Path(tempfile.mkdtemp(prefix="host-path-", dir=opts.dir))
+    try:
+        configs = [("raw write+fsync, 1 stream", lambda: raw_write(buffers, base, 1)),
+                   (f"raw write+fsync, {max(workers)} streams", lambda: raw_write(buffers, base, max(workers))),
+                   ("sha256 alone, 1 thread", lambda: sha_alone(buffers))]
+        configs += [(f"writer, {w} worker(s)", lambda w=w: through_writer(ring, lengths, base, w, pool))
+                    for w in workers]
+        if opts.before:
+            configs.append(("before: writer, its default workers", lambda: before(opts.before, lengths, base)))
+        through_writer(ring, lengths[: len(lengths) // 2], base, max(workers), pool)  # warm the pool: a long run's
+        clear(base)                                                                   # steady state
+        if opts.fresh:
+            configs.append((f"writer, {DEFAULT_WRITE_WORKERS} worker(s), fresh memory",
+                            lambda: through_writer(ring, lengths, base, DEFAULT_WRITE_WORKERS, None)))
+        for _ in range(opts.rounds):
+            for name, run in configs:
+                runs.setdefault(name, []).append(run())
+                clear(base)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        ring.close()
+    rate = {k: statistics.median(r["bytes"] / r["seconds"] / 2**30 for r in v) for k, v in runs.items()}
+    cores = {k: statistics.median(r["cpu"] / r["seconds"] for r in v) for k, v in runs.items()}
+    print(f"{len(lengths)} samples of 1536-2560 tokens x {LAYERS} layers x {HIDDEN} bf16 "
+          f"({total / 2**30:.2f} GiB) per measurement, steps of {STEP} tokens, folder on {opts.dir}, "
+          f"{os.cpu_count()} CPUs, {opts.rounds} round(s), medians")
+    raw1 = rate["raw write+fsync, 1 stream"]
+    for name in runs:
+        extra = ""
+        if "writer" in name:
+            copy = statistics.median(r["copy_ms_per_step"] for r in runs[name])
+            commits = statistics.median(r["commits"] for r in runs[name])
+            extra = (f"  {rate[name] / raw1:.2f}x raw 1 stream; copy {copy:.0f} ms per 448 MiB step; "
+                     f"{commits:.0f} commits for {len(lengths)} samples")
+        print(f"  {name:44} {rate[name]:6.2f} GiB/s  {cores[name]:4.2f} cores{extra}")
+    print(f"  pool: {pool.allocated} blocks made, {pool.reused} reuses")
+
+
+if __name__ == "__main__":
+    main()
