@@ -5,7 +5,9 @@
 per requested layer, in request order) and ``loss_mask`` (None), as upstream
 does. :meth:`VllmHiddenStatesGenerator.stream` yields the same dicts (plus
 ``index``) as soon as each prompt completes, for writers that work while the
-engine runs.
+engine runs. With ``hidden_states_dtype="fp8_e4m3"`` each layer of
+``hidden_states`` is a :class:`~speculators_v016.fp8.Fp8States` (e4m3 codes
+and one float32 scale per token; ``.dequantize()`` gives the values).
 
 Library users call it with upstream's keywords; our pipeline builds the
 :class:`~speculators_v016.settings.EngineSettings` and the layer plan once and

@@ -18,6 +18,13 @@ SHM_DIR = "/dev/shm"
 PREFIX = "speculators-v016-ring-"
 
 
+_ALIGN = 64  # bytes: every slot and every scales block starts on a cache line
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
 @dataclass(frozen=True)
 class RingSpec:
     """What a worker needs to map the ring (sent through the set-up RPC).
@@ -25,6 +32,11 @@ class RingSpec:
     A shared ring's file starts with a header that repeats the shape and the
     creator's random ``token``: the worker maps the file only if both match
     (a name that vanished or was replaced fails the run, never maps zeros).
+
+    A slot is one block of bytes: the states ``[num_ids, max_rows, hidden]``
+    (the engine's dtype, or e4m3 codes with ``storage="fp8_e4m3"``), then,
+    for FP8 only, the scales ``[num_ids, max_rows]`` float32 at
+    :attr:`scales_offset`. Slots and scale blocks start on 64-byte boundaries.
     """
 
     name: str
@@ -33,23 +45,48 @@ class RingSpec:
     num_ids: int
     max_rows: int
     hidden: int
-    dtype: str  # e.g. "bfloat16"
+    dtype: str  # the engine's dtype, e.g. "bfloat16": what the model's aux states are
     token: str = ""  # hex; the creator's identity token (shared rings)
     directory: str = SHM_DIR  # where a shared ring's file lies
+    storage: str = "auto"  # "auto": states stored in ``dtype``; "fp8_e4m3": codes + scales
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The engine's dtype (what the worker's aux states must be)."""
         import torch
 
         return getattr(torch, self.dtype)
+
+    @property
+    def fp8(self) -> bool:
+        return self.storage == "fp8_e4m3"
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """What a slot's states hold: the engine's dtype, or e4m3 codes."""
+        import torch
+
+        return torch.float8_e4m3fn if self.fp8 else self.torch_dtype
 
     @property
     def slot_numel(self) -> int:
         return self.num_ids * self.max_rows * self.hidden
 
     @property
+    def states_bytes(self) -> int:
+        return self.slot_numel * self.state_dtype.itemsize
+
+    @property
+    def scales_offset(self) -> int:
+        return _aligned(self.states_bytes)
+
+    @property
+    def scales_bytes(self) -> int:
+        return self.num_ids * self.max_rows * 4 if self.fp8 else 0
+
+    @property
     def slot_bytes(self) -> int:
-        return self.slot_numel * self.torch_dtype.itemsize
+        return _aligned(self.scales_offset + self.scales_bytes) if self.fp8 else _aligned(self.states_bytes)
 
     @property
     def total_bytes(self) -> int:
@@ -60,8 +97,10 @@ class RingSpec:
         return os.path.join(self.directory, self.name)
 
     def describe(self) -> str:
-        return (f"{self.slots} slots x {self.max_rows} rows x {self.num_ids} layers x {self.hidden} hidden "
-                f"x {self.slot_bytes // self.slot_numel} bytes = {self.total_bytes / 2**20:,.0f} MiB")
+        per_row = (f"(x {self.hidden} e4m3 + 4 scale bytes)" if self.fp8
+                   else f"x {self.hidden} hidden x {self.states_bytes // self.slot_numel} bytes")
+        return (f"{self.slots} slots x {self.max_rows} rows x {self.num_ids} layers {per_row} "
+                f"= {self.total_bytes / 2**20:,.0f} MiB")
 
 
 @dataclass
@@ -70,7 +109,9 @@ class StepCapture:
 
     ``states`` is ``[num_capture_ids, rows, hidden]``: in the reply it is None
     when the rows sit in ring slot ``slot`` (the engine fills it in with a view
-    of the slot); with no ring it is a host tensor.
+    of the slot); with no ring it is a host tensor. With FP8 storage
+    ``states`` holds the e4m3 codes and ``scales`` (``[num_capture_ids,
+    rows]`` float32) one scale per row; otherwise ``scales`` is None.
     """
 
     step: int
@@ -79,3 +120,4 @@ class StepCapture:
     counts: list[int]  # rows per request
     slot: int | None = None
     states: torch.Tensor | None = None
+    scales: torch.Tensor | None = None

@@ -27,6 +27,9 @@ DEFAULT_PREPROCESSING_WORKERS = 8
 DEFAULT_TOKEN_FREQ_PATH = "./token_freq.pt"
 EXECUTORS = ("uni", "mp", "ray")
 CAPTURE_MODES = ("auto", "taps")
+#: How hidden states are stored: "auto" in the engine's dtype; "fp8_e4m3": e4m3 codes + a float32 scale
+#: per token per layer, quantized in the worker's capture (speculators_v016.fp8).
+HIDDEN_STATES_DTYPES = ("auto", "fp8_e4m3")
 
 
 @dataclass
@@ -47,6 +50,7 @@ class EngineSettings:
     trust_remote_code: bool = False
     seed: int = 0
     capture_mode: str = "auto"  # "auto": built-in aux outputs where vLLM has them; "taps": ours only
+    hidden_states_dtype: str = "auto"  # one of HIDDEN_STATES_DTYPES
     extra_engine_args: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -54,6 +58,13 @@ class EngineSettings:
             raise ValueError(f"executor {self.executor!r}: choose from {EXECUTORS}")
         if self.capture_mode not in CAPTURE_MODES:
             raise ValueError(f"capture_mode {self.capture_mode!r}: choose from {CAPTURE_MODES}")
+        if self.hidden_states_dtype not in HIDDEN_STATES_DTYPES:
+            raise ValueError(f"hidden_states_dtype {self.hidden_states_dtype!r}: choose from {HIDDEN_STATES_DTYPES}")
+
+    @property
+    def fp8(self) -> bool:
+        """Hidden states stored as FP8 codes and scales."""
+        return self.hidden_states_dtype == "fp8_e4m3"
 
     @property
     def batched_tokens(self) -> int:

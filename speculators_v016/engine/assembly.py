@@ -11,7 +11,10 @@ Each captured byte is copied once on this side: from the step's states
 straight into the request's own per-layer tensors, which are what callers get.
 Those tensors are fresh memory, or come from ``allocate`` (e.g.
 :meth:`~speculators_v016.engine.buffer_pool.BufferPool.take`, whose blocks a
-writer gives back once a sample is on disk).
+writer gives back once a sample is on disk). With FP8 storage the step
+carries e4m3 codes and one scale per row; both are copied alike (one
+allocation holds a request's codes and scales), and callers get one
+:class:`~speculators_v016.fp8.Fp8States` per layer.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 
 import torch
 
+from speculators_v016.fp8 import CODE_DTYPE, SCALE_DTYPE, Fp8States
 from speculators_v016.protocol import StepCapture
 
 
@@ -35,7 +39,8 @@ class _Request:
     prompt_len: int
     chunks: dict[int, int] = field(default_factory=dict)  # start -> rows
     rows: int = 0
-    out: list[torch.Tensor] | None = None  # one [prompt_len, hidden] per requested layer
+    out: list[torch.Tensor] | None = None  # one [prompt_len, hidden] per requested layer (FP8: codes)
+    scales: list[torch.Tensor] | None = None  # FP8: one [prompt_len] float32 per requested layer
 
 
 Allocate = Callable[[Sequence[tuple[Sequence[int], torch.dtype]]], list[torch.Tensor]]
@@ -57,9 +62,10 @@ def expected_rows(scheduler_output) -> dict[str, tuple[int, int]]:
 class Assembler:
     """Collects step captures; hands out requests whose states are complete."""
 
-    def __init__(self, capture_order: tuple[int, ...], allocate: Allocate | None = None):
+    def __init__(self, capture_order: tuple[int, ...], allocate: Allocate | None = None, fp8: bool = False):
         self.capture_order = capture_order  # requested layer j -> row in the captured stack
         self.allocate = allocate or _fresh
+        self.fp8 = fp8  # captures carry e4m3 codes and scales
         self._requests: dict[str, _Request] = {}
         self._expected: dict[int, dict[str, tuple[int, int]]] = {}
         self._complete: list[str] = []
@@ -87,13 +93,29 @@ class Assembler:
             held = None if capture.states is None else capture.states.shape[1]
             raise AttributionError(f"step {capture.step}: {held} rows for "
                                    f"{sum(capture.counts)} scheduled tokens")
+        self._check_storage(capture)
         offset = 0
         for req_id, start, count in zip(capture.req_ids, capture.starts, capture.counts):
-            self._add_rows(req_id, start, capture.states[:, offset: offset + count])
+            scales = capture.scales[:, offset: offset + count] if self.fp8 else None
+            self._add_rows(req_id, start, capture.states[:, offset: offset + count], scales)
             offset += count
 
-    def _add_rows(self, req_id: str, start: int, rows: torch.Tensor) -> None:
-        """Copy ``rows`` (``[capture ids, count, hidden]``) into the request's tensors at ``start``."""
+    def _check_storage(self, capture: StepCapture) -> None:
+        """The capture holds what this run stores: FP8 codes with one scale per row, or no scales."""
+        if not self.fp8:
+            if capture.scales is not None:
+                raise AttributionError(f"step {capture.step}: FP8 scales in a run that stores the engine's dtype")
+            return
+        rows = capture.states.shape[:2]
+        if (capture.states.dtype != CODE_DTYPE or capture.scales is None or capture.scales.dtype != SCALE_DTYPE
+                or tuple(capture.scales.shape) != tuple(rows)):
+            got = None if capture.scales is None else (capture.scales.dtype, tuple(capture.scales.shape))
+            raise AttributionError(f"step {capture.step}: FP8 storage needs {CODE_DTYPE} codes and "
+                                   f"{SCALE_DTYPE} scales {tuple(rows)}; got {capture.states.dtype} and {got}")
+
+    def _add_rows(self, req_id: str, start: int, rows: torch.Tensor, scales: torch.Tensor | None = None) -> None:
+        """Copy ``rows`` (``[capture ids, count, hidden]``; FP8: plus ``scales`` ``[capture ids, count]``)
+        into the request's tensors at ``start``."""
         req = self._requests.get(req_id)
         if req is None:
             raise AttributionError(f"rows for unknown request {req_id}")
@@ -106,9 +128,18 @@ class Assembler:
         if start in req.chunks:
             raise AttributionError(f"request {req_id}: positions from {start} captured twice")
         if req.out is None:
-            req.out = self.allocate([((req.prompt_len, rows.shape[2]), rows.dtype)] * len(self.capture_order))
+            layers = len(self.capture_order)
+            specs = [((req.prompt_len, rows.shape[2]), rows.dtype)] * layers
+            if scales is None:
+                req.out = self.allocate(specs)
+            else:  # one allocation: the codes, then the scales
+                tensors = self.allocate(specs + [((req.prompt_len,), scales.dtype)] * layers)
+                req.out, req.scales = tensors[:layers], tensors[layers:]
         for out, j in zip(req.out, self.capture_order):
             out[start: start + keep].copy_(rows[j, :keep])
+        if scales is not None:
+            for out, j in zip(req.scales, self.capture_order):
+                out[start: start + keep].copy_(scales[j, :keep])
         req.chunks[start] = keep
         req.rows += keep
         if req.rows == req.prompt_len:
@@ -116,8 +147,11 @@ class Assembler:
         elif req.rows > req.prompt_len:
             raise AttributionError(f"request {req_id}: {req.rows} rows for a {req.prompt_len}-token prompt")
 
-    def pop_complete(self) -> list[tuple[Any, list[torch.Tensor]]]:
-        """Requests whose every prompt position is captured: (key, one tensor per requested layer)."""
+    def pop_complete(self) -> list[tuple[Any, list]]:
+        """Requests whose every prompt position is captured: (key, one tensor per requested layer).
+
+        With FP8 storage each layer is an :class:`~speculators_v016.fp8.Fp8States`.
+        """
         done, self._complete = self._complete, []
         out = []
         for req_id in done:
@@ -127,7 +161,8 @@ class Assembler:
                 if start != position:
                     raise AttributionError(f"request {req_id}: rows jump from position {position} to {start}")
                 position += req.chunks[start]
-            out.append((req.key, req.out))
+            states = req.out if req.scales is None else [Fp8States(c, s) for c, s in zip(req.out, req.scales)]
+            out.append((req.key, states))
         return out
 
     def unfinished(self) -> dict[str, tuple[int, int]]:

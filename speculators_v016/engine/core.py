@@ -98,7 +98,8 @@ class CaptureEngine:
             # In the config (and so in its hash): compiled graphs cached on disk
             # without these capture ids are never reused for this engine.
             additional_config={"speculators_v016": {"capture_ids": list(self.plan.capture_ids),
-                                                    "capture_mode": s.capture_mode}},
+                                                    "capture_mode": s.capture_mode,
+                                                    "hidden_states_dtype": s.hidden_states_dtype}},
             **s.extra_engine_args,
         )
         config = args.create_engine_config()
@@ -188,7 +189,8 @@ class CaptureEngine:
             slots=(2 if self.async_scheduling else 1) + 1, num_ids=len(self.plan.capture_ids),
             max_rows=config.scheduler_config.max_num_batched_tokens,
             hidden=config.model_config.get_hidden_size(), dtype=config.model_config.dtype,
-            shared=not self._in_process, created=record.add if record is not None else None)
+            shared=not self._in_process, storage=self.settings.hidden_states_dtype,
+            created=record.add if record is not None else None)
         logger.debug("capture ring {}: {}", ring.spec.name, ring.spec.describe())
         return ring
 
@@ -288,16 +290,23 @@ class CaptureEngine:
         try:
             if keep:
                 if capture.slot is not None:
-                    capture.states = self.ring.slot(capture.slot)[:, : sum(capture.counts)]
+                    rows = sum(capture.counts)
+                    capture.states = self.ring.slot(capture.slot)[:, :rows]
+                    scales = self.ring.scales(capture.slot)
+                    capture.scales = scales[:, :rows] if scales is not None else None
                 assembler.add(capture)
         finally:
-            capture.states = None
+            capture.states = capture.scales = None
             if capture.slot is not None:
                 self.ring.release(capture.slot)
 
     def stream(self, prompts: Iterable[tuple[Any, list[int]]], window: int | None = None, prompt_logprobs=None,
                allocate: Allocate | None = None) -> Iterator[tuple[Any, list[int], list]]:
         """Yield ``(key, input_ids, states per requested layer)`` as each prompt completes.
+
+        A layer's states are a ``[len, hidden]`` tensor in the engine's dtype,
+        or, with ``hidden_states_dtype="fp8_e4m3"``, a
+        :class:`~speculators_v016.fp8.Fp8States` (codes and scales).
 
         ``prompt_logprobs(key) -> bool`` picks prompts whose vLLM prompt logprobs
         are kept in :attr:`prompt_logprobs` (by key) before they are yielded.
@@ -312,7 +321,7 @@ class CaptureEngine:
         """
         if self._broken is not None:
             raise RuntimeError(f"this engine failed earlier and cannot be used again: {self._broken}")
-        assembler = Assembler(self.plan.capture_order, allocate)
+        assembler = Assembler(self.plan.capture_order, allocate, fp8=self.settings.fp8)
         feed, waiting, in_flight = iter(prompts), set(), deque()
         window = window or 2 * self.settings.max_num_seqs
         more = True
@@ -352,7 +361,7 @@ class CaptureEngine:
 
         self.scheduler.finish_requests(list(waiting), RequestStatus.FINISHED_ABORTED)
         self._logprob_keys.clear()
-        scratch = Assembler(self.plan.capture_order)
+        scratch = Assembler(self.plan.capture_order, self.settings.fp8)
         while in_flight:
             self._retire(in_flight.pop(), scratch, keep=False)
         while self.scheduler.has_requests():  # finished ids still have to reach the workers

@@ -49,7 +49,7 @@ def capture_executor(base: type, ring: SlotRing | None) -> type:
             self.capture_info = list(self.collective_rpc(
                 "speculators_capture_setup",
                 args=(cfg["capture_ids"], self.capture_output_rank, cfg["capture_mode"],
-                      ring.spec if ring is not None else None)))
+                      ring.spec if ring is not None else None, cfg["hidden_states_dtype"])))
 
         def capture_rpc(self, method: str, args: tuple = (), non_block: bool = False):
             if one_reply and hasattr(self, "output_rank"):

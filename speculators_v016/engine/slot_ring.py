@@ -2,10 +2,12 @@
 
 Each slot holds one step: ``[capture ids, max rows, hidden]`` in the engine's
 dtype, so every captured layer lands as one contiguous block (one device-to-
-host copy per layer, no strided writes). The engine owns the ring: it creates
-it before the workers exist, hands a slot to each step it launches and takes
-it back once the step's rows are copied out (:meth:`SlotRing.acquire`,
-:meth:`SlotRing.release`). The output-rank worker maps the ring once
+host copy per layer, no strided writes). With FP8 storage a slot holds the
+e4m3 codes in that shape, then ``[capture ids, max rows]`` float32 scales
+(:class:`~speculators_v016.protocol.RingSpec` has the byte layout). The
+engine owns the ring: it creates it before the workers exist, hands a slot
+to each step it launches and takes it back once the step's rows are copied
+out (:meth:`SlotRing.acquire`, :meth:`SlotRing.release`). The output-rank worker maps the ring once
 (:meth:`SlotRing.attach`) and, on GPUs, registers it once as pinned memory,
 so a step costs no allocation and the capture RPC carries metadata only.
 
@@ -55,7 +57,7 @@ _LOCAL: dict[str, torch.Tensor] = {}  # name -> buffer, for the uniprocess execu
 #: Bytes before the slots in a shared ring's file (one page: the slots stay page-aligned for pinning).
 HEADER_BYTES = 4096
 MAGIC = b"speculators-ring"
-_HEADER = struct.Struct("<16s16sQQQQ16s")  # magic, token, slots, num_ids, max_rows, hidden, dtype
+_HEADER = struct.Struct("<16s16sQQQQ16s16s")  # magic, token, slots, num_ids, max_rows, hidden, dtype, storage
 
 
 class RingSpaceError(OSError):
@@ -78,7 +80,7 @@ def file_bytes(spec: RingSpec) -> int:
 
 def _header(spec: RingSpec) -> bytes:
     return _HEADER.pack(MAGIC, bytes.fromhex(spec.token), spec.slots, spec.num_ids, spec.max_rows, spec.hidden,
-                        spec.dtype.encode())
+                        spec.dtype.encode(), spec.storage.encode())
 
 
 class SlotRing:
@@ -87,7 +89,12 @@ class SlotRing:
     def __init__(self, spec: RingSpec, buffer: torch.Tensor, owner: bool,
                  identity: tuple[int, int] | None = None):
         self.spec = spec
-        self.buffer = buffer.view(spec.slots, spec.num_ids, spec.max_rows, spec.hidden)
+        self.buffer = buffer.view(spec.slots, spec.slot_bytes)  # uint8: slot i is row i
+        self._states = [self.buffer[i, : spec.states_bytes].view(spec.state_dtype)
+                        .view(spec.num_ids, spec.max_rows, spec.hidden) for i in range(spec.slots)]
+        self._scales = [self.buffer[i, spec.scales_offset: spec.scales_offset + spec.scales_bytes]
+                        .view(torch.float32).view(spec.num_ids, spec.max_rows) if spec.fp8 else None
+                        for i in range(spec.slots)]
         self.owner = owner
         self._identity = identity  # (device, inode) of the file we created: only that one is ever unlinked
         self._free = list(range(spec.slots))
@@ -100,19 +107,20 @@ class SlotRing:
     # -- creation and mapping -------------------------------------------
     @classmethod
     def create(cls, *, slots: int, num_ids: int, max_rows: int, hidden: int, dtype: torch.dtype,
-               shared: bool, directory: str = SHM_DIR,
+               shared: bool, directory: str = SHM_DIR, storage: str = "auto",
                created: Callable[[str, os.stat_result], None] | None = None) -> SlotRing:
         """Make a ring (the engine). ``shared``: a file in ``directory`` for worker processes.
 
+        ``dtype`` is the engine's; ``storage="fp8_e4m3"`` makes the slots hold codes and scales.
         ``created(name, stat)`` is called as soon as the file exists, before the
         (slow) space reservation: the run records the name there, so a crash
         at any later point leaves a segment the next run can attribute.
         """
         name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         spec = RingSpec(name, shared, slots, num_ids, max_rows, hidden, str(dtype).removeprefix("torch."),
-                        token=secrets.token_hex(16) if shared else "", directory=directory)
+                        token=secrets.token_hex(16) if shared else "", directory=directory, storage=storage)
         if not shared:
-            buffer = torch.empty(slots * spec.slot_numel, dtype=dtype)
+            buffer = torch.empty(spec.total_bytes, dtype=torch.uint8)
             _LOCAL[name] = buffer
             return cls(spec, buffer, owner=True)
         free = _shm_free_bytes(directory)
@@ -195,8 +203,12 @@ class SlotRing:
 
     # -- slots --------------------------------------------------------------
     def slot(self, index: int) -> torch.Tensor:
-        """Slot ``index``: a ``[num_ids, max_rows, hidden]`` view."""
-        return self.buffer[index]
+        """Slot ``index``'s states: a ``[num_ids, max_rows, hidden]`` view (e4m3 codes with FP8 storage)."""
+        return self._states[index]
+
+    def scales(self, index: int) -> torch.Tensor | None:
+        """Slot ``index``'s FP8 scales: a ``[num_ids, max_rows]`` float32 view (None without FP8 storage)."""
+        return self._scales[index]
 
     def acquire(self) -> int:
         """A free slot for the next step (the engine); the caller retires steps when none is free."""
@@ -215,10 +227,9 @@ class SlotRing:
 
 
 def _map(fd: int, spec: RingSpec) -> torch.Tensor:
-    """The slots of the file open as ``fd``, mapped shared (the mapping keeps its own reference)."""
+    """The slots of the file open as ``fd``, as bytes, mapped shared (the mapping keeps its own reference)."""
     mapping = mmap.mmap(fd, file_bytes(spec), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    return torch.frombuffer(mapping, dtype=spec.torch_dtype, count=spec.slots * spec.slot_numel,
-                            offset=HEADER_BYTES)
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=spec.total_bytes, offset=HEADER_BYTES)
 
 
 def _unregister(buffer: torch.Tensor) -> int:

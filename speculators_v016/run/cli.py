@@ -18,7 +18,7 @@ import click
 from speculators_v016.settings import (DEFAULT_BATCH_SIZE, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_LOGIT_CHECK_SAMPLES,
                                        DEFAULT_MAX_BAD_SAMPLES, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREPROCESSING_WORKERS,
                                        DEFAULT_SEQ_LENGTH, DEFAULT_TOKEN_FREQ_PATH, DEFAULT_WRITE_WORKERS, EXECUTORS,
-                                       MIN_DEFAULT_BATCHED_TOKENS)
+                                       HIDDEN_STATES_DTYPES, MIN_DEFAULT_BATCHED_TOKENS)
 
 ENV_PREFIX = "SPECULATORS_DATA_GEN"
 EXIT_CODES = """\b
@@ -115,6 +115,9 @@ def _layer_ids(value: str | None) -> list[int] | None:
 @click.option("--skip-bad-rows", is_flag=True, help="Skip (and count) malformed dataset rows instead of failing.")
 @click.option("--max-bad-samples", type=click.IntRange(min=0), default=DEFAULT_MAX_BAD_SAMPLES, help="Abort after more samples than this with NaN/Inf states.")
 @click.option("--dtype", default="auto", help="vLLM dtype (auto = the checkpoint's; on CPU auto means bfloat16).")
+@click.option("--hidden-states-dtype", type=click.Choice(HIDDEN_STATES_DTYPES), default="auto",
+              help="How states are stored: auto = the engine's dtype; fp8_e4m3 = e4m3 codes + one float32 scale "
+                   "per token per layer, quantized in the capture (half the bytes; safetensors only).")
 @click.option("--enforce-eager", is_flag=True, help="Skip torch.compile / CUDA graphs (faster start, slower run).")
 @click.option("--sync-scheduling", is_flag=True, help="Turn vLLM's async scheduling off (one step in flight).")
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=DEFAULT_MAX_NUM_SEQS, help="Prompts per engine step at most.")
@@ -137,8 +140,9 @@ def _layer_ids(value: str | None) -> list[int] | None:
 def cli(ctx, target_model_path, train_data_path, output_dir, seq_length, max_samples, layer_ids, batch_size,
         tensor_parallel_size, gpu_memory_utilization, token_freq_path, hf_cache_dir, assistant_pattern, turn_dropout,
         seed, start_idx, num_preprocessing_workers, fmt, num_shards, shard_index, trust_remote_code, skip_bad_rows,
-        max_bad_samples, dtype, enforce_eager, sync_scheduling, max_num_seqs, max_num_batched_tokens, executor,
-        write_workers, logit_check_samples, no_progress, deep_verify, log_level, verbose, quiet):
+        max_bad_samples, dtype, hidden_states_dtype, enforce_eager, sync_scheduling, max_num_seqs,
+        max_num_batched_tokens, executor, write_workers, logit_check_samples, no_progress, deep_verify, log_level,
+        verbose, quiet):
     """Generate EAGLE-3 training data: hidden states of a target model, one file per sample.
 
     \b
@@ -169,6 +173,10 @@ def cli(ctx, target_model_path, train_data_path, output_dir, seq_length, max_sam
     from speculators_v016.settings import EngineSettings
     from speculators_v016.store.outdir import shard_name
 
+    if hidden_states_dtype != "auto" and fmt != "safetensors":
+        raise click.BadParameter(f"--hidden-states-dtype {hidden_states_dtype} is stored as safetensors only: "
+                                 f"upstream's .pt readers would take the FP8 codes for values (--format {fmt})",
+                                 param_hint="--format")
     if tensor_parallel_size is None:
         import torch
 
@@ -177,7 +185,8 @@ def cli(ctx, target_model_path, train_data_path, output_dir, seq_length, max_sam
         model=target_model_path, tensor_parallel_size=tensor_parallel_size, max_model_len=seq_length + 1,
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         gpu_memory_utilization=gpu_memory_utilization, async_scheduling=not sync_scheduling,
-        enforce_eager=enforce_eager, dtype=dtype, executor=executor, trust_remote_code=trust_remote_code, seed=seed)
+        enforce_eager=enforce_eager, dtype=dtype, executor=executor, trust_remote_code=trust_remote_code, seed=seed,
+        hidden_states_dtype=hidden_states_dtype)
     opts = RunOptions(
         engine=engine, train_data_path=list(train_data_path), output_dir=output_dir, seq_length=seq_length,
         max_samples=max_samples, layer_ids=layers, batch_size=batch_size,

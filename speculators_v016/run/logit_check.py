@@ -10,6 +10,17 @@ itself computed in the same run, within a dtype-aware tolerance. A wrong layer,
 a row given to the wrong request or position, or a torn copy shows at once;
 tensor parallelism changes nothing (vLLM gathers its logprobs).
 
+With FP8 storage the check runs on what is stored: the dequantized last
+layer. Its logprobs then differ from vLLM's by the e4m3 rounding of the rows,
+so each position gets its own tolerance, derived from the codes: the first-
+order change of that logprob when every element moves within half an e4m3
+step (independent, uniform) has a standard deviation ``sigma`` computed
+exactly from the final norm, the head and the softmax; a position passes when
+``|delta| <= FP8_SIGMAS * sigma + the engine dtype's tolerance``. A wrong
+layer or rows one position off move the logprobs by far more than that
+(measured: see the README), and the sigma scales with the target's own
+logits, so the tolerance carries over from tiny models to real ones.
+
 Covered: final RMSNorm (Llama, Qwen, Mistral/Mixtral, DeepSeek-V2/V3 and
 Kimi-K2, GLM, Phi-3, GPT-OSS ...) and Gemma's ``(1 + w)`` RMSNorm with final
 logit soft-capping. Not covered, said so by :class:`CheckUnavailable`: a
@@ -24,8 +35,12 @@ from pathlib import Path
 
 import torch
 
+from speculators_v016.fp8 import Fp8States
+
 # |delta logprob|; measured on tiny models: fp32 <= 5e-7, bf16 <= 8e-3; a wrong layer or row: > 1
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-2, torch.bfloat16: 5e-2}
+#: FP8 storage: a position passes within this many standard deviations of its e4m3 rounding (plus TOLERANCE).
+FP8_SIGMAS = 8.0
 _PREFIXES = ("", "language_model.", "model.language_model.")
 
 
@@ -41,6 +56,8 @@ class LogitCheckResult:
     tolerance: float = 0.0
     failures: list = field(default_factory=list)  # (key, max abs delta)
     unavailable: str = ""
+    fp8: bool = False  # checked on dequantized FP8 states, with a per-position tolerance
+    worst_sigmas: float = 0.0  # FP8: the largest (|delta| - tolerance) / sigma seen
 
     @property
     def ok(self) -> bool:
@@ -52,6 +69,11 @@ class LogitCheckResult:
         if not self.samples:
             return "skipped (no sample was checked)"
         state = "ok" if self.ok else f"FAILED for {len(self.failures)} sample(s), first {self.failures[0]}"
+        if self.fp8:
+            return (f"{state} ({self.samples} samples, {self.positions} positions: stored FP8 last layer, "
+                    f"dequantized -> norm -> lm_head vs vLLM's prompt logprobs, max |delta| {self.max_abs:.1e}, "
+                    f"at most {self.worst_sigmas:.1f} sigma of the e4m3 rounding beyond {self.tolerance:.0e}; "
+                    f"tolerance {FP8_SIGMAS:g} sigma)")
         return (f"{state} ({self.samples} samples, {self.positions} positions: captured last layer -> norm -> "
                 f"lm_head vs vLLM's prompt logprobs, max |delta| {self.max_abs:.1e}, tolerance {self.tolerance:.0e})")
 
@@ -118,18 +140,61 @@ class FinalHead:
         head = self.head.to(dtype)
         out = []
         for start in range(0, last_layer.shape[0] - 1, chunk):
-            x = last_layer[start: min(start + chunk, last_layer.shape[0] - 1)].float()
-            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-            if self.gemma:
-                x = (x * (1.0 + self.norm.float())).to(dtype)
-            else:
-                x = x.to(dtype) * self.norm.to(dtype)
-            logits = (x @ head.T).float()
-            if self.softcap:
-                logits = torch.tanh(logits / self.softcap) * self.softcap
-            targets = input_ids[start + 1: start + 1 + x.shape[0]]
-            out.append(logits.log_softmax(-1).gather(1, targets[:, None].long())[:, 0])
+            h = last_layer[start: min(start + chunk, last_layer.shape[0] - 1)]
+            targets = input_ids[start + 1: start + 1 + h.shape[0]].long()
+            out.append(self._logits(h, head)[1].log_softmax(-1).gather(1, targets[:, None])[:, 0])
         return torch.cat(out) if out else torch.empty(0)
+
+    def _logits(self, h: torch.Tensor, head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits before soft-capping, final logits), float32, of pre-norm rows ``h`` (in the engine's dtype)."""
+        dtype = h.dtype
+        x = h.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            x = (x * (1.0 + self.norm.float())).to(dtype)
+        else:
+            x = x.to(dtype) * self.norm.to(dtype)
+        raw = (x @ head.T).float()
+        return raw, (torch.tanh(raw / self.softcap) * self.softcap if self.softcap else raw)
+
+    def fp8_logprobs(self, states: Fp8States, input_ids: torch.Tensor, dtype: torch.dtype, chunk: int = 256
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logprobs, sigma)``, both ``[T-1]``: :meth:`next_token_logprobs` of the dequantized rows (in
+        ``dtype``), and the standard deviation the e4m3 rounding gives each of them.
+
+        To first order, ``delta logp_t = sum_k c_k e_k`` with ``e_k`` the rounding
+        error of element ``k`` (uniform within half an e4m3 step ``u_k``, independent)
+        and ``c_k = gw_k/rms (d_t W_tk - sum_v q_v W_vk) - (d_t z_t - sum_v q_v z_v) h_k/(H rms^2)``,
+        where ``gw`` is the final norm's weight, ``z`` the logits, ``q = softmax * d``
+        and ``d`` the soft-capping slope (1 without). So ``sigma^2 = sum_k c_k^2 u_k^2 / 3``.
+        """
+        head = self.head.to(dtype)
+        weight = (1.0 + self.norm.float()) if self.gemma else self.norm.float()
+        rows = states.codes.shape[0] - 1
+        logprobs, sigmas = [], []
+        for start in range(0, rows, chunk):
+            stop = min(start + chunk, rows)
+            codes, scales = states.codes[start:stop], states.scales[start:stop].float()
+            h = Fp8States(codes, scales).dequantize(dtype)
+            targets = input_ids[start + 1: stop + 1].long()
+            raw, logits = self._logits(h, head)
+            logp = logits.log_softmax(-1)
+            logprobs.append(logp.gather(1, targets[:, None])[:, 0])
+            slope = 1 - torch.tanh(raw / self.softcap) ** 2 if self.softcap else torch.ones_like(raw)
+            q = logp.exp() * slope
+            x = h.float()
+            rms = torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            d_t = slope.gather(1, targets[:, None])
+            z_t = raw.gather(1, targets[:, None])
+            pulled = d_t * head[targets].float() - (q.to(dtype) @ head).float()  # [rows, H]
+            z_term = d_t * z_t - (q * raw).sum(-1, keepdim=True)
+            coeff = weight * pulled / rms - z_term * x / (x.shape[-1] * rms.pow(2))
+            magnitude = codes.float().abs().clamp_min(2.0**-6)  # e4m3: 3 mantissa bits, subnormals below 2**-6
+            half_step = torch.exp2(torch.floor(torch.log2(magnitude)) - 4) * scales[:, None]
+            sigmas.append(((coeff * half_step).pow(2).sum(-1) / 3).sqrt())
+        if not logprobs:
+            return torch.empty(0), torch.empty(0)
+        return torch.cat(logprobs), torch.cat(sigmas)
 
 
 class LogitChecker:
@@ -137,7 +202,9 @@ class LogitChecker:
 
     def __init__(self, model_path: str, dtype: torch.dtype, last_layer_index: int | None):
         self.result = LogitCheckResult(tolerance=TOLERANCE.get(dtype, 1e-1))
+        self.dtype = dtype
         self.last = last_layer_index
+        self.last_passed = True
         self.head = None
         if last_layer_index is None:
             self.result.unavailable = "the last layer is not among the captured ones"
@@ -155,14 +222,37 @@ class LogitChecker:
         """Drop the output head (GBs for a large vocabulary) once the checked samples are done."""
         self.head = None
 
-    def add(self, key, input_ids: torch.Tensor, states: list[torch.Tensor], vllm_logprobs: torch.Tensor) -> float:
-        """Compare one sample; return its max |delta|."""
-        ours = self.head.next_token_logprobs(states[self.last], input_ids)
+    def add(self, key, input_ids: torch.Tensor, states: list, vllm_logprobs: torch.Tensor) -> float:
+        """Compare one sample (its last layer a tensor, or FP8 states); return its max |delta|.
+
+        Whether it passed is :attr:`last_passed` (with FP8 the tolerance is per position).
+        """
+        last = states[self.last]
+        sigma = None
+        if isinstance(last, Fp8States):
+            self.result.fp8 = True
+            ours, sigma = self.head.fp8_logprobs(last, input_ids, self.dtype)
+        else:
+            ours = self.head.next_token_logprobs(last, input_ids)
         theirs = vllm_logprobs.float().reshape(-1)[: ours.shape[0]]
-        delta = (ours - theirs).abs().max().item() if ours.numel() else 0.0
+        error = (ours - theirs).abs()
+        delta = error.max().item() if ours.numel() else 0.0
         self.result.samples += 1
         self.result.positions += int(ours.numel())
         self.result.max_abs = max(self.result.max_abs, delta)
-        if not delta <= self.result.tolerance:  # NaN fails too
+        if sigma is None:
+            passed = delta <= self.result.tolerance  # NaN fails too
+        else:
+            beyond = ((error - self.result.tolerance).clamp_min(0) / sigma).max().item() if ours.numel() else 0.0
+            self.result.worst_sigmas = max(self.result.worst_sigmas, beyond)
+            passed = beyond <= FP8_SIGMAS
+        if not passed:
             self.result.failures.append((key, float(f"{delta:.3g}")))
+        self.last_passed = passed
         return delta
+
+    def describe_tolerance(self) -> str:
+        """The tolerance in words (for messages)."""
+        if self.result.fp8:
+            return f"{FP8_SIGMAS:g} sigma of the e4m3 rounding + {self.result.tolerance:.0e}"
+        return f"{self.result.tolerance:.0e}"

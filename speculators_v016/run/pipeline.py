@@ -30,6 +30,7 @@ import torch
 from loguru import logger
 from tqdm import tqdm
 
+from speculators_v016 import fp8
 from speculators_v016.engine.shm_records import reclaim_and_log
 from speculators_v016.engine.buffer_pool import BufferPool
 from speculators_v016.store import run_config
@@ -85,6 +86,11 @@ class RunOptions:
     progress: bool = True
     deep_verify: bool = False
 
+    def __post_init__(self) -> None:
+        if self.engine.fp8 and self.format != "safetensors":
+            raise ValueError(f"--hidden-states-dtype {self.engine.hidden_states_dtype} needs --format safetensors: "
+                             f"upstream's .pt readers would take the FP8 codes for values (format {self.format!r})")
+
     @property
     def target_model_path(self) -> str:
         return self.engine.model
@@ -123,14 +129,16 @@ class RunSummary:
 
 
 def fingerprint(opts: RunOptions, samples: PreparedSamples, layer_ids: list[int]) -> dict:
+    generation = {"layer_ids": layer_ids, "format": opts.format, "dtype": opts.engine.dtype,
+                  "start_idx": opts.start_idx, "num_shards": opts.num_shards, "shard_index": opts.shard_index}
+    if opts.engine.hidden_states_dtype != "auto":  # absent for "auto": folders of earlier releases still resume
+        generation["hidden_states_dtype"] = opts.engine.hidden_states_dtype
     return {
         "model": run_config.model_fingerprint(opts.target_model_path),
         "dataset": {"sources": samples.sources, "kind": samples.kind},
         "preprocessing": {"seq_length": opts.seq_length, "max_samples": opts.max_samples, "seed": opts.seed,
                           "assistant_pattern": opts.assistant_pattern, "turn_dropout": opts.turn_dropout},
-        "generation": {"layer_ids": layer_ids, "format": opts.format, "dtype": opts.engine.dtype,
-                       "start_idx": opts.start_idx, "num_shards": opts.num_shards,
-                       "shard_index": opts.shard_index},
+        "generation": generation,
     }
 
 
@@ -196,7 +204,8 @@ def _announce(generator, opts: RunOptions, pending: int, done: int) -> None:
         "{}: layers {} (vLLM aux ids {}), {}, TP {}, {} executor, async scheduling {}, {}, "
         "max_num_seqs {}, max_num_batched_tokens {}; {} samples to write{}",
         s.model, list(generator.plan.layer_ids), list(generator.plan.vllm_ids),
-        str(engine.dtype).removeprefix("torch."), s.tensor_parallel_size, engine.executor_kind,
+        str(engine.dtype).removeprefix("torch.") + (f" (stored as {fp8.NAME})" if s.fp8 else ""),
+        s.tensor_parallel_size, engine.executor_kind,
         "on" if engine.async_scheduling else "OFF", "eager" if s.enforce_eager else "compiled",
         s.max_num_seqs, engine.max_num_batched_tokens, pending,
         f" ({done} already done)" if done else "")
@@ -219,8 +228,8 @@ def _generate(generator, samples: PreparedSamples, pending: list[int], directory
                           reject=reject_non_finite(layer_ids), cpus=cpus)
 
     def put(name: int, sample: dict) -> None:
-        states = sample["hidden_states"]
-        writer.put(name, sample, done=lambda: pool.give_back(states))
+        block = fp8.tensors_of(sample["hidden_states"])  # FP8: codes and scales, one block
+        writer.put(name, sample, done=lambda: pool.give_back(block))
 
     window = max(opts.batch_size, 2 * opts.engine.max_num_seqs)
     total_tokens = sum(len(samples.input_ids[i]) for i in pending)
@@ -310,11 +319,11 @@ def _check_plausible(name: int, input_ids: torch.Tensor, states: list, layer_ids
 def _check_logits(checker, name: int, input_ids: torch.Tensor, states: list, theirs, held: int) -> None:
     """Raise SelfCheckError if sample ``name``'s last layer does not reproduce vLLM's own logits."""
     delta = checker.add(name, input_ids, states, theirs)
-    if not delta <= checker.result.tolerance:  # NaN fails too
+    if not checker.last_passed:  # NaN fails too
         raise SelfCheckError(
             f"self-check failed: sample {name}: the captured last layer, normed and projected, does not reproduce "
             f"vLLM's own prompt logprobs (logit check: max |delta| {delta:.3g}, tolerance "
-            f"{checker.result.tolerance:.0e}). The captured states are wrong for this model or setup; the run "
+            f"{checker.describe_tolerance()}). The captured states are wrong for this model or setup; the run "
             f"stops before writing any sample ({held + 1} finished samples held back; a resume redoes them). "
             "Please report it with the log")
 
@@ -358,10 +367,19 @@ def _new_config(generator, opts: RunOptions, samples: PreparedSamples, fp: dict,
         "layers": generator.layer_mapping,
         "format": opts.format,
         "dtype": str(generator.engine.dtype).removeprefix("torch."),
+        "hidden_states_dtype": opts.engine.hidden_states_dtype,
         "target_quantization": generator.quantization,  # None: unquantized
         "start_idx": opts.start_idx,
         "shard": {"index": opts.shard_index, "count": opts.num_shards, "samples": shard_samples},
         "dataset_samples": len(samples),
         "fingerprint": fp,
     }
+    if opts.engine.fp8:
+        config["speculators_v016"]["hidden_states_scaling"] = fp8.SCALING
+        schema = config["format"]["schema"]
+        schema["hidden_states"]["dtype"] = "list[torch.float8_e4m3fn]"
+        schema["hidden_states"]["description"] += " (e4m3 codes: value = code * hidden_states_scale)"
+        schema["hidden_states_scale"] = {"dtype": "list[torch.float32]", "shape": "list of [seq_len]",
+                                         "num_tensors": len(generator.layer_ids),
+                                         "description": "One scale per token per layer (amax/448; 1 for a zero row)"}
     return config

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from speculators_v016.fp8 import Fp8States, row_values
+
 
 def _distinct_tokens(input_ids: torch.Tensor) -> bool:
     return input_ids.numel() > 1 and bool((input_ids != input_ids.reshape(-1)[0]).any())
@@ -30,7 +32,8 @@ def may_be_degenerate(input_ids: torch.Tensor, states: Sequence[torch.Tensor]) -
     for h in states:
         if h.shape[0] == 0:
             continue
-        if not bool(h[-1].any()) or (distinct and torch.equal(h[0], h[-1])):
+        first, last = row_values(h, 0), row_values(h, -1)
+        if not bool(last.any()) or (distinct and torch.equal(first, last)):
             return True
     return False
 
@@ -40,6 +43,8 @@ def degenerate_layers(input_ids: torch.Tensor, states: Sequence[torch.Tensor]) -
     distinct = _distinct_tokens(input_ids)
     found = []
     for j, h in enumerate(states):
+        if isinstance(h, Fp8States):
+            h = h.dequantize()
         if h.shape[0] == 0:
             continue
         if not bool(h.any()):

@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from speculators_v016.fp8 import Fp8States
+
 SLICE = 1 << 18  # elements per slice: scratch fits in a core's cache
 
 # dtype -> (integer view, mask clearing the sign bit, smallest non-finite magnitude)
@@ -46,6 +48,7 @@ def all_finite(tensor: torch.Tensor) -> bool:
     return True
 
 
-def non_finite(tensors: list[torch.Tensor]) -> list[int]:
-    """Positions in ``tensors`` of those holding a NaN or an infinity."""
-    return [j for j, t in enumerate(tensors) if not all_finite(t)]
+def non_finite(tensors: list) -> list[int]:
+    """Positions in ``tensors`` of those holding a NaN or an infinity (FP8 layers: in their codes or scales)."""
+    return [j for j, t in enumerate(tensors)
+            if not (all_finite(t.codes) and all_finite(t.scales) if isinstance(t, Fp8States) else all_finite(t))]

@@ -6,10 +6,15 @@ order of ``data_config.json``'s ``layer_ids``.
 
 * ``safetensors``: keys ``input_ids``, ``loss_mask``, ``hidden_states.0`` ...
   ``hidden_states.{k-1}``; the header's metadata names the format and layer
-  ids. Loading never unpickles anything.
+  ids. Loading never unpickles anything. With FP8 storage
+  (``--hidden-states-dtype fp8_e4m3``) ``hidden_states.{j}`` holds e4m3 codes
+  (``F8_E4M3`` ``[T, hidden]``) and ``hidden_states_scale.{j}`` one float32
+  scale per token (``F32`` ``[T]``); the metadata says ``hidden_states_dtype``
+  and ``hidden_states_scaling``. :func:`load_sample` dequantizes them.
 * ``pt``: upstream 0.3.0's exact ``torch.save`` dict ``{"input_ids",
   "hidden_states": [tensor per layer], "loss_mask"}``, for stock trainers;
-  we read it only with ``torch.load(weights_only=True)``.
+  we read it only with ``torch.load(weights_only=True)``. Never FP8: upstream's
+  ``.pt`` readers would take the codes for values.
 
 File names come from the sample index alone: ``data_{index}.{ext}``.
 """
@@ -23,6 +28,9 @@ import struct
 from pathlib import Path
 
 import torch
+
+from speculators_v016 import fp8
+from speculators_v016.fp8 import Fp8States
 
 FORMATS = {"safetensors": ".safetensors", "pt": ".pt"}
 FORMAT_TAG = "speculators-v016/sample-v1"
@@ -44,8 +52,9 @@ def parse_sample_name(name: str) -> tuple[int, str] | None:
 _SAFETENSORS_DTYPES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL", torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
-    torch.bfloat16: "BF16",
+    torch.bfloat16: "BF16", torch.float8_e4m3fn: "F8_E4M3",
 }
+SCALE_KEY = "hidden_states_scale.{}"
 
 
 def _raw(tensor: torch.Tensor) -> memoryview:
@@ -75,12 +84,29 @@ def safetensors_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]
 
 
 def encode_parts(sample: dict, fmt: str, layer_ids: list[int]) -> list:
-    """The file contents of one sample, as buffers to write in order."""
+    """The file contents of one sample, as buffers to write in order.
+
+    ``sample["hidden_states"]`` holds one tensor per layer, or one
+    :class:`~speculators_v016.fp8.Fp8States` per layer (safetensors only).
+    """
+    states = sample["hidden_states"]
+    quantized = [isinstance(h, Fp8States) for h in states]
+    if any(quantized) and not all(quantized):
+        raise ValueError("a sample mixes FP8 and unquantized layers")
     if fmt == "safetensors":
         tensors = {"input_ids": sample["input_ids"], "loss_mask": sample["loss_mask"]}
-        tensors.update({f"hidden_states.{j}": h for j, h in enumerate(sample["hidden_states"])})
-        return safetensors_parts(tensors, {"format": FORMAT_TAG, "layer_ids": ",".join(map(str, layer_ids))})
+        metadata = {"format": FORMAT_TAG, "layer_ids": ",".join(map(str, layer_ids))}
+        if quantized and all(quantized):
+            tensors.update({f"hidden_states.{j}": h.codes for j, h in enumerate(states)})
+            tensors.update({SCALE_KEY.format(j): h.scales for j, h in enumerate(states)})
+            metadata.update(hidden_states_dtype=fp8.NAME, hidden_states_scaling=fp8.SCALING)
+        else:
+            tensors.update({f"hidden_states.{j}": h for j, h in enumerate(states)})
+        return safetensors_parts(tensors, metadata)
     if fmt == "pt":
+        if any(quantized):
+            raise ValueError("FP8 hidden states cannot be stored as .pt: upstream's readers would take the "
+                             "codes for values; use safetensors")
         buffer = io.BytesIO()
         torch.save({"input_ids": sample["input_ids"],
                     "hidden_states": [h.contiguous() for h in sample["hidden_states"]],
@@ -89,22 +115,47 @@ def encode_parts(sample: dict, fmt: str, layer_ids: list[int]) -> list:
     raise ValueError(f"unknown sample format {fmt!r}; choose from {sorted(FORMATS)}")
 
 
-def load_sample(path: str | Path) -> dict:
-    """Read a sample file (either format) into upstream's dict layout, without unpickling code."""
+def load_sample(path: str | Path, dequantize_to: torch.dtype | None = torch.float32) -> dict:
+    """Read a sample file (either format) into upstream's dict layout, without unpickling code.
+
+    FP8 states (codes + scales) come back dequantized to ``dequantize_to``
+    (float32 by default: what upstream's trainer reads states as), or, with
+    ``dequantize_to=None``, as :class:`~speculators_v016.fp8.Fp8States`.
+    """
     path = Path(path)
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
         tensors = load_file(str(path))
         count = sum(1 for k in tensors if k.startswith("hidden_states."))
+        scales = sum(1 for k in tensors if k.startswith("hidden_states_scale."))
         missing = {"input_ids", "loss_mask", *(f"hidden_states.{j}" for j in range(count))} - set(tensors)
+        if scales:
+            missing |= {SCALE_KEY.format(j) for j in range(count)} - set(tensors)
         if missing:
             raise ValueError(f"{path}: missing tensors {sorted(missing)}")
-        return {"input_ids": tensors["input_ids"], "loss_mask": tensors["loss_mask"],
-                "hidden_states": [tensors[f"hidden_states.{j}"] for j in range(count)]}
+        states = [tensors[f"hidden_states.{j}"] for j in range(count)]
+        if scales or any(h.dtype == fp8.CODE_DTYPE for h in states):
+            states = _fp8_states(path, states, [tensors.get(SCALE_KEY.format(j)) for j in range(count)],
+                                 scales, dequantize_to)
+        return {"input_ids": tensors["input_ids"], "loss_mask": tensors["loss_mask"], "hidden_states": states}
     if path.suffix == ".pt":
         data = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
         if not isinstance(data, dict) or not {"input_ids", "hidden_states", "loss_mask"} <= set(data):
             raise ValueError(f"{path}: not a speculators sample (expected input_ids, hidden_states, loss_mask)")
         return data
     raise ValueError(f"{path}: not a sample file (.safetensors or .pt)")
+
+
+def _fp8_states(path: Path, codes: list, scales: list, count: int, dequantize_to: torch.dtype | None) -> list:
+    """Codes and scales of an FP8 file, checked to belong together; dequantized unless ``dequantize_to`` is None."""
+    if count != len(codes) or any(c.dtype != fp8.CODE_DTYPE for c in codes):
+        raise ValueError(f"{path}: FP8 file with {len(codes)} hidden_states ({sorted({str(c.dtype) for c in codes})}) "
+                         f"and {count} hidden_states_scale tensors: codes must be float8_e4m3fn, one scale "
+                         "tensor per layer")
+    states = [Fp8States(c, s) for c, s in zip(codes, scales)]
+    for j, state in enumerate(states):
+        if state.scales.dtype != fp8.SCALE_DTYPE or tuple(state.scales.shape) != tuple(state.codes.shape[:1]):
+            raise ValueError(f"{path}: hidden_states_scale.{j} is {tuple(state.scales.shape)} "
+                             f"{state.scales.dtype}, expected [{state.codes.shape[0]}] float32")
+    return states if dequantize_to is None else [s.dequantize(dequantize_to) for s in states]

@@ -5,7 +5,9 @@ is present; no temporary leftovers and no foreign files (those are reported,
 never opened); every manifest entry's file exists with the recorded size and
 sha256; every file parses (safetensors, or ``.pt`` with ``weights_only``),
 has the recorded number of layers, ``[T, hidden_size]`` states of the recorded
-dtype, a 0/1 loss mask as long as ``input_ids``, no NaN/Inf, and no layer that
+dtype, a 0/1 loss mask as long as ``input_ids``, no NaN/Inf (FP8 storage:
+e4m3 codes ``[T, hidden_size]``, float32 scales ``[T]`` that are finite and
+> 0, no NaN code, finite once dequantized), and no layer that
 no real model produces (all zeros, one row repeated at every position:
 :mod:`~speculators_v016.store.degenerate`); no sample file lacks a manifest
 entry; across shards every index exists exactly once; the folder holds one
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from speculators_v016 import fp8
 from speculators_v016.store.degenerate import degenerate_layers
 from speculators_v016.store.manifest import Manifest, ManifestError
 from speculators_v016.store.outdir import CONFIG, SHARD_DIR, is_ours, unsharded_run_files
@@ -65,6 +68,7 @@ class FolderSettings:
     dataset_samples: int
     start_idx: int
     skipped: int  # samples the last run did not write (NaN/Inf)
+    storage: str = "auto"  # hidden_states_dtype: "auto" (the engine's dtype) or "fp8_e4m3"
 
 
 def _field(config: dict, path: str, kind):
@@ -101,6 +105,10 @@ def folder_settings(folder: Path) -> FolderSettings | None:
         if not layer_ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in layer_ids):
             raise ConfigError(f"field speculators_v016.layers.layer_ids is {layer_ids!r}, not a list of integers")
         last_run = config["speculators_v016"].get("last_run") or {}
+        storage = config["speculators_v016"].get("hidden_states_dtype", "auto")  # absent: earlier releases
+        if storage not in ("auto", fp8.NAME):
+            raise ConfigError(f"field speculators_v016.hidden_states_dtype is {storage!r}, not 'auto' or "
+                              f"{fp8.NAME!r}")
         return FolderSettings(
             format=fmt, layer_ids=layer_ids, hidden_size=_field(config, "model.hidden_size", int),
             dtype=_field(config, "speculators_v016.dtype", str),
@@ -108,7 +116,7 @@ def folder_settings(folder: Path) -> FolderSettings | None:
             shard_count=_field(config, "speculators_v016.shard.count", int),
             dataset_samples=_field(config, "speculators_v016.dataset_samples", int),
             start_idx=_field(config, "speculators_v016.start_idx", int),
-            skipped=len(last_run.get("non_finite", [])) if isinstance(last_run, dict) else 0)
+            skipped=len(last_run.get("non_finite", [])) if isinstance(last_run, dict) else 0, storage=storage)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
 
@@ -129,9 +137,10 @@ def _folders(root: Path, report: Report) -> list[Path]:
     return shards or [root]
 
 
-def _check_sample(path: Path, layer_ids: list[int], hidden: int, dtype: str) -> tuple[int, list[str]]:
+def _check_sample(path: Path, layer_ids: list[int], hidden: int, dtype: str,
+                  storage: str = "auto") -> tuple[int, list[str]]:
     try:
-        data = load_sample(path)
+        data = load_sample(path, dequantize_to=None)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is a finding
         return 0, [f"{path}: cannot be read safely ({type(exc).__name__}: {str(exc)[:200]})"]
     ids, mask, states = data["input_ids"], data["loss_mask"], data["hidden_states"]
@@ -146,7 +155,13 @@ def _check_sample(path: Path, layer_ids: list[int], hidden: int, dtype: str) -> 
         problems.append(f"{path}: {len(states)} hidden-state tensors, data_config.json says {len(layer_ids)}")
         return length, problems
     for j, h in enumerate(states):
-        if tuple(h.shape) != (length, hidden):
+        if isinstance(h, fp8.Fp8States) != (storage == fp8.NAME):
+            stored = "FP8 codes and scales" if isinstance(h, fp8.Fp8States) else str(h.dtype)
+            problems.append(f"{path}: hidden_states[{j}] is {stored}, data_config.json says "
+                            f"hidden_states_dtype {storage}")
+        elif isinstance(h, fp8.Fp8States):
+            problems += [f"{path}: hidden_states[{j}]: {p}" for p in _fp8_problems(h, length, hidden)]
+        elif tuple(h.shape) != (length, hidden):
             problems.append(f"{path}: hidden_states[{j}] is {tuple(h.shape)}, expected ({length}, {hidden})")
         elif str(h.dtype).removeprefix("torch.") != dtype:
             problems.append(f"{path}: hidden_states[{j}] is {h.dtype}, data_config.json says {dtype}")
@@ -157,6 +172,15 @@ def _check_sample(path: Path, layer_ids: list[int], hidden: int, dtype: str) -> 
             problems.append(f"{path}: hidden_states[{j}] (layer {layer_ids[j]}): {what}; no model produces "
                             "this: the capture was broken")
     return length, problems
+
+
+def _fp8_problems(h: fp8.Fp8States, length: int, hidden: int) -> list[str]:
+    if tuple(h.shape) != (length, hidden):
+        return [f"codes are {tuple(h.shape)}, expected ({length}, {hidden})"]
+    problems = h.problems()
+    if not problems and not bool(torch.isfinite(h.dequantize()).all()):
+        problems.append("not finite once dequantized (a scale too large)")
+    return problems
 
 
 def verify_folder(folder: Path, report: Report, seen: dict[int, Path], partial: bool = False,
@@ -215,7 +239,7 @@ def _verify_folder(folder: Path, report: Report, seen: dict[int, Path], partial:
         if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
             report.problems.append(f"{path}: size or sha256 differs from the manifest")
             continue
-        length, problems = _check_sample(path, settings.layer_ids, hidden, dtype)
+        length, problems = _check_sample(path, settings.layer_ids, hidden, dtype, settings.storage)
         report.problems += problems
         if length != entry.tokens and not problems:
             report.problems.append(f"{path}: {length} tokens, the manifest says {entry.tokens}")

@@ -34,6 +34,8 @@ modules carry no fault points: each fault wraps one of their seams here.
 * ``wrong-layer:n``: from the ``n``-th sample on, the middle captured layer
   holds the layer captured before it, as if its tap read the wrong layer
   (wraps :meth:`CaptureEngine.stream`).
+* ``wrong-layer-check:n``: the ``n``-th logit-checked sample's last layer is
+  replaced by the captured layer before it (wraps :meth:`LogitChecker.add`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+
+from speculators_v016.fp8 import Fp8States
 
 VARIABLE = "SPECULATORS_V016_FAULT"
 _passed: Counter = Counter()
@@ -153,7 +157,11 @@ def install() -> None:
             checked = kwargs.get("prompt_logprobs") or (lambda key: False)
             for key, ids, states in original_stream(self, *args, **kwargs):
                 if not checked(key) and _armed(point):
-                    states[-1][len(ids) // 2, 0] = float("nan")
+                    last = states[-1]
+                    if isinstance(last, Fp8States):  # a NaN row quantizes to a NaN scale
+                        last.scales[len(ids) // 2] = float("nan")
+                    else:
+                        last[len(ids) // 2, 0] = float("nan")
                 yield key, ids, states
 
         CaptureEngine.stream = stream
@@ -167,7 +175,8 @@ def install() -> None:
             for key, ids, states in original_stream(self, *args, **kwargs):
                 if zeroing or _armed(point):
                     zeroing.append(key)
-                    states = [torch.zeros_like(h) for h in states]
+                    states = [Fp8States(torch.zeros_like(h.codes), torch.ones_like(h.scales))
+                              if isinstance(h, Fp8States) else torch.zeros_like(h) for h in states]
                 yield key, ids, states
 
         CaptureEngine.stream = stream
@@ -182,11 +191,13 @@ def install() -> None:
                 if armed or _armed(point):
                     armed.append(key)
                     middle = len(states) // 2
-                    states[middle] = states[middle - 1].clone()
+                    before = states[middle - 1]
+                    states[middle] = (Fp8States(before.codes.clone(), before.scales.clone())
+                                      if isinstance(before, Fp8States) else before.clone())
                 yield key, ids, states
 
         CaptureEngine.stream = stream
-    elif point == "shift-check":
+    elif point in ("shift-check", "wrong-layer-check"):
         from speculators_v016.run.logit_check import LogitChecker
 
         original_add = LogitChecker.add
@@ -194,7 +205,13 @@ def install() -> None:
         def add(self, key, input_ids, states, vllm_logprobs):
             if _armed(point):
                 states = list(states)
-                states[self.last] = torch.roll(states[self.last], 1, 0)
+                last = states[self.last]
+                if point == "wrong-layer-check":
+                    states[self.last] = states[self.last - 1]
+                elif isinstance(last, Fp8States):
+                    states[self.last] = Fp8States(torch.roll(last.codes, 1, 0), torch.roll(last.scales, 1, 0))
+                else:
+                    states[self.last] = torch.roll(last, 1, 0)
             return original_add(self, key, input_ids, states, vllm_logprobs)
 
         LogitChecker.add = add

@@ -35,6 +35,16 @@ path).
 capture holds (staging buffers, the ring's pinned registration); the engine's
 executor calls it before vLLM shuts down, a re-attach calls it first, and the
 ring's finalizer unregisters on any other exit path.
+
+With FP8 storage (``--hidden-states-dtype fp8_e4m3``) each layer's rows are
+quantized here (:mod:`speculators_v016.fp8`: e4m3 codes, one float32 scale
+per row) before they leave the device, and the slot holds codes and scales:
+``staged``, the quantization is the device-to-device step (into staging
+buffers of codes and scales); ``direct``, it writes a device buffer of one
+layer on the compute stream, which the device-to-host copy then reads (the
+stream orders the next layer's quantization after that copy); on CPU it
+writes straight into the slot. Half the bytes cross PCIe, the ring and the
+host.
 """
 
 from __future__ import annotations
@@ -43,10 +53,11 @@ from dataclasses import dataclass
 
 import torch
 
+from speculators_v016 import fp8
 from speculators_v016.worker import cpu_async, cpu_rope
 from speculators_v016.worker.aux_outputs import install_aux_outputs
 from speculators_v016.worker.check_forward import engine_check_forward
-from speculators_v016.worker.staging import StagingCopier, StagingPlan, plan_staging
+from speculators_v016.worker.staging import Fp8Buffers, StagingCopier, StagingPlan, plan_staging
 from speculators_v016.engine.slot_ring import SlotRing
 from speculators_v016.protocol import RingSpec, StepCapture
 
@@ -66,8 +77,11 @@ class CaptureWorkerExtension:
     """Mixed into vLLM's worker by ``ParallelConfig.worker_extension_cls``."""
 
     def speculators_capture_setup(self, capture_ids: list[int], output_rank: int, mode: str = "auto",
-                                  ring: RingSpec | None = None, staging: str = "auto") -> dict:
-        """Prove the stream, install aux outputs and map the ring; run after model load, before profiling and warm-up."""
+                                  ring: RingSpec | None = None, storage: str = "auto", staging: str = "auto") -> dict:
+        """Prove the stream, install aux outputs and map the ring; run after model load, before profiling and warm-up.
+
+        ``storage``: "auto" (the engine's dtype) or "fp8_e4m3" (quantized here).
+        """
         runner = self.model_runner
         rope_native = cpu_rope.install(runner.get_model(), runner.device)
         info = install_aux_outputs(runner.get_model(), capture_ids, mode, check=engine_check_forward(runner))
@@ -75,25 +89,34 @@ class CaptureWorkerExtension:
         runner.use_aux_hidden_state_outputs = True
         info["cpu_async_output"] = runner.use_async_scheduling and cpu_async.install(runner.device)
         info["async_scheduling"] = bool(runner.use_async_scheduling)
-        self.speculators_capture_attach(len(capture_ids), self.rank == output_rank, ring, staging)
+        self.speculators_capture_attach(len(capture_ids), self.rank == output_rank, ring, staging, storage)
         info["ring"] = ring is not None and self._speculators_is_output
+        info["storage"] = storage
         info.update(self._speculators_copy_info)
         return info
 
     def speculators_capture_attach(self, num_ids: int, is_output: bool, ring: RingSpec | None,
-                                   staging: str = "auto") -> None:
+                                   staging: str = "auto", storage: str | None = None) -> None:
         """Map the ring on the output rank (pinned on GPUs) and choose the copy path; reset the pending capture.
 
         ``staging``: ``"auto"`` stages on the GPU when :func:`plan_staging`
-        says it fits, ``"off"`` keeps the direct path. Attaching again first
-        releases what the previous attach held.
+        says it fits, ``"off"`` keeps the direct path. ``storage`` ("auto" or
+        "fp8_e4m3") defaults to the ring's; a ring of another storage is
+        refused. Attaching again first releases what the previous attach held.
         """
         if staging not in ("auto", "off"):
             raise ValueError(f"staging {staging!r}: choose 'auto' or 'off'")
+        storage = storage or (ring.storage if ring is not None else "auto")
+        if storage not in ("auto", fp8.NAME):
+            raise ValueError(f"hidden-states storage {storage!r}: expected 'auto' or {fp8.NAME!r}")
+        if ring is not None and ring.storage != storage:
+            raise RuntimeError(f"the capture ring stores {ring.storage!r}, the capture was set up for {storage!r}")
         if getattr(self, "_speculators_attached", False):
             self.speculators_capture_close()
         self._speculators_is_output = is_output
         self._speculators_num_ids = num_ids
+        self._speculators_fp8 = storage == fp8.NAME
+        self._speculators_quant: Fp8Buffers | None = None  # FP8, direct path: one layer's codes and scales
         self._speculators_pending: _Pending | None = None
         self._speculators_ring = None
         self._speculators_staging: StagingCopier | None = None
@@ -111,13 +134,19 @@ class CaptureWorkerExtension:
         if plan.use:
             try:
                 self._speculators_staging = StagingCopier(plan, (ring.num_ids, ring.max_rows, ring.hidden),
-                                                          ring.torch_dtype, device)
+                                                          ring.torch_dtype, device, fp8=self._speculators_fp8)
             except torch.cuda.OutOfMemoryError as exc:
                 plan = StagingPlan(False, plan.buffers, plan.buffer_bytes,
                                    f"staging buffers could not be allocated ({exc}): direct copies")
+        quant_bytes = 0
+        if self._speculators_fp8 and not plan.use:  # allocated now, before vLLM profiles memory
+            self._speculators_quant = Fp8Buffers(
+                torch.empty((1, ring.max_rows, ring.hidden), dtype=fp8.CODE_DTYPE, device=device),
+                torch.empty((1, ring.max_rows), dtype=fp8.SCALE_DTYPE, device=device))
+            quant_bytes = ring.max_rows * (ring.hidden + 4)
         self._speculators_copy_info = {"copy_path": "staged" if plan.use else "direct",
                                        "staging": plan.describe(),
-                                       "staging_in_model_memory": self._speculators_account(plan)}
+                                       "staging_in_model_memory": self._speculators_account(plan, quant_bytes)}
 
     def _speculators_plan_staging(self, ring: RingSpec, device: torch.device, staging: str) -> StagingPlan:
         """One staging buffer per step in flight (the ring has one slot more), if it fits (see plan_staging)."""
@@ -133,12 +162,13 @@ class CaptureWorkerExtension:
             budget_left = int(requested) - ((total - free) - int(init.cuda_memory))
         return plan_staging(buffers, ring.slot_bytes, free, budget_left)
 
-    def _speculators_account(self, plan: StagingPlan) -> bool:
-        """Count the staging bytes as model memory, which vLLM subtracts before it sizes the KV cache."""
+    def _speculators_account(self, plan: StagingPlan, extra: int = 0) -> bool:
+        """Count the staging bytes (and ``extra``: FP8's one-layer buffer of the direct path) as model
+        memory, which vLLM subtracts before it sizes the KV cache."""
         runner = self.model_runner
         if not hasattr(runner, "model_memory_usage"):
             return False
-        nbytes = plan.nbytes if plan.use else 0
+        nbytes = (plan.nbytes if plan.use else 0) + extra
         runner.model_memory_usage += nbytes - getattr(self, "_speculators_accounted", 0)
         self._speculators_accounted = nbytes
         return plan.use
@@ -151,6 +181,7 @@ class CaptureWorkerExtension:
         pending, self._speculators_pending = self._speculators_pending, None
         staging, self._speculators_staging = self._speculators_staging, None
         ring, self._speculators_ring = self._speculators_ring, None
+        self._speculators_quant = None
         try:
             if pending is not None and pending.ready is not None:
                 pending.ready.synchronize()  # no copy may land in the slots once they are unregistered
@@ -201,29 +232,54 @@ class CaptureWorkerExtension:
             slot=slot,
         )
         on_gpu = aux[0].device.type == "cuda"
-        dst = self._speculators_destination(step, slot, total, aux[0], on_gpu)
+        dst, dst_scales = self._speculators_destination(step, slot, total, aux[0], on_gpu)
         if slot is None:
-            capture.states = dst
+            capture.states, capture.scales = dst, dst_scales
         staging = self._speculators_staging
         if staging is not None and slot is not None:
-            return _Pending(capture, staging.copy(aux, total, dst))  # event on the copy stream
-        for j, layer in enumerate(aux):  # one contiguous copy per layer, no intermediate buffer
-            dst[j].copy_(layer[:total], non_blocking=on_gpu)
+            target = Fp8Buffers(dst, dst_scales) if self._speculators_fp8 else dst
+            return _Pending(capture, staging.copy(aux, total, target))  # event on the copy stream
+        if not self._speculators_fp8:
+            for j, layer in enumerate(aux):  # one contiguous copy per layer, no intermediate buffer
+                dst[j].copy_(layer[:total], non_blocking=on_gpu)
+        elif not on_gpu:
+            for j, layer in enumerate(aux):  # quantized straight into the slot
+                fp8.quantize_into(layer[:total], dst[j], dst_scales[j])
+        else:
+            codes, scales = self._speculators_quant_buffer(total, aux[0].shape[-1], aux[0].device)
+            for j, layer in enumerate(aux):  # compute stream: quantize, then copy codes and scales to the host
+                fp8.quantize_into(layer[:total], codes, scales)
+                dst[j].copy_(codes, non_blocking=True)
+                dst_scales[j].copy_(scales, non_blocking=True)
         if not on_gpu:
             return _Pending(capture, None)
         ready = torch.cuda.Event()
         ready.record()  # on the compute stream: the copy is ordered before the next forward
         return _Pending(capture, ready)
 
+    def _speculators_quant_buffer(self, rows: int, hidden: int, device: torch.device
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP8, direct path: device codes ``[rows, hidden]`` and scales ``[rows]`` of one layer (kept)."""
+        have = self._speculators_quant
+        if have is None or have.codes.shape[1] < rows or have.codes.shape[2] != hidden:  # no ring: grow
+            have = self._speculators_quant = Fp8Buffers(
+                torch.empty((1, rows, hidden), dtype=fp8.CODE_DTYPE, device=device),
+                torch.empty((1, rows), dtype=fp8.SCALE_DTYPE, device=device))
+        return have.codes[0, :rows], have.scales[0, :rows]
+
     def _speculators_destination(self, step: int, slot: int | None, total: int, like: torch.Tensor,
-                                 on_gpu: bool) -> torch.Tensor:
-        """``[num_ids, total, hidden]`` host memory for this step: its ring slot, or a new tensor."""
+                                 on_gpu: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Host memory for this step, its ring slot or new tensors: states ``[num_ids, total, hidden]``
+        (e4m3 codes with FP8 storage) and FP8 scales ``[num_ids, total]`` (else None)."""
         ring = self._speculators_ring
         if ring is None:
             if slot is not None:
                 raise RuntimeError(f"step {step}: slot {slot} given, but this worker has no ring")
             shape = (self._speculators_num_ids, total, like.shape[-1])
-            return torch.empty(shape, dtype=like.dtype, pin_memory=on_gpu)
+            if not self._speculators_fp8:
+                return torch.empty(shape, dtype=like.dtype, pin_memory=on_gpu), None
+            return (torch.empty(shape, dtype=fp8.CODE_DTYPE, pin_memory=on_gpu),
+                    torch.empty(shape[:2], dtype=fp8.SCALE_DTYPE, pin_memory=on_gpu))
         spec = ring.spec
         if slot is None or not 0 <= slot < spec.slots:
             raise RuntimeError(f"step {step}: no valid ring slot given ({slot!r} of {spec.slots})")
@@ -231,4 +287,5 @@ class CaptureWorkerExtension:
             raise RuntimeError(
                 f"step {step}: {total} rows of {like.shape[-1]} x {like.dtype} do not fit the ring "
                 f"({spec.max_rows} rows of {spec.hidden} x {spec.dtype})")
-        return ring.slot(slot)[:, :total]
+        scales = ring.scales(slot)
+        return ring.slot(slot)[:, :total], (scales[:, :total] if scales is not None else None)

@@ -17,9 +17,11 @@ Each step, in stream order::
     copy stream:                                   wait staged | staging[i] -> slot | record drained[i]
 
 :meth:`StagingCopier.fill` (the device-to-device step) is the seam where a
-transform of the rows (e.g. FP8 quantization into a staging layout of codes
-and scales) belongs; :meth:`StagingCopier.drain` moves a staged buffer to the
-host.
+transform of the rows belongs: with FP8 storage it quantizes them
+(:mod:`speculators_v016.fp8`) into staging buffers of e4m3 codes and float32
+scales (:class:`Fp8Buffers`), so the quantization is the device-to-device
+step and only codes and scales cross PCIe; :meth:`StagingCopier.drain`
+moves a staged buffer to the host.
 
 Memory: the buffers are allocated at capture set-up, after vLLM loaded the
 model and before it profiles memory and sizes the KV cache, and the worker
@@ -39,9 +41,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+from speculators_v016 import fp8
 
 #: Staging takes at most this share of what vLLM has left for activations and the KV cache.
 MAX_BUDGET_SHARE = 0.25
@@ -93,6 +97,13 @@ def plan_staging(buffers: int, buffer_bytes: int, free_bytes: int, budget_left: 
                        "device-to-host copies on a copy stream")
 
 
+class Fp8Buffers(NamedTuple):
+    """FP8 rows of a step: codes ``[num_ids, rows, hidden]`` e4m3 and scales ``[num_ids, rows]`` float32."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+
 class CudaStreams:
     """The CUDA calls :class:`StagingCopier` makes (a fake stands in for CPU unit tests)."""
 
@@ -113,20 +124,31 @@ class CudaStreams:
 
 
 class StagingCopier:
-    """Staging buffers ``[num_ids, max_rows, hidden]`` on the device, a copy stream and the events between."""
+    """Staging buffers ``[num_ids, max_rows, hidden]`` on the device, a copy stream and the events between.
+
+    With ``fp8`` each buffer is an :class:`Fp8Buffers` (codes and scales) and
+    ``dtype`` is ignored; the destination of :meth:`copy` is then one too.
+    """
 
     def __init__(self, plan: StagingPlan, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
-                 streams: CudaStreams | None = None):
+                 streams: CudaStreams | None = None, fp8: bool = False):
         if not plan.use:
             raise ValueError(f"staging was not planned: {plan.reason}")
         self.plan = plan
         self.streams = streams or CudaStreams(device)
-        self.buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(plan.buffers)]
+        self.fp8 = fp8
+        self.buffers = [self._buffer(shape, dtype, device) for _ in range(plan.buffers)]
         self.copy_stream = self.streams.new_stream()
         self._drained: list[Any] = [None] * plan.buffers  # event after each buffer's last device-to-host copy
         self._next = 0
 
-    def copy(self, aux: Sequence[torch.Tensor], total: int, dst: torch.Tensor) -> Any:
+    def _buffer(self, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device):
+        if not self.fp8:
+            return torch.empty(shape, dtype=dtype, device=device)
+        return Fp8Buffers(torch.empty(shape, dtype=fp8.CODE_DTYPE, device=device),
+                          torch.empty(shape[:2], dtype=fp8.SCALE_DTYPE, device=device))
+
+    def copy(self, aux: Sequence[torch.Tensor], total: int, dst: torch.Tensor | Fp8Buffers) -> Any:
         """Stage ``aux[j][:total]`` (compute stream) and drain it into ``dst[j]`` (copy stream).
 
         Returns the event recorded on the copy stream after the last
@@ -150,13 +172,21 @@ class StagingCopier:
         self._drained[index] = drained
         return drained
 
-    def fill(self, stage: torch.Tensor, aux: Sequence[torch.Tensor], total: int) -> None:
-        """Device-to-device, on the current (compute) stream: the step's rows into ``stage``."""
+    def fill(self, stage: torch.Tensor | Fp8Buffers, aux: Sequence[torch.Tensor], total: int) -> None:
+        """Device-to-device, on the current (compute) stream: the step's rows into ``stage`` (FP8: quantized)."""
         for j, layer in enumerate(aux):
-            stage[j, :total].copy_(layer[:total])
+            if isinstance(stage, Fp8Buffers):
+                fp8.quantize_into(layer[:total], stage.codes[j, :total], stage.scales[j, :total])
+            else:
+                stage[j, :total].copy_(layer[:total])
 
-    def drain(self, stage: torch.Tensor, total: int, dst: torch.Tensor) -> None:
+    def drain(self, stage: torch.Tensor | Fp8Buffers, total: int, dst: torch.Tensor | Fp8Buffers) -> None:
         """Device-to-host, on the copy stream: one contiguous copy per layer into the pinned slot."""
+        if isinstance(stage, Fp8Buffers):
+            for j in range(dst.codes.shape[0]):
+                dst.codes[j].copy_(stage.codes[j, :total], non_blocking=True)
+                dst.scales[j].copy_(stage.scales[j, :total], non_blocking=True)
+            return
         for j in range(dst.shape[0]):
             dst[j].copy_(stage[j, :total], non_blocking=True)
 

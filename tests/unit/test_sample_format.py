@@ -50,3 +50,69 @@ def test_pt_format_is_upstreams_layout(tmp_path):
     loaded = torch.load(tmp_path / "data_1.pt", weights_only=True)
     assert set(loaded) == {"input_ids", "hidden_states", "loss_mask"}
     assert all(torch.equal(a, b) for a, b in zip(loaded["hidden_states"], data["hidden_states"]))
+
+
+def fp8_sample(length=7, hidden=16, layers=3):
+    from speculators_v016 import fp8
+
+    data = sample(torch.bfloat16, length, hidden, layers)
+    data["hidden_states"] = [fp8.Fp8States(*fp8.quantize(h)) for h in data["hidden_states"]]
+    return data
+
+
+def test_fp8_safetensors_holds_codes_scales_and_says_so(tmp_path):
+    """FP8 files hold F8_E4M3 codes and F32 scales per layer; the metadata names them; load_sample dequantizes."""
+    import json
+    import struct
+
+    from safetensors import safe_open
+
+    from speculators_v016.fp8 import Fp8States
+
+    data = fp8_sample()
+    write_atomic(tmp_path, "data_0.safetensors", encode_parts(data, "safetensors", [2, 4, 7]))
+    raw = (tmp_path / "data_0.safetensors").read_bytes()
+    header = json.loads(raw[8: 8 + struct.unpack("<Q", raw[:8])[0]])
+    assert header["hidden_states.1"]["dtype"] == "F8_E4M3" and header["hidden_states.1"]["shape"] == [7, 16]
+    assert header["hidden_states_scale.1"]["dtype"] == "F32" and header["hidden_states_scale.1"]["shape"] == [7]
+    with safe_open(str(tmp_path / "data_0.safetensors"), "pt") as fh:
+        meta = fh.metadata()
+    assert meta["hidden_states_dtype"] == "fp8_e4m3" and "amax/448" in meta["hidden_states_scaling"]
+    loaded = load_file(str(tmp_path / "data_0.safetensors"))  # safetensors itself reads it
+    assert loaded["hidden_states.0"].dtype == torch.float8_e4m3fn
+    plain = load_sample(tmp_path / "data_0.safetensors")
+    half = load_sample(tmp_path / "data_0.safetensors", dequantize_to=torch.bfloat16)
+    kept = load_sample(tmp_path / "data_0.safetensors", dequantize_to=None)
+    for j, h in enumerate(data["hidden_states"]):
+        assert plain["hidden_states"][j].dtype == torch.float32 and torch.equal(plain["hidden_states"][j], h.dequantize())
+        assert half["hidden_states"][j].dtype == torch.bfloat16
+        assert isinstance(kept["hidden_states"][j], Fp8States)
+        assert torch.equal(kept["hidden_states"][j].codes.view(torch.uint8), h.codes.view(torch.uint8))
+
+
+def test_fp8_is_refused_as_pt_and_mixed(tmp_path):
+    """FP8 states cannot be written as .pt (stock readers would misread codes), nor mixed with plain layers."""
+    data = fp8_sample()
+    with pytest.raises(ValueError, match="FP8 hidden states cannot be stored as .pt"):
+        encode_parts(data, "pt", [0, 1, 2])
+    data["hidden_states"][1] = torch.zeros(7, 16)
+    with pytest.raises(ValueError, match="mixes FP8 and unquantized layers"):
+        encode_parts(data, "safetensors", [0, 1, 2])
+
+
+def test_fp8_file_without_its_scales_is_refused(tmp_path):
+    """Codes without scales, or scales of the wrong length, are an error naming the file, never raw codes."""
+    from speculators_v016.store.sample_format import safetensors_parts
+
+    data = fp8_sample(layers=2)
+    codes = {f"hidden_states.{j}": h.codes for j, h in enumerate(data["hidden_states"])}
+    base = {"input_ids": data["input_ids"], "loss_mask": data["loss_mask"]}
+    write_atomic(tmp_path, "data_1.safetensors", safetensors_parts({**base, **codes}, {}))
+    with pytest.raises(ValueError, match=r"data_1.safetensors: FP8 file with 2 hidden_states .* and 0 "
+                                         r"hidden_states_scale"):
+        load_sample(tmp_path / "data_1.safetensors")
+    short = {"hidden_states_scale.0": torch.ones(6), "hidden_states_scale.1": torch.ones(7)}
+    write_atomic(tmp_path, "data_2.safetensors", safetensors_parts({**base, **codes, **short}, {}))
+    with pytest.raises(ValueError, match=r"data_2.safetensors: hidden_states_scale.0 is \(6,\) torch.float32, "
+                                         r"expected \[7\] float32"):
+        load_sample(tmp_path / "data_2.safetensors")
