@@ -41,6 +41,9 @@ MAX_RELATIVE_ERROR = 2.0**-4
 SCALING = "per-token per-layer float32 scale = amax/448 (1 for a zero row); value = code * scale"
 
 
+_FUSED: dict[str, bool] = {}  # device type -> whether the division writes e4m3 codes directly
+
+
 def row_scales(rows: torch.Tensor) -> torch.Tensor:
     """``[..., hidden]`` -> ``[...]`` float32 scales: amax / 448 (at least 2**-126), 1 for an all-zero row."""
     amax = torch.linalg.vector_norm(rows, float("inf"), dim=-1).to(SCALE_DTYPE)  # max |x|: one pass, exact
@@ -57,7 +60,13 @@ def quantize_into(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor)
     """
     s = row_scales(rows)
     scales.copy_(s)
-    torch.div(rows, s.unsqueeze(-1), out=codes)
+    if _FUSED.get(rows.device.type, True):
+        try:
+            torch.div(rows, s.unsqueeze(-1), out=codes)
+            return
+        except RuntimeError:  # a torch without e4m3 outputs for div: the same values in two passes
+            _FUSED[rows.device.type] = False
+    codes.copy_(torch.div(rows, s.unsqueeze(-1)))
 
 
 def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

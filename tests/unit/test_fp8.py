@@ -48,6 +48,15 @@ def test_codes_are_the_nearest_e4m3_of_row_over_scale(dtype):
     assert torch.equal(codes.float(), e4m3_reference(x.float() / scales[:, None]))
 
 
+def test_two_pass_fallback_gives_the_same_codes(monkeypatch):
+    """Where torch cannot write e4m3 from the division, the two-pass path gives the same bytes."""
+    x = wide_rows()
+    fused = fp8.quantize(x)
+    monkeypatch.setitem(fp8._FUSED, "cpu", False)
+    codes, scales = fp8.quantize(x)
+    assert torch.equal(codes.view(torch.uint8), fused[0].view(torch.uint8)) and torch.equal(scales, fused[1])
+
+
 def test_dequantized_rows_are_within_the_e4m3_bound():
     """Every element is within 2**-4 of its row's amax, and within 2**-4 of itself in e4m3's normal range."""
     x = wide_rows(rows=512).float()
@@ -204,3 +213,53 @@ def test_assembler_refuses_captures_of_the_other_storage():
     asm.expect(1, {"a": (0, 4)})
     with pytest.raises(AttributionError, match="FP8 scales in a run that stores the engine's dtype"):
         asm.add(fp8_capture(1, [("a", 0, 4)], rows))
+
+
+class NoStreams:
+    """CPU stand-in for CUDA streams and events (the order of copies is tested in test_staging.py)."""
+
+    class _Event:
+        def record(self, stream=None):
+            pass
+
+        def synchronize(self):
+            pass
+
+    class _Stream:
+        def wait_event(self, event):
+            pass
+
+    def compute(self):
+        return self._Stream()
+
+    def new_stream(self):
+        return self._Stream()
+
+    def new_event(self):
+        return self._Event()
+
+    def use(self, stream):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def test_fp8_staging_quantizes_as_its_device_step():
+    """With FP8, staging buffers hold codes and scales: fill quantizes, drain copies both into the slot."""
+    from speculators_v016.worker.staging import Fp8Buffers, StagingCopier, StagingPlan
+
+    ring = SlotRing.create(slots=3, num_ids=2, max_rows=40, hidden=256, dtype=torch.bfloat16, shared=False,
+                           storage="fp8_e4m3")
+    plan = StagingPlan(True, 2, ring.spec.slot_bytes, "test")
+    copier = StagingCopier(plan, (2, 40, 256), torch.bfloat16, torch.device("cpu"), NoStreams(), fp8=True)
+    assert all(isinstance(b, Fp8Buffers) and b.codes.dtype == fp8.CODE_DTYPE for b in copier.buffers)
+    for step, rows in enumerate((40, 17, 33)):
+        aux = [wide_rows(rows=40, seed=10 * step + j) for j in range(2)]
+        slot = step % 3
+        copier.copy(aux, rows, Fp8Buffers(ring.slot(slot)[:, :rows], ring.scales(slot)[:, :rows]))
+        for j in range(2):
+            codes, scales = fp8.quantize(aux[j][:rows])
+            assert torch.equal(ring.slot(slot)[j, :rows].view(torch.uint8), codes.view(torch.uint8))
+            assert torch.equal(ring.scales(slot)[j, :rows], scales)
+    copier.close()
+    ring.close()
