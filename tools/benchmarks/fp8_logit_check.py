@@ -70,10 +70,18 @@ def measure(args: dict) -> dict:
     tol = TOLERANCE[torch.bfloat16]
     res = {"bf16_max": 0.0, "fp8_max": 0.0, "ratios": [], "shift_min": float("inf"), "shift_max_abs": float("inf"),
            "layer_min": float("inf"), "layer_max_abs": float("inf"), "recon_max": 0.0, "logit_std": 0.0}
+    res["bf16_ulp_ratio"] = 0.0
     for index in sorted(runs["auto"]):
         ids, ref, theirs = runs["auto"][index]
         ours = head.next_token_logprobs(ref[-1], ids)
-        res["bf16_max"] = max(res["bf16_max"], (ours - theirs[: len(ours)]).abs().max().item())
+        delta = (ours - theirs[: len(ours)]).abs()
+        res["bf16_max"] = max(res["bf16_max"], delta.max().item())
+        # the logits' own bf16 rounding: one ulp of the target's logit plus the softmax-weighted ulp of all
+        raw, final = head._logits(ref[-1][:-1], head.head.to(torch.bfloat16))
+        ulp = torch.exp2(torch.floor(torch.log2(raw.abs().clamp_min(2.0**-100))) - 7)
+        targets = ids[1:].long()[:, None]
+        allowance = ulp.gather(1, targets)[:, 0] + (final.softmax(-1) * ulp).sum(-1)
+        res["bf16_ulp_ratio"] = max(res["bf16_ulp_ratio"], (delta / allowance).max().item())
         _, q, theirs_q = runs["fp8_e4m3"][index]
         for layer in range(len(LAYERS)):
             amax = ref[layer].float().abs().amax(-1, keepdim=True).clamp_min(1e-30)
@@ -109,10 +117,13 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--length", type=int, default=200)
     parser.add_argument("--head-scale", type=float, default=10.0)
+    parser.add_argument("--also", type=Path, action="append", default=[],
+                        help="another Llama folder to measure (e.g. the briefly trained target of fp8_training.py)")
     opts = parser.parse_args()
     base = bench_model(opts.work / "llama-256", hidden=256, layers=8)
     models = {"random head": base,
               f"head x{opts.head_scale:g}": scaled_head(base, opts.work / "llama-256-scaled", opts.head_scale)}
+    models.update({path.name: path for path in opts.also})
     vocab = json.loads((base / "config.json").read_text())["vocab_size"]
     rows = {}
     for name, path in models.items():
@@ -125,6 +136,7 @@ def main() -> None:
     print(f"{'':<34}" + "".join(f"{n:>16}" for n in rows))
     lines = [("logit std (mean over positions)", "logit_std", "{:.2f}"),
              ("bf16 check: max |delta|", "bf16_max", "{:.1e}"),
+             ("bf16: max |delta| / logits' ulp", "bf16_ulp_ratio", "{:.2f}"),
              ("FP8 check: max |delta|", "fp8_max", "{:.1e}"),
              ("FP8: max |delta| / sigma", "sigma_max", "{:.2f}"),
              ("FP8: 99.9th pct |delta| / sigma", "sigma_p999", "{:.2f}"),
