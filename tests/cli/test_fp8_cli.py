@@ -173,12 +173,15 @@ def test_resume_with_another_storage_is_refused(fp8_run, wide_model, data_file, 
 
 @pytest.mark.parametrize("fault", ["shift-check", "wrong-layer-check"])
 def test_logit_check_on_fp8_catches_misplaced_rows(fault, tmp_path, wide_model, data_file):
-    """On FP8 states, rows one position off or the adjacent layer (n-2) fail the logit check: named, exit 1."""
-    result = generate(wide_model, data_file, tmp_path / "out", "--token-freq-path", "", "--hidden-states-dtype",
-                      "fp8_e4m3", env={FAULT: f"{fault}:2"})
-    assert result.exit_code == 1, result.output
-    assert re.search(r"sample \d+: the captured last layer does not reproduce vLLM's own logits", result.output)
-    assert "logit check: FAILED for 1 sample(s)" in result.output
+    """On FP8 states, rows one position off or the adjacent layer (n-2) fail the logit check: exit 7, nothing written."""
+    out = tmp_path / "out"
+    result = generate(wide_model, data_file, out, "--token-freq-path", "", "--hidden-states-dtype", "fp8_e4m3",
+                      env={FAULT: f"{fault}:2"})
+    assert result.exit_code == 7, result.output
+    assert re.search(r"error: self-check failed: sample \d+: the captured last layer, normed and projected, does not "
+                     r"reproduce vLLM's own prompt logprobs \(logit check: max \|delta\| [\d.e+-]+, tolerance 8 "
+                     r"sigma of the e4m3 rounding \+ 5e-02\)", result.output), result.output
+    assert Manifest(out).entries() == {} and not list(out.glob("data_*.safetensors"))
 
 
 def test_fp8_nan_sample_is_skipped(tmp_path, wide_model, data_file):

@@ -263,3 +263,23 @@ def test_fp8_staging_quantizes_as_its_device_step():
             assert torch.equal(ring.scales(slot)[j, :rows], scales)
     copier.close()
     ring.close()
+
+
+def test_run_checks_see_fp8_layers():
+    """The writer's NaN/Inf check and the self-check's degenerate screen read FP8 codes and scales."""
+    from speculators_v016.store.degenerate import degenerate_layers, may_be_degenerate
+    from speculators_v016.store.finite import non_finite
+
+    good = Fp8States(*fp8.quantize(wide_rows(rows=6)))
+    nan_scale = Fp8States(good.codes.clone(), good.scales.clone())
+    nan_scale.scales[2] = float("nan")
+    nan_code = Fp8States(good.codes.clone(), good.scales.clone())
+    nan_code.codes.view(torch.uint8)[1, 3] = 0xFF
+    assert non_finite([good, nan_scale, nan_code]) == [1, 2]
+    ids = torch.arange(6)
+    zero = Fp8States(*fp8.quantize(torch.zeros(6, 256)))
+    repeated = Fp8States(*fp8.quantize(wide_rows(rows=1).expand(6, 256).contiguous()))
+    assert not may_be_degenerate(ids, [good])
+    assert may_be_degenerate(ids, [good, zero]) and may_be_degenerate(ids, [repeated])
+    assert degenerate_layers(ids, [good, zero, repeated]) == [
+        (1, "every value is 0"), (2, "all 6 positions hold the same row, though the tokens differ")]
