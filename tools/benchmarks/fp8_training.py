@@ -214,9 +214,10 @@ def main() -> None:
     parser.add_argument("--phase", choices=["target", "data", "train", "all"], default="all")
     parser.add_argument("--conversations", type=int, default=160)
     parser.add_argument("--target-steps", type=int, default=150)
-    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-len", type=int, default=512, help="tokens per packed training batch")
     opts = parser.parse_args()
     work = opts.work
     work.mkdir(parents=True, exist_ok=True)
@@ -239,7 +240,7 @@ def main() -> None:
             held["own FP8 held-out"] = str(work / f"data-{storage}")
         results[storage] = child({"model": str(model), "folder": str(work / f"data-{storage}"), "held_out": held,
                                   "seed": opts.seed, "epochs": opts.epochs, "batch": opts.batch, "lr": 3e-4,
-                                  "max_len": 2048, "draft_vocab": 256, "save": str(work / f"ckpt-{storage}")})
+                                  "max_len": opts.max_len, "draft_vocab": 256, "save": str(work / f"ckpt-{storage}")})
     print(json.dumps({"reconstruction": recon, "training": results}, indent=1))
     bpt = recon["bytes_per_token"]
     print(f"\nFP8 vs bf16 storage, tiny Llama hidden {HIDDEN} x {LAYERS} layers (briefly trained), "
