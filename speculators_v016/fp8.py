@@ -7,12 +7,15 @@ zeros). Codes are ``float8_e4m3fn(row / scale)``: one IEEE float32 division
 per element, rounded to nearest even. A row holding NaN or Inf gets a NaN or
 Inf scale, so a non-finite row always shows in its scale.
 
-The same torch operations run on CPU and on CUDA: the row's largest |value|
-(exact in any dtype), a float32 division by a per-row tensor (never turned
-into a multiplication by a reciprocal: that happens only for scalar divisors)
-and the cast to e4m3, fused into the division's output on CUDA (one read of
-the rows, one write of the codes). So a GPU capture and this module on a CPU
-give bit-identical codes and scales for the same input (tested on an H200).
+Every step is exact or IEEE-rounded, so the result does not depend on where
+it runs: the row's largest |value| (exact in any dtype), two float32 divisions
+(``amax / 448``, then each element by its row's scale; both by tensors, never
+by a Python scalar, which CUDA turns into a multiplication by a rounded
+reciprocal) and the round-to-nearest-even cast to e4m3. On CUDA one Triton
+kernel does it all in one pass (:mod:`speculators_v016.fp8_triton`, where
+Triton is installed); the torch operations are the CPU path and the reference.
+A GPU capture and a CPU reference give bit-identical codes and scales for the
+same input (tested on an H200).
 
 Dequantized, every element is within half an e4m3 step of the input: at most
 ``2**-4`` of its own magnitude (3 mantissa bits) in e4m3's normal range, and
@@ -47,7 +50,8 @@ _FUSED: dict[str, bool] = {}  # device type -> whether the division writes e4m3 
 def row_scales(rows: torch.Tensor) -> torch.Tensor:
     """``[..., hidden]`` -> ``[...]`` float32 scales: amax / 448 (at least 2**-126), 1 for an all-zero row."""
     amax = torch.linalg.vector_norm(rows, float("inf"), dim=-1).to(SCALE_DTYPE)  # max |x|: one pass, exact
-    scale = (amax / E4M3_MAX).clamp_min_(MIN_SCALE)  # NaN and Inf stay NaN and Inf
+    # a tensor divisor: CUDA multiplies by a rounded 1/448 when the divisor is a Python number
+    scale = torch.div(amax, torch.full_like(amax, E4M3_MAX)).clamp_min_(MIN_SCALE)  # NaN, Inf stay
     return torch.where(amax == 0, torch.ones_like(scale), scale)
 
 
@@ -58,6 +62,8 @@ def quantize_into(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor)
     buffer): the division writes the codes directly, with no float32 copy of
     the rows in between on CUDA.
     """
+    if rows.is_cuda and _triton_kernel(rows, codes, scales):
+        return
     s = row_scales(rows)
     scales.copy_(s)
     if _FUSED.get(rows.device.type, True):
@@ -67,6 +73,24 @@ def quantize_into(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor)
         except RuntimeError:  # a torch without e4m3 outputs for div: the same values in two passes
             _FUSED[rows.device.type] = False
     codes.copy_(torch.div(rows, s.unsqueeze(-1)))
+
+
+#: Whether CUDA tensors go through the Triton kernel (when it is installed); tests compare both paths.
+USE_TRITON = True
+
+
+def _triton_kernel(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Quantize with :mod:`speculators_v016.fp8_triton` if it applies; False where the torch path must."""
+    if not USE_TRITON:
+        return False
+    try:
+        from speculators_v016 import fp8_triton
+    except ImportError:  # no Triton: the torch operations, same values in more passes
+        return False
+    if not fp8_triton.usable(rows, codes, scales):
+        return False
+    fp8_triton.quantize_into(rows, codes, scales, E4M3_MAX, MIN_SCALE)
+    return True
 
 
 def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -72,16 +72,37 @@ def edge_rows() -> dict[str, torch.Tensor]:
             "wide, fp32": wide[:1024], "rounding ties": ties, "zero, subnormal, NaN, Inf rows": special}
 
 
-def test_gpu_quantizer_is_bit_identical_to_cpu():
-    """Codes and scales from the quantizer on CUDA equal the CPU reference's bit for bit."""
-    cases = edge_rows()
+def nearest_e4m3(values: torch.Tensor) -> torch.Tensor:
+    """Nearest finite e4m3fn value (ties to the even code) by search over all codes: no cast involved."""
+    table = torch.arange(256, dtype=torch.uint8).view(fp8.CODE_DTYPE).float()
+    keep = torch.isfinite(table)
+    table, bits = table[keep].double(), torch.arange(256)[keep]
+    distance = (values.double().reshape(-1, 1) - table).abs()
+    tied = distance == distance.min(1, keepdim=True).values
+    even = tied & (bits % 2 == 0)
+    return table[torch.where(even.any(1, keepdim=True), even, tied).double().argmax(1)].float().reshape(values.shape)
+
+
+@pytest.fixture(scope="module")
+def cases():
+    return edge_rows()
+
+
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_gpu_quantizer_is_bit_identical_to_cpu(path, cases, monkeypatch):
+    """Codes and scales from the quantizer on CUDA (Triton kernel, or torch operations) equal the CPU's bit for bit."""
+    if path == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setattr(fp8, "USE_TRITON", path == "triton")
     for name, rows in cases.items():
         codes, scales = fp8.quantize(rows)
         gpu_codes, gpu_scales = fp8.quantize(rows.cuda())
-        assert same_bits(gpu_codes, codes), name
-        assert same_bits(gpu_scales, scales), name
-    print(f"\nGPU quantizer == CPU reference, bit for bit: {', '.join(cases)} "
-          f"(division fused with the e4m3 cast on CUDA: {fp8._FUSED.get('cuda', True)})")
+        assert same_bits(gpu_scales, scales), (path, name, "scales")
+        assert same_bits(gpu_codes, codes), (path, name, "codes")
+        finite = torch.isfinite(scales)
+        sample = rows[finite][:8].float() / scales[finite][:8, None]  # the CPU's own cast, against the definition
+        assert torch.equal(codes[finite][:8].float(), nearest_e4m3(sample)), (path, name, "definition")
+    print(f"\nGPU quantizer ({path}) == CPU reference, bit for bit: {', '.join(cases)}")
 
 
 def test_fp8_kernel_time_per_step():
@@ -94,7 +115,15 @@ def test_fp8_kernel_time_per_step():
     stage = Fp8Buffers(torch.empty((LAYERS, TOKENS, HIDDEN), dtype=fp8.CODE_DTYPE, device="cuda"),
                        torch.empty((LAYERS, TOKENS), dtype=fp8.SCALE_DTYPE, device="cuda"))
     timings = {}
-    for label, target in (("bf16 copy", plain), ("fp8 quantize", stage)):
+    runs = [("bf16 copy", plain, True), ("fp8 quantize, torch ops", stage, False)]
+    try:
+        import speculators_v016.fp8_triton  # noqa: F401
+
+        runs.append(("fp8 quantize, triton", stage, True))
+    except ImportError:
+        pass
+    for label, target, use_triton in runs:
+        fp8.USE_TRITON = use_triton
         for _ in range(3):
             StagingCopier.fill(None, target, aux, TOKENS)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -107,11 +136,13 @@ def test_fp8_kernel_time_per_step():
         host = (time.perf_counter() - t0) / 20 * 1000
         end.synchronize()
         timings[label] = {"gpu_ms": start.elapsed_time(end) / 20, "host_ms": host}
+    fp8.USE_TRITON = True
     print(f"\n448 MiB step on the device: " + "; ".join(
         f"{k} {v['gpu_ms']:.3f} ms GPU ({STEP_BYTES / GIB / (v['gpu_ms'] / 1000):.0f} GiB/s of bf16 states), "
         f"{v['host_ms']:.3f} ms host to launch" for k, v in timings.items()))
     save_figures("fp8-kernel", timings)
-    assert timings["fp8 quantize"]["gpu_ms"] <= MAX_ADDED_MS + timings["bf16 copy"]["gpu_ms"]
+    fastest = min(v["gpu_ms"] for k, v in timings.items() if k.startswith("fp8"))
+    assert fastest <= MAX_ADDED_MS + timings["bf16 copy"]["gpu_ms"]
 
 
 def cpu_reference(runner, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
