@@ -69,23 +69,34 @@ def _shm_left() -> set[str]:
     return left
 
 
+def _xdist_worker(session) -> bool:
+    """Is this session a pytest-xdist worker? The /dev/shm guard runs in the controller (or a plain run),
+    once every worker is done: a worker would see the other's runs at work."""
+    return hasattr(session.config, "workerinput")
+
+
 def pytest_sessionstart(session):
-    _SHM_BEFORE.update(_shm_left())
+    if not _xdist_worker(session):
+        _SHM_BEFORE.update(_shm_left())
 
 
 def pytest_sessionfinish(session, exitstatus):
     """Fail the run if it left shared memory behind; write the architecture results for the README table."""
-    left = sorted(_shm_left() - _SHM_BEFORE)
-    if left:
-        print(f"\nFAILED: this test run left shared memory in /dev/shm: {left}")
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if not _xdist_worker(session):
+        left = sorted(_shm_left() - _SHM_BEFORE)
+        if left:
+            print(f"\nFAILED: this test run left shared memory in /dev/shm: {left}")
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if not ARCHITECTURE_RESULTS:
         return
+    import fcntl
     import json
     from pathlib import Path
 
     out = Path(__file__).resolve().parents[1] / "build" / "test-results"
     out.mkdir(parents=True, exist_ok=True)
     path = out / "architectures.json"
-    old = json.loads(path.read_text()) if path.exists() else {}
-    path.write_text(json.dumps({**old, **ARCHITECTURE_RESULTS}, indent=2, sort_keys=True) + "\n")
+    with open(out / ".architectures.lock", "w") as lock:  # xdist workers finish at about the same time
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        old = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps({**old, **ARCHITECTURE_RESULTS}, indent=2, sort_keys=True) + "\n")

@@ -20,6 +20,9 @@ from speculators_v016.testing.faults import VARIABLE as FAULT
 #: vLLM's start method on GPUs (CUDA forces spawn): multiprocessing's semaphores keep their /dev/shm name.
 SPAWN = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 
+# They compare the whole /dev/shm before and after: another test's run beside them would show up there.
+pytestmark = pytest.mark.alone
+
 
 def command(model, data, out, *extra):
     args = ["--target-model-path", model, "--train-data-path", data, "--output-dir", out, "--seq-length", 256,

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it (.ci/run). Most of a CLI or engine test
+# is one process starting vLLM, so two pytest workers (pytest-xdist, whole
+# files per worker: a module's engine is started once) use CI's two cores.
+# Tests marked `alone` look at the whole /dev/shm (what a killed run left,
+# what a cleaner may delete), so they run afterwards, with nothing beside them.
+# Extra arguments go to both pytest runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-.venv/bin/python}
+workers=${TEST_WORKERS:-2}
+"$py" -m pytest -q -n "$workers" --dist loadfile -m "not alone" "$@" tests
+"$py" -m pytest -q -m alone "$@" tests
