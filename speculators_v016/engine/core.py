@@ -361,7 +361,7 @@ class CaptureEngine:
 
         self.scheduler.finish_requests(list(waiting), RequestStatus.FINISHED_ABORTED)
         self._logprob_keys.clear()
-        scratch = Assembler(self.plan.capture_order, self.settings.fp8)
+        scratch = Assembler(self.plan.capture_order, fp8=self.settings.fp8)
         while in_flight:
             self._retire(in_flight.pop(), scratch, keep=False)
         while self.scheduler.has_requests():  # finished ids still have to reach the workers

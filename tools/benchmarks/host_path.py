@@ -11,13 +11,17 @@ average), so some straddle two steps. Printed, interleaved over --rounds
 against raw ``write`` + ``fsync`` of the same bytes to the same folder (one
 stream, and as many streams as the most workers) and against sha256 alone;
 the cores the process used (CPU time / wall); the engine thread's copy per
-448 MiB step into pooled blocks and into fresh memory.
+448 MiB step into pooled blocks and into fresh memory. ``--fp8`` also pushes
+the same steps stored as FP8 (``--hidden-states-dtype fp8_e4m3``: e4m3 codes and
+one float32 scale per row, quantized into the slot as a CPU worker does) through
+the same path, and prints bytes per token and GiB/s of *source* (bf16) states.
 
 ``--before CHECKOUT`` also runs the writer of another checkout's
 ``speculators_v016`` (e.g. the previous release: fresh memory per sample, the
 NaN check on the engine thread, three fsyncs per sample), in a child process.
 
-    python tools/benchmarks/host_path.py [--gib 2] [--rounds 2] [--workers 1 2 4] [--dir /tmp] [--before CHECKOUT]
+    python tools/benchmarks/host_path.py [--gib 2] [--rounds 2] [--workers 1 2 4] [--dir /tmp] [--fp8]
+                                         [--before CHECKOUT]
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from speculators_v016 import fp8 as fp8_storage
 from speculators_v016.engine.assembly import Assembler
 from speculators_v016.engine.slot_ring import SlotRing
 from speculators_v016.protocol import StepCapture
@@ -82,7 +87,7 @@ def steps(lengths: list[int]):
         yield step
 
 
-def through_writer(ring: SlotRing, lengths: list[int], folder: Path, workers: int, pool) -> dict:
+def through_writer(ring: SlotRing, lengths: list[int], folder: Path, workers: int, pool, fp8: bool = False) -> dict:
     """Slots -> assembler -> writer -> durable files, as the pipeline runs them; bytes, seconds, CPU, copy time.
 
     With an earlier checkout's writer (``CURRENT`` False): its pipeline's way,
@@ -90,7 +95,7 @@ def through_writer(ring: SlotRing, lengths: list[int], folder: Path, workers: in
     """
     if CURRENT:
         writer = SampleWriter(folder, "safetensors", LAYER_IDS, workers=workers, reject=reject_non_finite(LAYER_IDS))
-        assembler = Assembler(tuple(range(LAYERS)), allocate=pool.take if pool else None)
+        assembler = Assembler(tuple(range(LAYERS)), allocate=pool.take if pool else None, fp8=fp8)
     else:
         writer = SampleWriter(folder, "safetensors", LAYER_IDS, workers=workers)
         assembler = Assembler(tuple(range(LAYERS)))
@@ -106,7 +111,9 @@ def through_writer(ring: SlotRing, lengths: list[int], folder: Path, workers: in
                                   [n for _, _, n in parts], slot=slot)
             assembler.expect(number, {f"r{i}": (s, n) for i, s, n in parts})
             began = time.perf_counter()
-            capture.states = ring.slot(slot)[:, :rows]  # as CaptureEngine._consume does
+            capture.states = ring.slot(slot)[:, :rows]  # as CaptureEngine._retire does
+            if fp8:
+                capture.scales = ring.scales(slot)[:, :rows]
             assembler.add(capture)
             copy += time.perf_counter() - began
             ring.release(slot)
@@ -119,22 +126,28 @@ def through_writer(ring: SlotRing, lengths: list[int], folder: Path, workers: in
                         raise RuntimeError("NaN in synthetic states")
                     writer.put(index, sample)
                 else:
-                    writer.put(index, sample, done=(lambda s=states: pool.give_back(s)) if pool else None)
+                    blocks = fp8_storage.tensors_of(states)
+                    writer.put(index, sample, done=(lambda s=blocks: pool.give_back(s)) if pool else None)
     finally:
         writer.close()
     seconds = time.perf_counter() - start
     if (CURRENT and writer.take_rejected()) or writer.written != len(lengths):
         raise RuntimeError("the writer did not write every sample")
-    return {"bytes": writer.bytes, "seconds": seconds, "cpu": cpu_seconds() - cpu,
+    return {"bytes": writer.bytes, "seconds": seconds, "cpu": cpu_seconds() - cpu, "tokens": sum(lengths),
             "copy_ms_per_step": 1e3 * copy * STEP / sum(lengths),
             "commits": writer.commit.commits if CURRENT else len(lengths)}
 
 
-def make_ring() -> SlotRing:
-    ring = SlotRing.create(slots=2, num_ids=LAYERS, max_rows=STEP, hidden=HIDDEN, dtype=DTYPE, shared=False)
+def make_ring(fp8: bool = False) -> SlotRing:
+    """Two slots of random bf16 states (``fp8``: quantized into the slot, as a CPU worker's capture does)."""
+    ring = SlotRing.create(slots=2, num_ids=LAYERS, max_rows=STEP, hidden=HIDDEN, dtype=DTYPE, shared=False,
+                           storage=fp8_storage.NAME if fp8 else "auto")
     for s in range(2):
         for j in range(LAYERS):
-            ring.slot(s)[j].normal_()
+            if fp8:
+                fp8_storage.quantize_into(torch.randn(STEP, HIDDEN, dtype=DTYPE), ring.slot(s)[j], ring.scales(s)[j])
+            else:
+                ring.slot(s)[j].normal_()
     return ring
 
 
@@ -203,6 +216,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="folder on the disk to measure (a temp folder inside)")
     ap.add_argument("--fresh", action="store_true", help="also the default workers without the buffer pool")
+    ap.add_argument("--fp8", action="store_true", help="also FP8 storage (codes + scales), default workers")
     ap.add_argument("--before", default=None, metavar="CHECKOUT",
                     help="also the writer of this checkout's speculators_v016 (default workers), in a child process")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -216,6 +230,7 @@ def main() -> None:
         lengths.append(rng.randint(1536, 2560))
         total += lengths[-1] * LAYERS * HIDDEN * DTYPE.itemsize
     ring = make_ring()
+    fp8_ring = make_ring(fp8=True) if opts.fp8 else None
     raw_bytes = ring.buffer.view(-1).view(torch.uint8).numpy()
     size = LAYERS * HIDDEN * DTYPE.itemsize
     buffers, offset = [], 0
@@ -237,6 +252,11 @@ def main() -> None:
             configs.append(("before: writer, its default workers", lambda: before(opts.before, lengths, base)))
         through_writer(ring, lengths[: len(lengths) // 2], base, max(workers), pool)  # warm the pool: a long run's
         clear(base)                                                                   # steady state
+        if fp8_ring is not None:
+            configs.append((f"fp8: writer, {DEFAULT_WRITE_WORKERS} worker(s)",
+                            lambda: through_writer(fp8_ring, lengths, base, DEFAULT_WRITE_WORKERS, pool, fp8=True)))
+            through_writer(fp8_ring, lengths[: max(1, len(lengths) // 4)], base, DEFAULT_WRITE_WORKERS, pool, fp8=True)
+            clear(base)
         if opts.fresh:
             configs.append((f"writer, {DEFAULT_WRITE_WORKERS} worker(s), fresh memory",
                             lambda: through_writer(ring, lengths, base, DEFAULT_WRITE_WORKERS, None)))
@@ -247,6 +267,8 @@ def main() -> None:
     finally:
         shutil.rmtree(base, ignore_errors=True)
         ring.close()
+        if fp8_ring is not None:
+            fp8_ring.close()
     rate = {k: statistics.median(r["bytes"] / r["seconds"] / 2**30 for r in v) for k, v in runs.items()}
     cores = {k: statistics.median(r["cpu"] / r["seconds"] for r in v) for k, v in runs.items()}
     print(f"{len(lengths)} samples of 1536-2560 tokens x {LAYERS} layers x {HIDDEN} bf16 "
@@ -258,7 +280,11 @@ def main() -> None:
         if "writer" in name:
             copy = statistics.median(r["copy_ms_per_step"] for r in runs[name])
             commits = statistics.median(r["commits"] for r in runs[name])
-            extra = (f"  {rate[name] / raw1:.2f}x raw 1 stream; copy {copy:.0f} ms per 448 MiB step; "
+            per_token = statistics.median(r["bytes"] / r["tokens"] for r in runs[name])
+            source = statistics.median(r["tokens"] * LAYERS * HIDDEN * DTYPE.itemsize / r["seconds"] / 2**30
+                                       for r in runs[name])
+            extra = (f"  {rate[name] / raw1:.2f}x raw 1 stream; {per_token / 1024:.1f} KiB/token on disk, "
+                     f"{source:.2f} GiB/s of bf16 states; copy {copy:.0f} ms per step; "
                      f"{commits:.0f} commits for {len(lengths)} samples")
         print(f"  {name:44} {rate[name]:6.2f} GiB/s  {cores[name]:4.2f} cores{extra}")
     print(f"  pool: {pool.allocated} blocks made, {pool.reused} reuses")
