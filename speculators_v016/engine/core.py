@@ -62,6 +62,24 @@ class _Step:
     capture: Any = None  # future of the previous step's capture
 
 
+#: Engine starts tried when vLLM's rendezvous port is taken under it (see :func:`port_taken`).
+START_ATTEMPTS = 3
+
+
+def port_taken(exc: BaseException) -> bool:
+    """Did an engine start fail because its rendezvous port was taken? vLLM picks a free port, closes it and
+    binds it again later; another process (a second run on the node, any outgoing connection) can take it
+    in between, and torch's store then fails with EADDRINUSE. Nothing was set up then: a new start is safe."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc)
+        if "EADDRINUSE" in text or "address already in use" in text.lower():
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 class CaptureEngine:
     """An in-process vLLM ``EngineCore`` whose steps we drive ourselves."""
 
@@ -72,7 +90,15 @@ class CaptureEngine:
                              "states of non-last stages; use tensor parallelism (across nodes: Ray)")
         self.settings, self.plan = settings, plan
         config = self._vllm_config()
-        self._start(config)
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                self._start(config)
+                break
+            except Exception as exc:
+                if attempt == START_ATTEMPTS or not port_taken(exc):
+                    raise
+                logger.info("engine start {} of {}: vLLM's rendezvous port was taken by another process between "
+                            "its choice and its use ({}); starting again", attempt, START_ATTEMPTS, exc)
         try:
             self._check_started(config)
         except BaseException:
