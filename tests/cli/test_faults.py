@@ -12,7 +12,7 @@ import psutil
 import pytest
 import torch
 
-from helpers.cli import CPU, conversations, invoke, load_all, write_jsonl
+from helpers.cli import CPU, conversations, generate, invoke, load_all, write_jsonl
 from helpers.reference import TOLERANCE
 from speculators_v016.testing.faults import VARIABLE as FAULT
 from speculators_v016.store.manifest import Manifest
@@ -24,11 +24,6 @@ COUNT = 30
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("fault-data") / "chats.jsonl", conversations(COUNT, seed=5))
-
-
-def generate(model_dir, data, out, *extra, env=None):
-    return invoke("--target-model-path", model_dir, "--train-data-path", data, "--output-dir", out,
-                  "--seq-length", 256, "--token-freq-path", "", *extra, env=env)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.cli import conversations, invoke, load_all, write_jsonl
+from helpers.cli import conversations, generate, invoke, load_all, write_jsonl
 from helpers.reference import TOLERANCE
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.outdir import LOCK
@@ -24,11 +24,6 @@ COUNT = 30
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("fault-data") / "chats.jsonl", conversations(COUNT, seed=5))
-
-
-def generate(model_dir, data, out, *extra, env=None):
-    return invoke("--target-model-path", model_dir, "--train-data-path", data, "--output-dir", out,
-                  "--seq-length", 256, "--token-freq-path", "", *extra, env=env)
 
 
 def test_unusable_rows_are_skipped_by_reason(tmp_path, model_dir):

@@ -48,6 +48,12 @@ def invoke(*args, env=None) -> Result:
                                  timeout=600))
 
 
+def generate(model_dir, data, out, *extra, env=None) -> Result:
+    """A run of the real command as the fault tests make it: 256 tokens, no token-frequency file."""
+    return invoke("--target-model-path", model_dir, "--train-data-path", data, "--output-dir", out,
+                  "--seq-length", 256, "--token-freq-path", "", *extra, env=env)
+
+
 def load_all(folder: Path) -> dict[int, dict]:
     return {i: load_sample(folder / e.file) for i, e in Manifest(folder).entries().items()}
 
