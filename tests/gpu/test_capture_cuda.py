@@ -301,8 +301,9 @@ def calibrate_repeats() -> int:
     return max(1, math.ceil(FORWARD_TARGET_S / (LAYERS * one)))
 
 
-def cadence_run(runner, worker, ring, mode, inputs, offset, rows_plan, store):
-    """Steps as vLLM drives them: replay k, capture k (no sync before), retire k-1; the host copies each reply out."""
+def cadence_run(runner, worker, ring, inputs, offset, rows_plan, take):
+    """Steps as vLLM drives them: replay k, capture k (no sync before), retire k-1; ``take(capture)`` copies
+    each reply out of its slot (as the engine does) before the slot is released. ``worker`` None: no capture."""
     steps = len(rows_plan)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
     done = [torch.cuda.Event() for _ in range(steps)]
@@ -312,10 +313,9 @@ def cadence_run(runner, worker, ring, mode, inputs, offset, rows_plan, store):
         if capture is None:
             return
         t0 = time.perf_counter()
-        total = sum(capture.counts)
-        store[capture.step][:, :total].copy_(ring.slot(capture.slot)[:, :total])  # the engine's copy out
+        take(capture)
         ring.release(capture.slot)
-        consumed[capture.step] = total
+        consumed[capture.step] = sum(capture.counts)
         copy_out.append(time.perf_counter() - t0)
 
     torch.cuda.synchronize()
@@ -323,7 +323,7 @@ def cadence_run(runner, worker, ring, mode, inputs, offset, rows_plan, store):
         starts[k].record()
         runner.step(inputs[(k + offset) % len(inputs)], rows)
         previous = None
-        if mode != "none":
+        if worker is not None:
             slot = ring.acquire()
             t0 = time.perf_counter()
             previous = worker.speculators_capture_step(k, slot)
@@ -334,7 +334,7 @@ def cadence_run(runner, worker, ring, mode, inputs, offset, rows_plan, store):
         if k >= 1:
             done[k - 1].synchronize()  # the engine retires step k-1 before it launches step k+1
         retire.append(time.perf_counter() - t0)
-    if mode != "none":
+    if worker is not None:
         consume(worker.speculators_capture_flush())
     torch.cuda.synchronize()
     return starts, {"call": host, "retire": retire, "copy_out": copy_out}, consumed
@@ -356,7 +356,11 @@ def test_capture_at_the_real_cadence():
         for offset, mode in enumerate(CADENCE_MODES):
             worker = attach(runner, ring, "auto" if mode == "staged" else "off") if mode != "none" else None
             try:
-                starts, host, consumed = cadence_run(runner, worker, ring, mode, inputs, offset, rows_plan, store)
+                def take(capture):
+                    total = sum(capture.counts)
+                    store[capture.step][:, :total].copy_(ring.slot(capture.slot)[:, :total])
+
+                starts, host, consumed = cadence_run(runner, worker, ring, inputs, offset, rows_plan, take)
             finally:
                 if worker is not None:
                     worker.speculators_capture_close()

@@ -35,7 +35,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 if torch.cuda.is_available():
     from test_capture_cuda import (DTYPE, GIB, HIDDEN, LAYERS, NUM_INPUTS, STEP_BYTES, TIMED_STEPS, TOKENS,
-                                   WARMUP_ROWS, StandInRunner, StandInWorker, calibrate_repeats, save_figures)
+                                   WARMUP_ROWS, StandInRunner, StandInWorker, cadence_run, calibrate_repeats,
+                                   save_figures)
 
 #: Each run's mode: (storage, staging); "none" captures nothing. Interleaved, so drift spreads over all.
 MODES = [("none", None), ("auto", "auto"), (fp8.NAME, "auto"), (fp8.NAME, "off"), ("auto", "off"),
@@ -153,52 +154,28 @@ def cpu_reference(runner, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run_mode(runner, ring, storage, staging, inputs, offset, rows_plan, store):
-    """Steps as vLLM drives them (replay k, capture k without a sync, retire k-1); the host copies replies out."""
+    """One run of :func:`cadence_run` with ``storage``; the host copies codes (and scales) out of each slot."""
     worker = None
     if storage != "none":
         worker = StandInWorker(runner, budget=64 * GIB)
         worker.speculators_capture_attach(LAYERS, True, ring.spec, staging, storage)
         path = worker._speculators_copy_info["copy_path"]
         assert path == ("staged" if staging == "auto" else "direct"), worker._speculators_copy_info
-    steps = len(rows_plan)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
-    done = [torch.cuda.Event() for _ in range(steps)]
-    calls, consumed = [], {}
+    codes, scales = store
 
-    def consume(capture):
-        if capture is None:
-            return
+    def take(capture):
         total = sum(capture.counts)
-        codes, scales = store
         keep = capture.step if storage == fp8.NAME else capture.step % len(codes)
-        codes[keep][:, :total].copy_(ring.slot(capture.slot)[:, :total])  # the engine's copy out
+        codes[keep][:, :total].copy_(ring.slot(capture.slot)[:, :total])
         if storage == fp8.NAME:
             scales[capture.step][:, :total].copy_(ring.scales(capture.slot)[:, :total])
-        ring.release(capture.slot)
-        consumed[capture.step] = total
 
     try:
-        torch.cuda.synchronize()
-        for k, rows in enumerate(rows_plan):
-            starts[k].record()
-            runner.step(inputs[(k + offset) % len(inputs)], rows)
-            previous = None
-            if worker is not None:
-                slot = ring.acquire()
-                t0 = time.perf_counter()
-                previous = worker.speculators_capture_step(k, slot)
-                calls.append(time.perf_counter() - t0)
-            done[k].record()
-            consume(previous)
-            if k >= 1:
-                done[k - 1].synchronize()  # the engine retires step k-1 before it launches step k+1
-        if worker is not None:
-            consume(worker.speculators_capture_flush())
-        torch.cuda.synchronize()
+        starts, host, consumed = cadence_run(runner, worker, ring, inputs, offset, rows_plan, take)
     finally:
         if worker is not None:
             worker.speculators_capture_close()
-    return starts, calls, consumed
+    return starts, host["call"], consumed
 
 
 def test_fp8_capture_at_the_real_cadence():
