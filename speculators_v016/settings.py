@@ -21,6 +21,14 @@ MIN_DEFAULT_BATCHED_TOKENS = 8192
 DEFAULT_SEQ_LENGTH = 2048
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_WRITE_WORKERS = 4  # tools/benchmarks/host_path.py: 2 workers leave part of the disk idle, 4 reach it
+#: Nice levels the writer threads run below the process: where cores are contended the engine's
+#: thread (and a CPU engine's forward) gets them first, the writers what is left behind their bounded queue.
+WRITER_NICE_INCREMENT = 10
+#: Torch threads for the engine's copy of each step out of its ring slot (GPU engines; a CPU engine's
+#: threads are vLLM's, bound to its cores). On an H200 host (16 cores) a 448 MiB step took 11 ms with
+#: torch's 16 threads on an idle host but 128 ms while 4 writers hashed (one busy core stalls the whole
+#: parallel copy), 25 ms with 4 threads either way, 80 ms with the 1 thread vLLM's mp executor leaves.
+DEFAULT_COPY_THREADS = 4
 DEFAULT_LOGIT_CHECK_SAMPLES = 4
 DEFAULT_MAX_BAD_SAMPLES = 10
 DEFAULT_PREPROCESSING_WORKERS = 8

@@ -14,12 +14,16 @@ Those tensors are fresh memory, or come from ``allocate`` (e.g.
 writer gives back once a sample is on disk). With FP8 storage the step
 carries e4m3 codes and one scale per row; both are copied alike (one
 allocation holds a request's codes and scales), and callers get one
-:class:`~speculators_v016.fp8.Fp8States` per layer.
+:class:`~speculators_v016.fp8.Fp8States` per layer. ``copy_threads`` bounds
+torch's intra-op threads for these copies (restored after each step): a copy
+split over every core stalls whenever the writers' threads take one of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +31,7 @@ import torch
 
 from speculators_v016.fp8 import CODE_DTYPE, SCALE_DTYPE, Fp8States
 from speculators_v016.protocol import StepCapture
+from speculators_v016.settings import DEFAULT_COPY_THREADS
 
 
 class AttributionError(RuntimeError):
@@ -59,13 +64,36 @@ def expected_rows(scheduler_output) -> dict[str, tuple[int, int]]:
     return {rid: (starts[rid], n) for rid, n in scheduler_output.num_scheduled_tokens.items()}
 
 
+@contextmanager
+def torch_threads(count: int | None) -> Iterator[None]:
+    """Torch's intra-op thread count set to ``count`` inside the block and restored after (None: unchanged)."""
+    before = torch.get_num_threads()
+    if count is None or count == before:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def copy_threads(device_type: str) -> int | None:
+    """Torch threads for the copies out of the ring slots: bounded on GPU engines, vLLM's own on CPU ones."""
+    if device_type == "cpu":  # vLLM's CPU worker bound its threads to cores; its forward shares them
+        return None
+    return max(1, min(DEFAULT_COPY_THREADS, len(os.sched_getaffinity(0))))
+
+
 class Assembler:
     """Collects step captures; hands out requests whose states are complete."""
 
-    def __init__(self, capture_order: tuple[int, ...], allocate: Allocate | None = None, fp8: bool = False):
+    def __init__(self, capture_order: tuple[int, ...], allocate: Allocate | None = None, fp8: bool = False,
+                 copy_threads: int | None = None):
         self.capture_order = capture_order  # requested layer j -> row in the captured stack
         self.allocate = allocate or _fresh
         self.fp8 = fp8  # captures carry e4m3 codes and scales
+        self.copy_threads = copy_threads  # torch threads for the copies (None: as they are)
         self._requests: dict[str, _Request] = {}
         self._expected: dict[int, dict[str, tuple[int, int]]] = {}
         self._complete: list[str] = []
@@ -95,10 +123,11 @@ class Assembler:
                                    f"{sum(capture.counts)} scheduled tokens")
         self._check_storage(capture)
         offset = 0
-        for req_id, start, count in zip(capture.req_ids, capture.starts, capture.counts):
-            scales = capture.scales[:, offset: offset + count] if self.fp8 else None
-            self._add_rows(req_id, start, capture.states[:, offset: offset + count], scales)
-            offset += count
+        with torch_threads(self.copy_threads):
+            for req_id, start, count in zip(capture.req_ids, capture.starts, capture.counts):
+                scales = capture.scales[:, offset: offset + count] if self.fp8 else None
+                self._add_rows(req_id, start, capture.states[:, offset: offset + count], scales)
+                offset += count
 
     def _check_storage(self, capture: StepCapture) -> None:
         """The capture holds what this run stores: FP8 codes with one scale per row, or no scales."""

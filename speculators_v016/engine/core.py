@@ -26,7 +26,7 @@ from typing import Any
 
 from loguru import logger
 
-from speculators_v016.engine.assembly import Allocate, Assembler, AttributionError, expected_rows
+from speculators_v016.engine.assembly import Allocate, Assembler, AttributionError, copy_threads, expected_rows
 from speculators_v016.engine.executor import capture_executor, executor_kind
 from speculators_v016.engine.shm_records import RunRecord, reclaim_and_log
 from speculators_v016.engine.slot_ring import SlotRing
@@ -184,6 +184,7 @@ class CaptureEngine:
         self.dtype = config.model_config.dtype
         self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens
         self.max_prompt_len = config.model_config.max_model_len - 1  # room for the one sampled token
+        self.copy_threads = copy_threads(config.device_config.device_type)
 
     def _check_started(self, config) -> None:
         """The ring covers the steps in flight, and the loaded model has the planned depth."""
@@ -347,7 +348,8 @@ class CaptureEngine:
         """
         if self._broken is not None:
             raise RuntimeError(f"this engine failed earlier and cannot be used again: {self._broken}")
-        assembler = Assembler(self.plan.capture_order, allocate, fp8=self.settings.fp8)
+        assembler = Assembler(self.plan.capture_order, allocate, fp8=self.settings.fp8,
+                              copy_threads=self.copy_threads)
         feed, waiting, in_flight = iter(prompts), set(), deque()
         window = window or 2 * self.settings.max_num_seqs
         more = True

@@ -95,3 +95,37 @@ def test_capture_without_rows_is_an_error():
     asm.expect(1, {"a": (0, 2)})
     with pytest.raises(AttributionError, match="None rows for 2 scheduled tokens"):
         asm.add(StepCapture(1, ["a"], [0], [2], slot=0))
+
+
+def test_copies_run_with_the_bounded_thread_count_and_restore_it():
+    """With copy_threads, the step's copies run on that many torch threads; the count is restored after."""
+    before = torch.get_num_threads()
+    want = 1 if before > 1 else 2
+    seen = []
+
+    def allocate(specs):  # called inside add(), where the copies happen
+        seen.append(torch.get_num_threads())
+        return [torch.empty(tuple(shape), dtype=dtype) for shape, dtype in specs]
+
+    asm = Assembler((0, 1), allocate, copy_threads=want)
+    asm.add_request("a", "A", 3)
+    asm.expect(1, {"a": (0, 3)})
+    asm.add(capture(1, [("a", 0, 3)]))
+    assert seen == [want] and torch.get_num_threads() == before
+    [(_, states)] = asm.pop_complete()
+    assert states[1][:, 0].tolist() == [1000, 1001, 1002]
+    asm.expect(2, {"b": (0, 2)})  # never added: the copy loop raises, inside the bounded block
+    with pytest.raises(AttributionError, match="unknown request b"):
+        asm.add(capture(2, [("b", 0, 2)]))
+    assert torch.get_num_threads() == before
+
+
+def test_gpu_engines_bound_copy_threads_cpu_engines_keep_vllms():
+    """copy_threads: None on a CPU engine (vLLM's bound threads), at most DEFAULT_COPY_THREADS and the usable CPUs."""
+    import os
+
+    from speculators_v016.engine.assembly import copy_threads
+    from speculators_v016.settings import DEFAULT_COPY_THREADS
+
+    assert copy_threads("cpu") is None
+    assert copy_threads("cuda") == min(DEFAULT_COPY_THREADS, len(os.sched_getaffinity(0)))

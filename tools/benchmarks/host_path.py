@@ -11,7 +11,10 @@ average), so some straddle two steps. Printed, interleaved over --rounds
 against raw ``write`` + ``fsync`` of the same bytes to the same folder (one
 stream, and as many streams as the most workers) and against sha256 alone;
 the cores the process used (CPU time / wall); the engine thread's copy per
-448 MiB step into pooled blocks and into fresh memory. ``--fp8`` also pushes
+448 MiB step into pooled blocks and into fresh memory. The copies run on the
+torch threads a GPU engine gives them (``DEFAULT_COPY_THREADS``); where torch
+has more, the default workers also run with the copies on all of them (the
+previous release's way), side by side. ``--fp8`` also pushes
 the same steps stored as FP8 (``--hidden-states-dtype fp8_e4m3``: e4m3 codes and
 one float32 scale per row, quantized into the slot as a CPU worker does) through
 the same path, and prints bytes per token and GiB/s of *source* (bf16) states.
@@ -54,6 +57,7 @@ from speculators_v016.store.writer import SampleWriter
 
 CURRENT = "reject" in inspect.signature(SampleWriter.__init__).parameters  # False: an earlier checkout's writer
 if CURRENT:
+    from speculators_v016.engine.assembly import copy_threads
     from speculators_v016.engine.buffer_pool import BufferPool
     from speculators_v016.run.pipeline import reject_non_finite
 
@@ -87,15 +91,19 @@ def steps(lengths: list[int]):
         yield step
 
 
-def through_writer(ring: SlotRing, lengths: list[int], folder: Path, workers: int, pool, fp8: bool = False) -> dict:
+def through_writer(ring: SlotRing, lengths: list[int], folder: Path, workers: int, pool, fp8: bool = False,
+                   threads: str = "engine") -> dict:
     """Slots -> assembler -> writer -> durable files, as the pipeline runs them; bytes, seconds, CPU, copy time.
 
-    With an earlier checkout's writer (``CURRENT`` False): its pipeline's way,
-    fresh tensors, the NaN check on this thread, ``put(index, sample)``.
+    The copies out of the slots run on the torch threads a GPU engine gives them
+    (``threads="engine"``) or on all of torch's (``"torch"``, as before). With an
+    earlier checkout's writer (``CURRENT`` False): its pipeline's way, fresh
+    tensors, the NaN check on this thread, ``put(index, sample)``.
     """
     if CURRENT:
         writer = SampleWriter(folder, "safetensors", LAYER_IDS, workers=workers, reject=reject_non_finite(LAYER_IDS))
-        assembler = Assembler(tuple(range(LAYERS)), allocate=pool.take if pool else None, fp8=fp8)
+        assembler = Assembler(tuple(range(LAYERS)), allocate=pool.take if pool else None, fp8=fp8,
+                              copy_threads=copy_threads("cuda") if threads == "engine" else None)
     else:
         writer = SampleWriter(folder, "safetensors", LAYER_IDS, workers=workers)
         assembler = Assembler(tuple(range(LAYERS)))
@@ -257,6 +265,9 @@ def main() -> None:
                             lambda: through_writer(fp8_ring, lengths, base, DEFAULT_WRITE_WORKERS, pool, fp8=True)))
             through_writer(fp8_ring, lengths[: max(1, len(lengths) // 4)], base, DEFAULT_WRITE_WORKERS, pool, fp8=True)
             clear(base)
+        if copy_threads("cuda") != torch.get_num_threads():
+            configs.append((f"writer, {DEFAULT_WRITE_WORKERS} worker(s), copy on {torch.get_num_threads()} threads",
+                            lambda: through_writer(ring, lengths, base, DEFAULT_WRITE_WORKERS, pool, threads="torch")))
         if opts.fresh:
             configs.append((f"writer, {DEFAULT_WRITE_WORKERS} worker(s), fresh memory",
                             lambda: through_writer(ring, lengths, base, DEFAULT_WRITE_WORKERS, None)))
