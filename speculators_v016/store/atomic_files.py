@@ -27,6 +27,14 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def drop_pages(fd: int) -> None:
+    """Ask the kernel to drop a durable file's (clean) pages from the page cache; ignored where unsupported."""
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except (AttributeError, OSError):
+        pass
+
+
 def write_parts(fh, parts: Sequence, digest) -> int:
     """Write ``parts`` in order to ``fh``, hashing on the way; return the bytes written.
 
@@ -44,12 +52,15 @@ def write_parts(fh, parts: Sequence, digest) -> int:
     return size
 
 
-def write_durable(directory: Path, name: str, parts: bytes | Sequence) -> tuple[int, str]:
+def write_durable(directory: Path, name: str, parts: bytes | Sequence, *, drop_cache: bool = False
+                  ) -> tuple[int, str]:
     """Write ``parts`` (in order) to ``directory/name``: temporary name, fsync, rename; return (bytes, sha256 hex).
 
     The file's contents are on disk before it gets its final name, so the name
     never shows a partial file; the rename itself is durable once the folder is
     fsynced (:func:`fsync_dir`), which callers may do once for many files.
+    ``drop_cache``: once on disk, the file's pages leave the page cache
+    (``POSIX_FADV_DONTNEED``; advice only, never an error).
     """
     parts = [memoryview(p).cast("B") for p in ([parts] if isinstance(parts, (bytes, bytearray)) else parts)]
     tmp = directory / f"{TMP_PREFIX}{name}.{os.getpid()}"
@@ -58,6 +69,8 @@ def write_durable(directory: Path, name: str, parts: bytes | Sequence) -> tuple[
         with tmp.open("wb", buffering=0) as fh:
             size = write_parts(fh, parts, digest)
             os.fsync(fh.fileno())
+            if drop_cache:
+                drop_pages(fh.fileno())
         os.replace(tmp, directory / name)
     except OSError as exc:
         tmp.unlink(missing_ok=True)

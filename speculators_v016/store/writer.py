@@ -11,7 +11,10 @@ sample is written (or rejected, or dropped after an error) its ``done``
 callback runs, e.g. to give its buffers back to a pool.
 
 sha256 and file writes release the GIL, so ``workers`` threads hash and write
-on as many cores. The queue between the engine and the workers is bounded, so
+on as many cores. They run ``nice`` levels below the process, so a contended
+core goes to the engine first, and drop each file's pages from the page cache
+once it is durable: a run writes far more than memory holds, and what the
+cache would evict for it (model weights, the dataset) is worth more. The queue between the engine and the workers is bounded, so
 a slow disk slows generation instead of filling memory. The first write error
 stops the run: :meth:`SampleWriter.put` raises :class:`WriteError` naming the path.
 """
@@ -25,11 +28,22 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from speculators_v016.settings import DEFAULT_WRITE_WORKERS
+from speculators_v016.settings import DEFAULT_WRITE_WORKERS, WRITER_NICE_INCREMENT
 from speculators_v016.store.atomic_files import WriteError, write_durable
 from speculators_v016.store.group_commit import DEFAULT_COMMIT_INTERVAL, GroupCommit
 from speculators_v016.store.manifest import Entry, Manifest
 from speculators_v016.store.sample_format import encode_parts, sample_name
+
+
+def lower_this_thread(increment: int) -> None:
+    """Run the calling thread ``increment`` nice levels lower (Linux: per thread); left as is where not allowed."""
+    if increment <= 0:
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+    except (AttributeError, OSError):
+        pass
 
 
 class SampleWriter:
@@ -43,7 +57,7 @@ class SampleWriter:
 
     def __init__(self, directory: Path, fmt: str, layer_ids: list[int], *, workers: int = DEFAULT_WRITE_WORKERS,
                  bound: int = 8, reject: Callable[[dict], Any] | None = None, cpus: Iterable[int] | None = None,
-                 commit_interval: float = DEFAULT_COMMIT_INTERVAL):
+                 commit_interval: float = DEFAULT_COMMIT_INTERVAL, nice: int = WRITER_NICE_INCREMENT):
         if workers < 1:
             raise ValueError(f"write workers must be at least 1, got {workers}")
         self.directory, self.fmt, self.layer_ids = Path(directory), fmt, layer_ids
@@ -51,6 +65,7 @@ class SampleWriter:
         self.queue: queue.Queue = queue.Queue(maxsize=bound)
         self.reject = reject
         self.cpus = set(cpus) if cpus else None
+        self.nice = nice
         self.error: BaseException | None = None
         self.written = 0  # samples committed (file durable, manifest line fsynced)
         self.bytes = 0
@@ -65,6 +80,7 @@ class SampleWriter:
     def _work(self) -> None:
         if self.cpus:
             os.sched_setaffinity(0, self.cpus)  # this thread only
+        lower_this_thread(self.nice)
         while (job := self.queue.get()) is not None:
             index, sample, done = job
             try:
@@ -85,7 +101,8 @@ class SampleWriter:
                 self._rejected.append((index, reason))
             return
         name = sample_name(index, self.fmt)
-        size, sha256 = write_durable(self.directory, name, encode_parts(sample, self.fmt, self.layer_ids))
+        size, sha256 = write_durable(self.directory, name, encode_parts(sample, self.fmt, self.layer_ids),
+                                     drop_cache=True)
         self.commit.add(Entry(index, name, size, sha256, int(sample["input_ids"].shape[0])))
 
     def _count(self, batch: list[Entry]) -> None:

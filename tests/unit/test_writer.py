@@ -126,3 +126,39 @@ def test_workers_run_on_the_cpus_given(tmp_path):
         writer.put(i, sample(i))
     writer.close()
     assert seen == {frozenset(cpus[:1])}
+
+
+def test_workers_run_below_the_engine_and_drop_written_pages(tmp_path, monkeypatch):
+    """Writer threads run WRITER_NICE_INCREMENT nice levels lower; each file's pages are dropped once fsynced."""
+    from speculators_v016.settings import WRITER_NICE_INCREMENT
+
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen, dropped = set(), []
+    real = os.posix_fadvise
+
+    def advise(fd, offset, length, advice):  # records what the file held when it was advised
+        dropped.append((os.fstat(fd).st_size, advice))
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", advise)
+    writer = SampleWriter(tmp_path, "safetensors", [1, 2], workers=2,
+                          reject=lambda s: seen.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    for i in range(4):
+        writer.put(i, sample(i))
+    writer.close()
+    assert seen == {min(19, mine + WRITER_NICE_INCREMENT)}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller's thread is untouched
+    sizes = sorted(e.bytes for e in Manifest(tmp_path).entries().values())
+    assert sorted(dropped) == [(size, os.POSIX_FADV_DONTNEED) for size in sizes]
+
+
+def test_a_refused_cache_drop_is_not_a_write_error(tmp_path, monkeypatch):
+    """posix_fadvise failing (advice only) leaves the sample written and listed."""
+    def refuse(*args):
+        raise OSError(errno.EINVAL, "not supported here")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse)
+    writer = SampleWriter(tmp_path, "safetensors", [1, 2], workers=1)
+    writer.put(0, sample(0))
+    writer.close()
+    assert list(Manifest(tmp_path).entries()) == [0]
