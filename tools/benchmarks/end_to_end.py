@@ -8,8 +8,14 @@ reports it); "generator alone" streams the same token samples and drops them.
 ``--shape wide`` is a wide, thin Llama (hidden 7168, 4 layers, 2 heads of 64,
 MLP 64) on which the states' bytes, not the model, set the pace.
 
+``--steady SMALL`` also runs both on the first SMALL conversations and prints
+the steady rate, (tokens of the long run - tokens of the short) / (seconds of
+the long - seconds of the short), so what every run pays once (the CLI's last
+files written after the engine's last step, the logit check's first samples)
+cancels out, as it does over the hundreds of thousands of samples of a real run.
+
     python tools/benchmarks/end_to_end.py [--samples 256] [--rounds 2] [--eager] [--before CHECKOUT]
-    python tools/benchmarks/end_to_end.py --shape wide --samples 64 --batched-tokens 2048 --eager
+    python tools/benchmarks/end_to_end.py --shape wide --samples 128 --steady 32 --batched-tokens 2048 --eager
 """
 
 from __future__ import annotations
@@ -65,7 +71,8 @@ def generator_alone(args: dict) -> dict:
         pass
     seconds = time.perf_counter() - start
     tokens = sum(map(len, samples.input_ids))
-    return {"samples_per_s": len(samples) / seconds, "tokens_per_s": tokens / seconds}
+    return {"samples_per_s": len(samples) / seconds, "tokens_per_s": tokens / seconds, "tokens": tokens,
+            "seconds": seconds, "samples": len(samples)}
 
 
 def end_to_end(model: str, data: Path, eager: bool, batched_tokens: int | None, code_from: str | None = None
@@ -84,7 +91,15 @@ def end_to_end(model: str, data: Path, eager: bool, batched_tokens: int | None, 
             raise RuntimeError(proc.stderr[-3000:])
     written = int(re.search(r"written:\s+(\d+) samples", proc.stdout).group(1))
     tokens, seconds = re.search(r"tokens:\s+(\d+) in ([\d.]+) s of generation", proc.stdout).groups()
-    return {"samples_per_s": written / float(seconds), "tokens_per_s": int(tokens) / float(seconds)}
+    return {"samples_per_s": written / float(seconds), "tokens_per_s": int(tokens) / float(seconds),
+            "tokens": int(tokens), "seconds": float(seconds), "samples": written}
+
+
+def steady(long: dict, short: dict) -> dict:
+    """The rate between a short and a long run of the same first prompts: what both pay once cancels."""
+    seconds = long["seconds"] - short["seconds"]
+    return {"samples_per_s": (long["samples"] - short["samples"]) / seconds,
+            "tokens_per_s": (long["tokens"] - short["tokens"]) / seconds}
 
 
 def main() -> None:
@@ -94,6 +109,8 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="base")
     ap.add_argument("--batched-tokens", type=int, default=None, help="max_num_batched_tokens (default: the engine's)")
+    ap.add_argument("--steady", type=int, default=None, metavar="SMALL",
+                    help="also run on the first SMALL conversations and print the steady rate (long - short)")
     ap.add_argument("--model-dir", default=None, help="default: /tmp/speculators-v016-bench/<shape>")
     ap.add_argument("--before", default=None, metavar="CHECKOUT",
                     help="also run the CLI with the speculators_v016 of this checkout, interleaved")
@@ -103,13 +120,21 @@ def main() -> None:
     model = str(bench_model(where, shape.pop("hidden"), shape.pop("layers"), **shape))
     with tempfile.TemporaryDirectory() as tmp:
         data = conversations(Path(tmp) / "chats.jsonl", opts.samples)
-        runs = {"cli": [], "gen": []} | ({"before": []} if opts.before else {})
+        lengths = {"": data}
+        if opts.steady:
+            lengths["short "] = Path(tmp) / "short.jsonl"
+            lengths["short "].write_text("".join(data.read_text().splitlines(keepends=True)[: opts.steady]))
+        runs = {f"{n}{k}": [] for n in lengths for k in ["cli", "gen"] + (["before"] if opts.before else [])}
+        gen_args = {"model": model, "eager": opts.eager, "batched_tokens": opts.batched_tokens}
         for _ in range(opts.rounds):
-            runs["cli"].append(end_to_end(model, data, opts.eager, opts.batched_tokens))
-            if opts.before:
-                runs["before"].append(end_to_end(model, data, opts.eager, opts.batched_tokens, opts.before))
-            runs["gen"].append(child(__file__, {"model": model, "data": str(data), "eager": opts.eager,
-                                                "batched_tokens": opts.batched_tokens}))
+            for name, path in lengths.items():
+                runs[f"{name}cli"].append(end_to_end(model, path, opts.eager, opts.batched_tokens))
+                if opts.before:
+                    runs[f"{name}before"].append(end_to_end(model, path, opts.eager, opts.batched_tokens, opts.before))
+                runs[f"{name}gen"].append(child(__file__, gen_args | {"data": str(path)}))
+        if opts.steady:
+            for key in [k for k in runs if not k.startswith("short ")]:
+                runs[f"steady {key}"] = [steady(a, b) for a, b in zip(runs[key], runs[f"short {key}"])]
     med = {k: {m: statistics.median(r[m] for r in v) for m in ("samples_per_s", "tokens_per_s")}
            for k, v in runs.items()}
     print(f"{opts.shape} model ({SHAPES[opts.shape]}), {opts.samples} conversations, seq length {SEQ}, "
@@ -118,14 +143,21 @@ def main() -> None:
     for key, values in runs.items():
         rates = ", ".join(f"{r['tokens_per_s']:,.0f}" for r in values)
         print(f"  runs {key}: {rates} tokens/s")
-    for key, label in (("cli", "speculators-data-gen (written)"), ("before", "  the same, before"),
-                       ("gen", "generator alone (dropped)")):
-        if key in med:
-            print(f"  {label:32} {med[key]['samples_per_s']:8.1f} samples/s "
-                  f"{med[key]['tokens_per_s']:10,.0f} tokens/s")
-    print(f"  ratio end-to-end / generator   {med['cli']['tokens_per_s'] / med['gen']['tokens_per_s']:.2f}x")
-    if "before" in med:
-        print(f"  ratio end-to-end after / before {med['cli']['tokens_per_s'] / med['before']['tokens_per_s']:.2f}x")
+    for prefix, what in (("", f"{opts.samples} conversations"), ("short ", f"the first {opts.steady}"),
+                         ("steady ", f"steady: {opts.samples} minus the first {opts.steady}")):
+        if f"{prefix}cli" not in med:
+            continue
+        print(f"  {what}:")
+        for key, label in (("cli", "speculators-data-gen (written)"), ("before", "  the same, before"),
+                           ("gen", "generator alone (dropped)")):
+            if f"{prefix}{key}" in med:
+                print(f"    {label:32} {med[prefix + key]['samples_per_s']:8.1f} samples/s "
+                      f"{med[prefix + key]['tokens_per_s']:10,.0f} tokens/s")
+        print(f"    ratio end-to-end / generator   "
+              f"{med[prefix + 'cli']['tokens_per_s'] / med[prefix + 'gen']['tokens_per_s']:.2f}x")
+        if f"{prefix}before" in med:
+            print(f"    ratio end-to-end after / before "
+                  f"{med[prefix + 'cli']['tokens_per_s'] / med[prefix + 'before']['tokens_per_s']:.2f}x")
 
 
 if __name__ == "__main__":
