@@ -36,7 +36,10 @@ LAYERS = [2, 4, 5, 7]
 
 SHAPES = {
     "base": dict(hidden=512, layers=8, capture=[2, 4, 5, 7]),
-    "wide": dict(hidden=7168, layers=4, capture=[0, 1, 2, 3], intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+    # layers 1-3, as the CLI's default plan takes them: on this random, thin model the stream proof cannot
+    # tell layer 0's output convention apart (one wrong candidate moves layer 1's outputs by 2.5%, under its
+    # 5% margin), so a capture of layer 0 is refused: unproven, not guessed
+    "wide": dict(hidden=7168, layers=4, capture=[1, 2, 3], intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
                  head_dim=64),
 }
 LABELS = {"async": "generator, async, stream()", "generate": "generator, async, generate()",
