@@ -14,9 +14,10 @@ sha256 and file writes release the GIL, so ``workers`` threads hash and write
 on as many cores. They run ``nice`` levels below the process, so a contended
 core goes to the engine first, and drop each file's pages from the page cache
 once it is durable: a run writes far more than memory holds, and what the
-cache would evict for it (model weights, the dataset) is worth more. The queue between the engine and the workers is bounded, so
-a slow disk slows generation instead of filling memory. The first write error
-stops the run: :meth:`SampleWriter.put` raises :class:`WriteError` naming the path.
+cache would evict for it (model weights, the dataset) is worth more. The
+queue between the engine and the workers is bounded, so a slow disk slows
+generation instead of filling memory. The first write error stops the run:
+:meth:`SampleWriter.put` raises :class:`WriteError` naming the path.
 """
 
 from __future__ import annotations
