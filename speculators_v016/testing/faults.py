@@ -116,8 +116,8 @@ def install() -> None:
 
         original_durable = writer.write_durable
 
-        def write_durable(directory, name, parts):
-            result = original_durable(directory, name, parts)
+        def write_durable(directory, name, parts, **options):
+            result = original_durable(directory, name, parts, **options)
             if _armed(point):
                 _kill()
             return result
