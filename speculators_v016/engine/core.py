@@ -1,8 +1,9 @@
 """vLLM 0.16 driven step by step, with capture between the two phases.
 
-Each step: ``execute_model`` -> ``speculators_capture_step`` on the workers
-(reads the runner's ``execute_model_state.aux_hidden_states``) ->
-``sample_tokens``. With async scheduling (the default) up to
+Each step: ``execute_model`` -> the capture on the workers (reads the
+runner's ``execute_model_state.aux_hidden_states``) -> ``sample_tokens``; the
+last two travel as one RPC (``speculators_capture_sample``) where the
+executor allows it. With async scheduling (the default) up to
 ``max_concurrent_batches`` (2) steps are in flight, as in vLLM's own
 ``EngineCore.step_with_batch_queue``; every call is non-blocking. Each step
 gets a slot of the engine's :class:`~speculators_v016.engine.slot_ring.SlotRing`,
@@ -58,8 +59,8 @@ class EngineStats:
 class _Step:
     scheduler_output: Any
     executed: Any  # future of execute_model
-    output: Any  # future of the ModelRunnerOutput
-    capture: Any = None  # future of the previous step's capture
+    output: Any  # future of (ModelRunnerOutput, the previous step's capture), or of execute_model's output
+    captured: bool = True  # output carries a capture (not for a step without scheduled tokens)
 
 
 #: Engine starts tried when vLLM's rendezvous port is taken under it (see :func:`port_taken`).
@@ -281,22 +282,25 @@ class CaptureEngine:
         so = self.scheduler.schedule()
         executed = self.executor.execute_model(so, non_block=True)
         if so.total_num_scheduled_tokens == 0:  # still carries finished request ids to the workers
-            return _Step(so, executed, executed)
+            return _Step(so, executed, executed, captured=False)
         self._step += 1
         self.stats.steps += 1
         assembler.expect(self._step, expected_rows(so))
         slot = self.ring.acquire() if self.ring is not None else None
-        capture = self.executor.capture_rpc("speculators_capture_step", (self._step, slot), non_block=True)
-        output = self.executor.sample_tokens(self.scheduler.get_grammar_bitmask(so), non_block=True)
-        return _Step(so, executed, output, capture)
+        output = self.executor.capture_and_sample(self._step, slot, self.scheduler.get_grammar_bitmask(so))
+        return _Step(so, executed, output)
 
     def _retire(self, step: _Step, assembler: Assembler, keep: bool = True) -> None:
-        output = step.output.result()
+        try:
+            output = step.output.result()
+        except Exception:
+            step.executed.result()  # execute_model's own error, if it failed first
+            raise
+        output, capture = output if step.captured else (output, None)
         if output is None:  # execute_model failed: raise its error
             step.executed.result()
             raise RuntimeError("vLLM returned no model output for a step")
-        if step.capture is not None:
-            self._consume(step.capture.result(), assembler, keep)
+        self._consume(capture, assembler, keep)
         outputs = self.scheduler.update_from_output(step.scheduler_output, output)
         if self._logprob_keys:
             self._keep_prompt_logprobs(outputs)

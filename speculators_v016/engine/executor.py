@@ -1,4 +1,4 @@
-"""vLLM's executor class, extended with the capture set-up after model load, a capture RPC and a close."""
+"""vLLM's executor class, extended with the capture set-up after model load, capture RPCs and a close."""
 
 from __future__ import annotations
 
@@ -23,6 +23,19 @@ class Single:
 
     def result(self):
         return self._pick(self._future.result())
+
+
+class Pair:
+    """Two futures as one of ``(first's result, second's result)``."""
+
+    def __init__(self, first, second):
+        self._first, self._second = first, second
+
+    def done(self) -> bool:
+        return self._first.done() and self._second.done()
+
+    def result(self):
+        return self._first.result(), self._second.result()
 
 
 def executor_kind(base: type) -> str:
@@ -51,15 +64,27 @@ def capture_executor(base: type, ring: SlotRing | None) -> type:
                 args=(cfg["capture_ids"], self.capture_output_rank, cfg["capture_mode"],
                       ring.spec if ring is not None else None, cfg["hidden_states_dtype"])))
 
-        def capture_rpc(self, method: str, args: tuple = (), non_block: bool = False):
+        def capture_rpc(self, method: str, args: tuple = (), non_block: bool = False, timeout: float | None = None):
             if one_reply and hasattr(self, "output_rank"):
-                res = self.collective_rpc(method, args=args, non_block=non_block,
+                res = self.collective_rpc(method, args=args, non_block=non_block, timeout=timeout,
                                           unique_reply_rank=self.output_rank)
                 pick = lambda r: r  # noqa: E731
             else:
-                res = self.collective_rpc(method, args=args, non_block=non_block)
+                res = self.collective_rpc(method, args=args, non_block=non_block, timeout=timeout)
                 pick = lambda rs: next((r for r in rs if r is not None), None)  # noqa: E731
             return Single(res, pick) if non_block else pick(res)
+
+        def capture_and_sample(self, step: int, slot: int | None, grammar_output):
+            """Future of ``(model runner output, the previous step's capture)``: step ``step`` captured
+            into ``slot``, then sampled. One RPC where vLLM's executor runs ours (uni, mp; not with a
+            KV connector, whose aggregator reads the replies), else the capture RPC and vLLM's own."""
+            if self.kind in ("uni", "mp") and getattr(self, "kv_output_aggregator", None) is None:
+                from vllm import envs
+
+                return self.capture_rpc("speculators_capture_sample", (step, slot, grammar_output),
+                                        non_block=True, timeout=envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)
+            capture = self.capture_rpc("speculators_capture_step", (step, slot), non_block=True)
+            return Pair(self.sample_tokens(grammar_output, non_block=True), capture)
 
         def shutdown(self) -> None:
             """Release the capture in the workers (staging, the ring's pinned registration), then vLLM's shutdown."""

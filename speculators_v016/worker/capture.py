@@ -5,10 +5,13 @@ vLLM mixes :class:`CaptureWorkerExtension` into its worker class
 are reached with ``collective_rpc``. Method names carry a ``speculators_``
 prefix: an extension may not redefine a worker method.
 
-Between ``execute_model`` and ``sample_tokens`` of step ``k`` the engine calls
-:meth:`~CaptureWorkerExtension.speculators_capture_step` with the ring slot it
-gave that step. On the output rank the step's aux states (only the scheduled
-tokens, no padding) are copied into the slot, one contiguous copy per layer.
+Between ``execute_model`` and ``sample_tokens`` of step ``k`` the worker
+captures the step into the ring slot the engine gave it: in the same RPC as
+``sample_tokens`` (:meth:`~CaptureWorkerExtension.speculators_capture_sample`,
+uniprocess and multiprocess executors), or in one of its own
+(:meth:`~CaptureWorkerExtension.speculators_capture_step`, Ray). On the
+output rank the step's aux states (only the scheduled tokens, no padding) are
+copied into the slot, one contiguous copy per layer.
 On GPUs the ring is registered once as pinned memory and the copy takes one
 of two paths, chosen at set-up (:func:`~speculators_v016.worker.staging.plan_staging`)
 and reported in the set-up info (``copy_path``):
@@ -25,8 +28,9 @@ Either way the copy is ordered after the step's forward and before the next
 forward overwrites any buffer (CUDA graphs reuse theirs). On CPU it is a
 plain copy. The reply is the *previous* step's metadata
 (:class:`StepCapture`: slot, request ids, starts, counts), waiting for its
-copy into the slot to complete: the host thread never waits for the step
-still running, and no state crosses the process boundary by pickling. Other
+copy into the slot to complete (with ``speculators_capture_sample``, on vLLM's
+output thread, beside the sampled tokens): the host thread never waits for
+the step still running, and no state crosses the process boundary by pickling. Other
 ranks return nothing. Without a ring (the Ray executor, whose workers may sit
 on other hosts) the states travel in the reply, as a host tensor (direct
 path).
@@ -49,7 +53,9 @@ host.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -71,6 +77,30 @@ class _Pending:
         if self.ready is not None:
             self.ready.synchronize()
         return self.capture
+
+
+@functools.cache
+def _paired_class() -> type:
+    """vLLM's async output type, carrying a step's model output and the previous step's capture."""
+    from vllm.v1.outputs import AsyncModelRunnerOutput
+
+    class PairedOutput(AsyncModelRunnerOutput):
+        def __init__(self, output: Any, pending: _Pending | None):
+            self._output, self._pending = output, pending
+
+        def get_output(self) -> tuple[Any, StepCapture | None]:
+            output = self._output
+            if isinstance(output, AsyncModelRunnerOutput):
+                output = output.get_output()
+            return output, (self._pending.result() if self._pending is not None else None)
+
+    return PairedOutput
+
+
+def paired_output(output: Any, pending: _Pending | None) -> Any:
+    """``output`` (vLLM's, async or not) and ``pending`` as one async output: vLLM's executors call
+    its ``get_output`` (on their output thread with async scheduling) before the reply is sent."""
+    return _paired_class()(output, pending)
 
 
 class CaptureWorkerExtension:
@@ -193,6 +223,22 @@ class CaptureWorkerExtension:
 
     def speculators_capture_step(self, step: int, slot: int | None = None) -> StepCapture | None:
         """Capture step ``step`` (just executed) into ``slot``; return the previous step's capture."""
+        pending = self._speculators_advance(step, slot)
+        return pending.result() if pending is not None else None
+
+    def speculators_capture_sample(self, step: int, slot: int | None, grammar_output: Any) -> Any:
+        """:meth:`speculators_capture_step`, then vLLM's ``sample_tokens``, in one RPC.
+
+        The reply is ``(model runner output, previous step's capture)``. It is
+        built where vLLM builds its own async output (the worker's output
+        thread with async scheduling), so this thread never waits for the
+        previous step's copy, and each step costs the engine two RPCs, not three.
+        """
+        pending = self._speculators_advance(step, slot)
+        return paired_output(self.sample_tokens(grammar_output), pending)
+
+    def _speculators_advance(self, step: int, slot: int | None) -> _Pending | None:
+        """Start step ``step``'s capture into ``slot``; return the previous step's (still pending)."""
         if getattr(self, "_speculators_closed", False):
             raise RuntimeError(f"step {step}: the capture was closed (speculators_capture_close)")
         if not self._speculators_is_output:
@@ -201,7 +247,7 @@ class CaptureWorkerExtension:
         if pending is not None and slot is not None and pending.capture.slot == slot:
             raise RuntimeError(f"step {step}: slot {slot} still holds step {pending.capture.step}")
         self._speculators_pending = self._speculators_take(step, slot)
-        return pending.result() if pending is not None else None
+        return pending
 
     def speculators_capture_flush(self) -> StepCapture | None:
         """Return the last pending capture (call when no step is in flight)."""

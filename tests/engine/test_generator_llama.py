@@ -45,6 +45,34 @@ def test_runs_async_with_two_steps_in_flight(generator, results):
     assert generator.engine.stats.max_in_flight == 2
 
 
+def rpcs_per_step(generator, prompts) -> tuple[dict, int]:
+    """The executor's RPCs (by method) while ``prompts`` stream, and the steps they took."""
+    executor, methods = generator.engine.executor, {}
+    original = executor.collective_rpc
+
+    def counting(method, *args, **kwargs):
+        methods[method] = methods.get(method, 0) + 1
+        return original(method, *args, **kwargs)
+
+    steps = generator.engine.stats.steps
+    executor.collective_rpc = counting
+    try:
+        for _ in generator.engine.stream(enumerate(prompts)):
+            pass
+    finally:
+        del executor.collective_rpc
+    return methods, generator.engine.stats.steps - steps
+
+
+def test_a_step_is_two_rpcs_as_in_vllm(generator, prompts, results):
+    """Each step is execute_model plus one RPC that captures and samples (no separate capture or sample_tokens)."""
+    methods, steps = rpcs_per_step(generator, prompts[:4])
+    assert steps > 1
+    assert methods.pop("speculators_capture_sample") == steps
+    assert methods.pop("execute_model") >= steps  # steps without tokens run execute_model alone
+    assert methods in ({}, {"speculators_capture_flush": 1}), methods  # the last capture, once, at the end
+
+
 def test_every_layer_matches_transformers(results, reference, generator, record_architecture):
     """fp32 states of layers 0..n-1 equal transformers' layer outputs within 1e-5."""
     worst = max_abs_error(results, reference, ALL_LAYERS)
