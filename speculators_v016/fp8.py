@@ -136,8 +136,10 @@ class Fp8States:
             out.append(f"codes {self.codes.dtype} / scales {self.scales.dtype}, expected {CODE_DTYPE} / {SCALE_DTYPE}")
             return out
         if self.codes.dim() != 2 or tuple(self.scales.shape) != tuple(self.codes.shape[:1]):
-            out.append(f"codes {tuple(self.codes.shape)} and scales {tuple(self.scales.shape)} do not match "
-                       "([T, hidden] and [T])")
+            out.append(
+                f"codes {tuple(self.codes.shape)} and scales {tuple(self.scales.shape)} do not match "
+                "([T, hidden] and [T])"
+            )
             return out
         if not bool(torch.isfinite(self.scales).all()):
             out.append("NaN or Inf scales")
@@ -170,5 +172,5 @@ def tensors_of(states: list) -> list[torch.Tensor]:
 def row_values(states: torch.Tensor | Fp8States, index: int) -> torch.Tensor:
     """One row of a layer's states, as values (FP8: that row dequantized)."""
     if isinstance(states, Fp8States):
-        return dequantize(states.codes[index: index + 1 or None], states.scales[index: index + 1 or None])[0]
+        return dequantize(states.codes[index : index + 1 or None], states.scales[index : index + 1 or None])[0]
     return states[index]

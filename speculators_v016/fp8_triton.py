@@ -22,8 +22,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _quantize_rows(rows, row_stride, codes, code_stride, scales, hidden, e4m3_max, min_scale,
-                   BLOCK: tl.constexpr):
+def _quantize_rows(rows, row_stride, codes, code_stride, scales, hidden, e4m3_max, min_scale, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
     inside = offsets < hidden
@@ -39,8 +38,9 @@ def _quantize_rows(rows, row_stride, codes, code_stride, scales, hidden, e4m3_ma
     tl.store(scales + row, scale)
 
 
-def quantize_into(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, e4m3_max: float,
-                  min_scale: float) -> None:
+def quantize_into(
+    rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, e4m3_max: float, min_scale: float
+) -> None:
     """``rows`` ``[T, hidden]`` (last dimension contiguous) into ``codes`` ``[T, hidden]`` e4m3 and ``scales``
     ``[T]``, with the constants of :mod:`speculators_v016.fp8`."""
     count, hidden = rows.shape
@@ -48,13 +48,22 @@ def quantize_into(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         return
     block = triton.next_power_of_2(hidden)
     warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
-    _quantize_rows[(count,)](rows, rows.stride(0), codes, codes.stride(0), scales, hidden, e4m3_max, min_scale,
-                             BLOCK=block, num_warps=warps)
+    _quantize_rows[(count,)](
+        rows, rows.stride(0), codes, codes.stride(0), scales, hidden, e4m3_max, min_scale, BLOCK=block, num_warps=warps
+    )
 
 
 def usable(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> bool:
     """The kernel's layout: 2-D rows and codes with contiguous rows, contiguous scales, one CUDA device."""
-    return (rows.dim() == 2 and codes.dim() == 2 and scales.dim() == 1 and rows.stride(-1) == 1
-            and codes.stride(-1) == 1 and scales.is_contiguous() and rows.device == codes.device == scales.device
-            and rows.shape == codes.shape and scales.shape[0] == rows.shape[0]
-            and rows.dtype in (torch.bfloat16, torch.float16, torch.float32))
+    return (
+        rows.dim() == 2
+        and codes.dim() == 2
+        and scales.dim() == 1
+        and rows.stride(-1) == 1
+        and codes.stride(-1) == 1
+        and scales.is_contiguous()
+        and rows.device == codes.device == scales.device
+        and rows.shape == codes.shape
+        and scales.shape[0] == rows.shape[0]
+        and rows.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    )

@@ -45,13 +45,22 @@ class VllmHiddenStatesGenerator:
     :class:`~speculators_v016.settings.EngineSettings`.
     """
 
-    def __init__(self, model_path: str, layer_ids: Sequence[int] | None = None,
-                 max_model_len: int = DEFAULT_MAX_MODEL_LEN,
-                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, tensor_parallel_size: int = 1,
-                 **engine_options):
-        settings = EngineSettings(model=model_path, max_model_len=max_model_len,
-                                  gpu_memory_utilization=gpu_memory_utilization,
-                                  tensor_parallel_size=tensor_parallel_size, **engine_options)
+    def __init__(
+        self,
+        model_path: str,
+        layer_ids: Sequence[int] | None = None,
+        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+        tensor_parallel_size: int = 1,
+        **engine_options,
+    ):
+        settings = EngineSettings(
+            model=model_path,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            **engine_options,
+        )
         target = TargetInfo.read(model_path, settings.trust_remote_code)
         self._start(settings, LayerPlan.build(target.num_layers, layer_ids))
 
@@ -66,8 +75,7 @@ class VllmHiddenStatesGenerator:
         self.model_path = settings.model
         self.plan = plan
         self.layer_ids = list(plan.layer_ids)
-        logger.info("capturing layers {} of {} (vLLM aux ids {})", self.layer_ids, settings.model,
-                    list(plan.vllm_ids))
+        logger.info("capturing layers {} of {} (vLLM aux ids {})", self.layer_ids, settings.model, list(plan.vllm_ids))
         self.engine = CaptureEngine(settings, plan)
         # Attributes upstream's generator had and its DataGenerationConfig reads.
         self.tensor_parallel_size = settings.tensor_parallel_size
@@ -94,8 +102,12 @@ class VllmHiddenStatesGenerator:
         """Yield ``{"index", "input_ids", "hidden_states", "loss_mask"}`` as each prompt completes."""
         rows = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
         for index, ids, states in self.engine.stream(enumerate(rows)):
-            yield {"index": index, "input_ids": torch.tensor(ids, dtype=torch.long),
-                   "hidden_states": states, "loss_mask": None}
+            yield {
+                "index": index,
+                "input_ids": torch.tensor(ids, dtype=torch.long),
+                "hidden_states": states,
+                "loss_mask": None,
+            }
 
     def generate(self, token_ids: Sequence[Sequence[int]] | torch.Tensor) -> list[dict]:
         """Upstream's call: all results, in input order."""

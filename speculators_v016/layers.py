@@ -57,7 +57,8 @@ class LayerPlan:
         if out_of_range:
             raise LayerIdError(
                 f"layer ids {out_of_range} are out of range: this model has {num_layers} decoder "
-                f"layers, so ids run from 0 to {num_layers - 1} (id L = output of layer L)")
+                f"layers, so ids run from 0 to {num_layers - 1} (id L = output of layer L)"
+            )
         dupes = sorted({i for i in ids if ids.count(i) > 1})
         if dupes:
             raise LayerIdError(f"layer ids {dupes} are requested more than once in {ids}")
@@ -94,7 +95,7 @@ class LayerPlan:
         return {
             "layer_ids": list(self.layer_ids),
             "layer_id_meaning": "output of decoder layer L (0-based), before the final norm; "
-                                "= transformers output_hidden_states[L+1] for L < n-1",
+            "= transformers output_hidden_states[L+1] for L < n-1",
             "num_hidden_layers": self.num_layers,
             "vllm_aux_hidden_state_ids": list(self.vllm_ids),
             "eagle_aux_hidden_state_layer_ids": self.serving_ids,

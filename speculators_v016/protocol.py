@@ -97,10 +97,15 @@ class RingSpec:
         return os.path.join(self.directory, self.name)
 
     def describe(self) -> str:
-        per_row = (f"(x {self.hidden} e4m3 + 4 scale bytes)" if self.fp8
-                   else f"x {self.hidden} hidden x {self.states_bytes // self.slot_numel} bytes")
-        return (f"{self.slots} slots x {self.max_rows} rows x {self.num_ids} layers {per_row} "
-                f"= {self.total_bytes / 2**20:,.0f} MiB")
+        per_row = (
+            f"(x {self.hidden} e4m3 + 4 scale bytes)"
+            if self.fp8
+            else f"x {self.hidden} hidden x {self.states_bytes // self.slot_numel} bytes"
+        )
+        return (
+            f"{self.slots} slots x {self.max_rows} rows x {self.num_ids} layers {per_row} "
+            f"= {self.total_bytes / 2**20:,.0f} MiB"
+        )
 
 
 @dataclass

@@ -30,13 +30,17 @@ class TargetInfo:
         except ValueError as exc:
             if "trust_remote_code" not in str(exc):
                 raise
-            raise RemoteCodeError(f"{model_path} needs its own Python code to load (auto_map); refused. "
-                                  "Pass --trust-remote-code (trust_remote_code=True) only if you trust it.") from exc
+            raise RemoteCodeError(
+                f"{model_path} needs its own Python code to load (auto_map); refused. "
+                "Pass --trust-remote-code (trust_remote_code=True) only if you trust it."
+            ) from exc
         configs = [c for c in (config, getattr(config, "text_config", None)) if c is not None]
         layers = next((int(c.num_hidden_layers) for c in configs if getattr(c, "num_hidden_layers", None)), None)
         if layers is None:
-            raise ValueError(f"cannot tell how many decoder layers {model_path} has: its config "
-                             "has no num_hidden_layers (nor text_config.num_hidden_layers)")
+            raise ValueError(
+                f"cannot tell how many decoder layers {model_path} has: its config "
+                "has no num_hidden_layers (nor text_config.num_hidden_layers)"
+            )
         vocab = next((int(c.vocab_size) for c in configs if getattr(c, "vocab_size", None)), 0)
         return cls(str(model_path), layers, vocab)
 

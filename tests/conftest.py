@@ -13,9 +13,8 @@ os.environ.setdefault("VLLM_MLA_DISABLE", "1")  # DeepSeek on CPU: plain attenti
 
 import pytest
 
-from speculators_v016.testing.tiny_models import build_tiny_model
-
 from helpers.reference import NUM_LAYERS
+from speculators_v016.testing.tiny_models import build_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -45,9 +44,18 @@ ARCHITECTURE_RESULTS: dict[str, dict] = {}
 @pytest.fixture
 def record_architecture():
     """record(name, model_class, aux_source, tested, max_abs_error, tolerance, note) for the README table."""
+
     def record(name, model_class, aux_source, tested, max_abs_error=None, tolerance=None, note=""):
-        ARCHITECTURE_RESULTS[name] = dict(name=name, model_class=model_class, aux_source=aux_source, tested=tested,
-                                          max_abs_error=max_abs_error, tolerance=tolerance, note=note)
+        ARCHITECTURE_RESULTS[name] = dict(
+            name=name,
+            model_class=model_class,
+            aux_source=aux_source,
+            tested=tested,
+            max_abs_error=max_abs_error,
+            tolerance=tolerance,
+            note=note,
+        )
+
     return record
 
 
@@ -60,8 +68,13 @@ def _shm_left() -> set[str]:
     from speculators_v016.engine.shm_records import reclaim
     from speculators_v016.protocol import PREFIX, SHM_DIR
 
-    left = {f"{seg.name} (recorded by dead run {run.run})" for run in reclaim(SHM_DIR, delete=False).runs
-            if not run.alive for seg in run.segments if seg.delete}
+    left = {
+        f"{seg.name} (recorded by dead run {run.run})"
+        for run in reclaim(SHM_DIR, delete=False).runs
+        if not run.alive
+        for seg in run.segments
+        if seg.delete
+    }
     for name in os.listdir(SHM_DIR):
         pid = name.removeprefix(PREFIX).split("-")[0]
         if name.startswith(PREFIX) and not (pid.isdigit() and os.path.exists(f"/proc/{pid}")):

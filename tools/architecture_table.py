@@ -23,45 +23,75 @@ BEGIN, END = "<!-- architectures:begin -->", "<!-- architectures:end -->"
 
 #: Families no engine here runs, and why (kept by hand: there is no measurement to generate them from).
 NOT_RUN = {
-    "Kimi-K2.5": ("KimiK25ForConditionalGeneration", "taps", "structure only",
-                  "no engine: vLLM 0.16 loads its image processor from the checkpoint with "
-                  "trust_remote_code=True hard-coded (Moonshot's own code, shipped only with the release); "
-                  "the wrapper -> language_model -> DeepSeek-V3 path is tested without an engine, the "
-                  "DeepSeek-V3 text model on the engine"),
-    "INT4 MoE (Kimi-K2.5 class)": ("DeepseekV3ForCausalLM / Qwen3MoeForCausalLM", "taps / built-in", "refused on x86",
-                                   "vLLM 0.16 runs INT4 MoE on CPU only through an Arm kernel "
-                                   "(dynamic_4bit_int_moe: 'requires AArch64', tested), and that method drops "
-                                   "grouped routing (DeepSeek/Kimi assert); W4A16 pack-quantized MoE needs GPU "
-                                   "kernels. Structure-tested without an engine: taps read the stream exactly "
-                                   "and never touch the INT4 experts"),
-    "Qwen3-Next (hybrid)": ("Qwen3NextForCausalLM", "taps", "not run: CPU backend",
-                            "vLLM 0.16's CPU backend fails at load: 'ValueError: too many values to unpack "
-                            "(expected 2)' in layers/utils.py dispatch_cpu_unquantized_gemm (the gated delta net's "
-                            "3-D conv weight), and its linear attention is Triton-only; on GPUs the start-up "
-                            "stream proof decides. The layer replay of `check` reproduces transformers' layers "
-                            "exactly (tested on transformers' own states)"),
-    "MiniMax-Text-01 (hybrid)": ("MiniMaxText01ForCausalLM", "taps", "not run: CPU backend",
-                                 "vLLM 0.16 cannot load transformers' MiniMax checkpoint (KeyError "
-                                 "'model.layers.1.self_attn.diagonal_decay'); with those buffers dropped it loads, "
-                                 "the start-up stream proof passes (whole stream), and warm-up fails in its "
-                                 "lightning attention: 'RuntimeError: Found no NVIDIA driver on your system' "
-                                 "(Triton). Layer replay tested on transformers' own states"),
-    "Llama 4 MoE layers": ("Llama4ForCausalLM", "built-in", "dense layers only",
-                           "vLLM 0.16's CPU MoE asserts on Llama 4's router (`assert not "
-                           "apply_router_weight_on_input`, cpu_fused_moe.py); the llama4 row runs the same decoder "
-                           "layer class with dense MLPs"),
-    "MiniMax-M2": ("MiniMaxM2ForCausalLM", "taps", "not run: no reference",
-                   "transformers 4.57 has no implementation (remote code only), so no tiny model and no "
-                   "reference here; fused add-norm layers: the start-up stream proof decides"),
-    "GPT-OSS": ("GptOssForCausalLM", "built-in", "not compared",
-                "ran on the CPU engine in bf16 only (its attention-sink kernel refuses fp32 there), so no "
-                "exact reference; real checkpoints are MXFP4 (GPU kernels)"),
+    "Kimi-K2.5": (
+        "KimiK25ForConditionalGeneration",
+        "taps",
+        "structure only",
+        "no engine: vLLM 0.16 loads its image processor from the checkpoint with "
+        "trust_remote_code=True hard-coded (Moonshot's own code, shipped only with the release); "
+        "the wrapper -> language_model -> DeepSeek-V3 path is tested without an engine, the "
+        "DeepSeek-V3 text model on the engine",
+    ),
+    "INT4 MoE (Kimi-K2.5 class)": (
+        "DeepseekV3ForCausalLM / Qwen3MoeForCausalLM",
+        "taps / built-in",
+        "refused on x86",
+        "vLLM 0.16 runs INT4 MoE on CPU only through an Arm kernel "
+        "(dynamic_4bit_int_moe: 'requires AArch64', tested), and that method drops "
+        "grouped routing (DeepSeek/Kimi assert); W4A16 pack-quantized MoE needs GPU "
+        "kernels. Structure-tested without an engine: taps read the stream exactly "
+        "and never touch the INT4 experts",
+    ),
+    "Qwen3-Next (hybrid)": (
+        "Qwen3NextForCausalLM",
+        "taps",
+        "not run: CPU backend",
+        "vLLM 0.16's CPU backend fails at load: 'ValueError: too many values to unpack "
+        "(expected 2)' in layers/utils.py dispatch_cpu_unquantized_gemm (the gated delta net's "
+        "3-D conv weight), and its linear attention is Triton-only; on GPUs the start-up "
+        "stream proof decides. The layer replay of `check` reproduces transformers' layers "
+        "exactly (tested on transformers' own states)",
+    ),
+    "MiniMax-Text-01 (hybrid)": (
+        "MiniMaxText01ForCausalLM",
+        "taps",
+        "not run: CPU backend",
+        "vLLM 0.16 cannot load transformers' MiniMax checkpoint (KeyError "
+        "'model.layers.1.self_attn.diagonal_decay'); with those buffers dropped it loads, "
+        "the start-up stream proof passes (whole stream), and warm-up fails in its "
+        "lightning attention: 'RuntimeError: Found no NVIDIA driver on your system' "
+        "(Triton). Layer replay tested on transformers' own states",
+    ),
+    "Llama 4 MoE layers": (
+        "Llama4ForCausalLM",
+        "built-in",
+        "dense layers only",
+        "vLLM 0.16's CPU MoE asserts on Llama 4's router (`assert not "
+        "apply_router_weight_on_input`, cpu_fused_moe.py); the llama4 row runs the same decoder "
+        "layer class with dense MLPs",
+    ),
+    "MiniMax-M2": (
+        "MiniMaxM2ForCausalLM",
+        "taps",
+        "not run: no reference",
+        "transformers 4.57 has no implementation (remote code only), so no tiny model and no "
+        "reference here; fused add-norm layers: the start-up stream proof decides",
+    ),
+    "GPT-OSS": (
+        "GptOssForCausalLM",
+        "built-in",
+        "not compared",
+        "ran on the CPU engine in bf16 only (its attention-sink kernel refuses fp32 there), so no "
+        "exact reference; real checkpoints are MXFP4 (GPU kernels)",
+    ),
 }
 
 
 def rows(results: dict) -> list[str]:
-    lines = ["| architecture | vLLM class | aux source | run | max abs error vs transformers | tolerance | note |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| architecture | vLLM class | aux source | run | max abs error vs transformers | tolerance | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name in sorted(results, key=str.lower):
         r = results[name]
         err = f"{r['max_abs_error']:.1e}" if r["max_abs_error"] is not None else "-"
@@ -88,7 +118,7 @@ def main() -> int:
     if BEGIN not in text or END not in text:
         print(f"README.md has no {BEGIN} ... {END} markers", file=sys.stderr)
         return 2
-    new = text[: text.index(BEGIN)] + table + text[text.index(END) + len(END):]
+    new = text[: text.index(BEGIN)] + table + text[text.index(END) + len(END) :]
     if args.check:
         return 0 if new == text else 1
     README.write_text(new)

@@ -12,9 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from setuptools import build_meta as _setuptools
-
 from patchtool.worktree import UPSTREAM_TAG, SeriesError, git, has_unexported, is_current, materialise
+from setuptools import build_meta as _setuptools
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "build" / "work"
@@ -27,8 +26,10 @@ def _write_modified_notice(work: Path) -> None:
     """Apache-2.0 section 4(b): say which upstream files our patches changed."""
     changed = git(work, "diff", "--name-status", "--find-renames", UPSTREAM_TAG, "HEAD").strip()
     subjects = git(work, "log", "--reverse", "--format=  - %s", f"{UPSTREAM_TAG}..HEAD").rstrip()
-    text = ("The upstream files below were modified by speculators-v016 (status, path):\n\n"
-            f"{changed or '(none)'}\n\nby these patches, in order:\n{subjects or '  (none)'}\n")
+    text = (
+        "The upstream files below were modified by speculators-v016 (status, path):\n\n"
+        f"{changed or '(none)'}\n\nby these patches, in order:\n{subjects or '  (none)'}\n"
+    )
     (work / MODIFIED_NOTICE).write_text(text)
 
 
@@ -37,7 +38,8 @@ def assemble() -> Path:
         if has_unexported(WORK):
             raise SeriesError(
                 f"{WORK} holds edits that are not exported to patches/: run "
-                "'python tools/patches.py refresh' (or remove the folder) before building")
+                "'python tools/patches.py refresh' (or remove the folder) before building"
+            )
         materialise(WORK, PATCHES)
     link = WORK / OURS
     if not link.is_symlink():
@@ -50,6 +52,7 @@ def _assembled(hook):
     def wrapper(*args, **kwargs):
         assemble()
         return hook(*args, **kwargs)
+
     wrapper.__name__ = hook.__name__
     return wrapper
 

@@ -4,10 +4,13 @@
 # files per worker: a module's engine is started once) use CI's two cores.
 # Tests marked `alone` look at the whole /dev/shm (what a killed run left,
 # what a cleaner may delete), so they run afterwards, with nothing beside them.
+# ruff (lint and format, pyproject.toml) runs first: a seconds-long gate.
 # Extra arguments go to both pytest runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
 workers=${TEST_WORKERS:-2}
+"$py" -m ruff check --quiet .
+"$py" -m ruff format --check --quiet .
 "$py" -m pytest -q -n "$workers" --dist loadfile -m "not alone" "$@" tests
 "$py" -m pytest -q -m alone "$@" tests

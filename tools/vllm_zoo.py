@@ -67,27 +67,25 @@ TESTED = {
 
 #: Decoder layers found by the capture that vLLM's CPU backend cannot run here: class -> what was tried.
 NOT_RUN_HERE = {
-    "qwen3_next.Qwen3NextDecoderLayer":
-        "not run here: vLLM 0.16's CPU backend fails at load ('ValueError: too many values to unpack' in "
-        "dispatch_cpu_unquantized_gemm, the gated delta net's 3-D conv weight) and its linear attention is "
-        "Triton-only; on GPUs the start-up proof decides; layer replay tested on transformers' own states",
-    "minimax_text_01.MiniMaxText01DecoderLayer":
-        "not run here: on CPU the start-up proof passes (whole stream), then warm-up fails in the Triton "
-        "lightning attention ('Found no NVIDIA driver'); on GPUs the start-up proof decides; layer replay tested "
-        "on transformers' own states",
+    "qwen3_next.Qwen3NextDecoderLayer": "not run here: vLLM 0.16's CPU backend fails at load ('ValueError: too many values to unpack' in "
+    "dispatch_cpu_unquantized_gemm, the gated delta net's 3-D conv weight) and its linear attention is "
+    "Triton-only; on GPUs the start-up proof decides; layer replay tested on transformers' own states",
+    "minimax_text_01.MiniMaxText01DecoderLayer": "not run here: on CPU the start-up proof passes (whole stream), then warm-up fails in the Triton "
+    "lightning attention ('Found no NVIDIA driver'); on GPUs the start-up proof decides; layer replay tested "
+    "on transformers' own states",
 }
 
 #: Decoder layers the capture refuses (beyond what the names decide): class -> reason.
 REFUSED = {
     "gemma3n.Gemma3nDecoderLayer": "AltUp: the stream travels as several [tokens, hidden] predictions stacked "
-                                   "in one 3-D tensor; the start-up proof finds no [tokens, hidden] argument",
+    "in one 3-D tensor; the start-up proof finds no [tokens, hidden] argument",
     "iquest_loopcoder.LoopCoderDecoderLayer": "looped decoder: each layer runs several times per forward; the "
-                                              "start-up proof refuses a layer that does not run once, in order",
+    "start-up proof refuses a layer that does not run once, in order",
     "ouro.OuroDecoderLayer": "looped decoder (universal transformer): layers run several times per forward; "
-                             "refused by the start-up proof",
+    "refused by the start-up proof",
     "zamba2.Zamba2HybridLayer": "expected to be refused by the start-up proof (not run here): its shared "
-                                "attention block also takes the embeddings (original_hidden_states) as a second "
-                                "[tokens, hidden] input, so no combination of its inputs is the stream alone",
+    "attention block also takes the embeddings (original_hidden_states) as a second "
+    "[tokens, hidden] input, so no combination of its inputs is the stream alone",
 }
 
 #: Files whose layer classes belong to draft models, MTP heads or encoder-decoder models (not captured).
@@ -181,36 +179,62 @@ class Zoo:
         """Container class -> stack attribute -> layer classes built into it."""
         out: dict[tuple[str, str], dict[str, set]] = {}
         handed: list[tuple[str, str, ast.Call, ast.keyword, dict]] = []  # layer_type= arguments
-        tables_of = {mod: {t.id: n.value for n in tree.body if isinstance(n, ast.Assign)
-                           for t in n.targets if isinstance(t, ast.Name)} for mod, tree in self.trees.items()}
+        tables_of = {
+            mod: {
+                t.id: n.value
+                for n in tree.body
+                if isinstance(n, ast.Assign)
+                for t in n.targets
+                if isinstance(t, ast.Name)
+            }
+            for mod, tree in self.trees.items()
+        }
         for (mod, cname), cdef in self.classes.items():
             tables = tables_of[mod]
             for fn in (n for n in cdef.body if isinstance(n, ast.FunctionDef)):
                 nodes = list(ast.walk(fn))
                 funcs: dict = {n.name: n for n in nodes if isinstance(n, ast.FunctionDef) and n is not fn}
-                funcs |= {t.id: n.value for n in nodes if isinstance(n, ast.Assign)
-                          for t in n.targets if isinstance(t, ast.Name)}  # local layer-class choices
+                funcs |= {
+                    t.id: n.value
+                    for n in nodes
+                    if isinstance(n, ast.Assign)
+                    for t in n.targets
+                    if isinstance(t, ast.Name)
+                }  # local layer-class choices
                 calls = [n for n in nodes if isinstance(n, ast.Call)]
                 for n in calls:  # layers.append(...) into a local list
-                    if isinstance(n.func, ast.Attribute) and n.func.attr == "append" \
-                            and isinstance(n.func.value, ast.Name):
+                    if (
+                        isinstance(n.func, ast.Attribute)
+                        and n.func.attr == "append"
+                        and isinstance(n.func.value, ast.Name)
+                    ):
                         listed = funcs.get(n.func.value.id)
-                        funcs[n.func.value.id] = ast.List(elts=[*(listed.elts if isinstance(listed, ast.List)
-                                                                   else []), *n.args], ctx=ast.Load())
+                        funcs[n.func.value.id] = ast.List(
+                            elts=[*(listed.elts if isinstance(listed, ast.List) else []), *n.args], ctx=ast.Load()
+                        )
                 args = fn.args
                 defaults = [None] * (len(args.args) - len(args.defaults)) + list(args.defaults)
                 params = {a.arg: d for a, d in zip(args.args, defaults)}
                 params |= {a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults)}
-                handed += [(mod, cname, n, kw, params) for n in calls for kw in n.keywords
-                           if kw.arg in ("layer_type", "decoder_layer_type")]
+                handed += [
+                    (mod, cname, n, kw, params)
+                    for n in calls
+                    for kw in n.keywords
+                    if kw.arg in ("layer_type", "decoder_layer_type")
+                ]
                 for node in nodes:
                     if not isinstance(node, ast.Assign):
                         continue
                     target = node.targets[0]
-                    attrs = [t.attr for t in (target.elts if isinstance(target, ast.Tuple) else [target])
-                             if isinstance(t, ast.Attribute)]
-                    builds = any(isinstance(c, ast.Call) and _callee(c) in ("make_layers", "ModuleList")
-                                 for c in ast.walk(node.value))
+                    attrs = [
+                        t.attr
+                        for t in (target.elts if isinstance(target, ast.Tuple) else [target])
+                        if isinstance(t, ast.Attribute)
+                    ]
+                    builds = any(
+                        isinstance(c, ast.Call) and _callee(c) in ("make_layers", "ModuleList")
+                        for c in ast.walk(node.value)
+                    )
                     if attrs and builds:
                         refs = self._refs(mod, node.value, funcs, tables, params)
                         refs = {r for r in refs if self._is_layer(r)}
@@ -245,8 +269,24 @@ class Zoo:
     def _is_layer(self, key: tuple[str, str]) -> bool:
         """A module class with a forward (not a config, norm or linear layer)."""
         name = key[1]
-        if any(word in name for word in ("Config", "Norm", "Linear", "Embedding", "Head", "Rotary", "Attention",
-                                         "MLP", "MoE", "Projector", "Merger", "Projection", "Adapter")):
+        if any(
+            word in name
+            for word in (
+                "Config",
+                "Norm",
+                "Linear",
+                "Embedding",
+                "Head",
+                "Rotary",
+                "Attention",
+                "MLP",
+                "MoE",
+                "Projector",
+                "Merger",
+                "Projection",
+                "Adapter",
+            )
+        ):
             return name.endswith(("DecoderLayer", "Block", "Layer")) and "Norm" not in name
         return self.method(key, "forward") is not None
 
@@ -262,8 +302,17 @@ class Zoo:
         notes = []
         if any(w in body for w in ("multiplier", "scale_depth", "_alpha", "_beta", "residual_scale")):
             notes.append("multipliers")
-        if any(w in body for w in ("pre_feedforward_layernorm", "post_feedforward_layernorm", "post_mlp_layernorm",
-                                   "post_self_attn_layernorm", "post_attention_norm", "ffn_norm_post")):
+        if any(
+            w in body
+            for w in (
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+                "post_mlp_layernorm",
+                "post_self_attn_layernorm",
+                "post_attention_norm",
+                "ffn_norm_post",
+            )
+        ):
             notes.append("sandwich norms")
         if "parallel" in body or "use_parallel_residual" in body:
             notes.append("parallel residual")
@@ -280,14 +329,20 @@ class Zoo:
     @staticmethod
     def _first_use(fn: ast.FunctionDef, residual: str) -> str:
         """How ``residual`` is first used in ``fn``: 'overwritten', 'norm' (handed to a norm), or the line."""
+
         def statements(body):
             for stmt in body:
-                if isinstance(stmt, ast.If) and any(isinstance(n, ast.Name) and n.id == residual
-                                                    for n in ast.walk(stmt.test)):
+                if isinstance(stmt, ast.If) and any(
+                    isinstance(n, ast.Name) and n.id == residual for n in ast.walk(stmt.test)
+                ):
                     # "if residual is None:" is the first layer's case: the other branch is every later layer's
                     test = stmt.test
-                    none = isinstance(test, ast.Compare) and isinstance(test.ops[0], (ast.Is, ast.IsNot)) \
-                        and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None
+                    none = (
+                        isinstance(test, ast.Compare)
+                        and isinstance(test.ops[0], (ast.Is, ast.IsNot))
+                        and isinstance(test.comparators[0], ast.Constant)
+                        and test.comparators[0].value is None
+                    )
                     if none:
                         yield from statements(stmt.orelse if isinstance(test.ops[0], ast.Is) else stmt.body)
                         continue
@@ -309,8 +364,7 @@ class Zoo:
                 func = ast.unparse(call.func).split(".")[-1].lower()
                 if residual in names and ("norm" in func or func.startswith("ln")):
                     return "norm"
-            if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == residual
-                                                    for t in stmt.targets):
+            if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == residual for t in stmt.targets):
                 if not any(isinstance(n, ast.Name) and n.id == residual for n in ast.walk(stmt.value)):
                     return "overwritten"
             return ast.unparse(stmt).splitlines()[0][:60]
@@ -324,9 +378,12 @@ class Zoo:
                 for node in ast.walk(fn):
                     if isinstance(node, ast.Assign):
                         for t in node.targets:
-                            for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
-                                if isinstance(el, ast.Attribute) and isinstance(el.value, ast.Name) \
-                                        and el.value.id == "self":
+                            for el in t.elts if isinstance(t, ast.Tuple) else [t]:
+                                if (
+                                    isinstance(el, ast.Attribute)
+                                    and isinstance(el.value, ast.Name)
+                                    and el.value.id == "self"
+                                ):
                                     names.add(el.attr)
         hits = [n for n in NORM_NAMES if n in names]
         return hits[0] if hits else None
@@ -361,13 +418,22 @@ def classify(zoo: Zoo) -> list[LayerClass]:
         row.params, row.stream, row.notes = zoo.describe(key)
         containers = [(c, a) for c, attrs in stacks.items() for a, ls in attrs.items() if key in ls]
         if len({frozenset(stacks[c][a]) for c, a in containers if len(stacks[c][a]) > 1}):
-            row.notes.append("hybrid stack: " + ", ".join(sorted(
-                {f"{m}.{n}" for c, a in containers for m, n in stacks[c][a] if (m, n) != key})))
+            row.notes.append(
+                "hybrid stack: "
+                + ", ".join(sorted({f"{m}.{n}" for c, a in containers for m, n in stacks[c][a] if (m, n) != key}))
+            )
         _judge(zoo, key, row, containers, parents)
     rows[("utils", "PPMissingLayer")] = LayerClass(
-        "utils.PPMissingLayer", [], ["*args", "**kwargs"], "placeholder (identity)", [], "placeholder", "refused",
+        "utils.PPMissingLayer",
+        [],
+        ["*args", "**kwargs"],
+        "placeholder (identity)",
+        [],
+        "placeholder",
+        "refused",
         "stands in for the layers of other pipeline stages; the capture needs every layer in one process and "
-        "refuses pipeline parallelism (use tensor parallelism)")
+        "refuses pipeline parallelism (use tensor parallelism)",
+    )
     return sorted(rows.values(), key=lambda r: r.name.lower())
 
 
@@ -402,15 +468,18 @@ def _judge(zoo: Zoo, key: tuple[str, str], row: LayerClass, containers: list, pa
     for container, attr in decoders:
         norm = zoo.final_norm(container)
         if attr not in LAYERS_NAMES or norm is None:
-            where.append(f"{container[1]} holds its layers in .{attr} and "
-                         + (f"its final norm in .{norm}" if norm else "no final norm the capture knows"))
+            where.append(
+                f"{container[1]} holds its layers in .{attr} and "
+                + (f"its final norm in .{norm}" if norm else "no final norm the capture knows")
+            )
     if where and len(where) == len(decoders):
         row.status = "refused"
         row.reason = "cannot find the decoder layers: " + "; ".join(where)
         return
     row.status = "start-up proof"
-    row.reason = NOT_RUN_HERE.get(row.name, "not run here; runs when the start-up stream proof passes on the "
-                                            "loaded model, refused otherwise")
+    row.reason = NOT_RUN_HERE.get(
+        row.name, "not run here; runs when the start-up stream proof passes on the loaded model, refused otherwise"
+    )
 
 
 def _is_lm_decoder(zoo: Zoo, container: tuple[str, str]) -> bool:
@@ -418,8 +487,10 @@ def _is_lm_decoder(zoo: Zoo, container: tuple[str, str]) -> bool:
     if any(w in container[1] for w in ("Encoder", "Vision", "Audio", *ENC_DEC_WORDS)):
         return False
     for key in zoo.bases(container):
-        if any(isinstance(n, ast.Call) and _callee(n) in ("VocabParallelEmbedding", "Embedding")
-               for n in ast.walk(zoo.classes[key])):
+        if any(
+            isinstance(n, ast.Call) and _callee(n) in ("VocabParallelEmbedding", "Embedding")
+            for n in ast.walk(zoo.classes[key])
+        ):
             return True
     # decoders whose token embedding sits one level up (ChatGLM, PLaMo)
     return container[1] in {"GLMTransformer", "Plamo2Decoder", "Plamo3Decoder"}

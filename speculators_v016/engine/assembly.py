@@ -88,8 +88,13 @@ def copy_threads(device_type: str) -> int | None:
 class Assembler:
     """Collects step captures; hands out requests whose states are complete."""
 
-    def __init__(self, capture_order: tuple[int, ...], allocate: Allocate | None = None, fp8: bool = False,
-                 copy_threads: int | None = None):
+    def __init__(
+        self,
+        capture_order: tuple[int, ...],
+        allocate: Allocate | None = None,
+        fp8: bool = False,
+        copy_threads: int | None = None,
+    ):
         self.capture_order = capture_order  # requested layer j -> row in the captured stack
         self.allocate = allocate or _fresh
         self.fp8 = fp8  # captures carry e4m3 codes and scales
@@ -116,17 +121,17 @@ class Assembler:
         if got != expected:
             raise AttributionError(
                 f"step {capture.step}: the runner computed {got} (request: (start, rows)), "
-                f"the scheduler scheduled {expected}")
+                f"the scheduler scheduled {expected}"
+            )
         if capture.states is None or sum(capture.counts) != capture.states.shape[1]:
             held = None if capture.states is None else capture.states.shape[1]
-            raise AttributionError(f"step {capture.step}: {held} rows for "
-                                   f"{sum(capture.counts)} scheduled tokens")
+            raise AttributionError(f"step {capture.step}: {held} rows for {sum(capture.counts)} scheduled tokens")
         self._check_storage(capture)
         offset = 0
         with torch_threads(self.copy_threads):
             for req_id, start, count in zip(capture.req_ids, capture.starts, capture.counts):
-                scales = capture.scales[:, offset: offset + count] if self.fp8 else None
-                self._add_rows(req_id, start, capture.states[:, offset: offset + count], scales)
+                scales = capture.scales[:, offset : offset + count] if self.fp8 else None
+                self._add_rows(req_id, start, capture.states[:, offset : offset + count], scales)
                 offset += count
 
     def _check_storage(self, capture: StepCapture) -> None:
@@ -136,11 +141,17 @@ class Assembler:
                 raise AttributionError(f"step {capture.step}: FP8 scales in a run that stores the engine's dtype")
             return
         rows = capture.states.shape[:2]
-        if (capture.states.dtype != CODE_DTYPE or capture.scales is None or capture.scales.dtype != SCALE_DTYPE
-                or tuple(capture.scales.shape) != tuple(rows)):
+        if (
+            capture.states.dtype != CODE_DTYPE
+            or capture.scales is None
+            or capture.scales.dtype != SCALE_DTYPE
+            or tuple(capture.scales.shape) != tuple(rows)
+        ):
             got = None if capture.scales is None else (capture.scales.dtype, tuple(capture.scales.shape))
-            raise AttributionError(f"step {capture.step}: FP8 storage needs {CODE_DTYPE} codes and "
-                                   f"{SCALE_DTYPE} scales {tuple(rows)}; got {capture.states.dtype} and {got}")
+            raise AttributionError(
+                f"step {capture.step}: FP8 storage needs {CODE_DTYPE} codes and "
+                f"{SCALE_DTYPE} scales {tuple(rows)}; got {capture.states.dtype} and {got}"
+            )
 
     def _add_rows(self, req_id: str, start: int, rows: torch.Tensor, scales: torch.Tensor | None = None) -> None:
         """Copy ``rows`` (``[capture ids, count, hidden]``; FP8: plus ``scales`` ``[capture ids, count]``)
@@ -165,10 +176,10 @@ class Assembler:
                 tensors = self.allocate(specs + [((req.prompt_len,), scales.dtype)] * layers)
                 req.out, req.scales = tensors[:layers], tensors[layers:]
         for out, j in zip(req.out, self.capture_order):
-            out[start: start + keep].copy_(rows[j, :keep])
+            out[start : start + keep].copy_(rows[j, :keep])
         if scales is not None:
             for out, j in zip(req.scales, self.capture_order):
-                out[start: start + keep].copy_(scales[j, :keep])
+                out[start : start + keep].copy_(scales[j, :keep])
         req.chunks[start] = keep
         req.rows += keep
         if req.rows == req.prompt_len:

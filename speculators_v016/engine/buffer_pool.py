@@ -56,8 +56,7 @@ class BufferPool:
         block = self._reuse(total)
         if block is None:
             block = self._allocate(total)
-        return [block[o: o + n].view(dtype).view(tuple(shape))
-                for o, n, (shape, dtype) in zip(offsets, sizes, specs)]
+        return [block[o : o + n].view(dtype).view(tuple(shape)) for o, n, (shape, dtype) in zip(offsets, sizes, specs)]
 
     def _reuse(self, total: int) -> torch.Tensor | None:
         with self._lock:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import gc
 import time
 from collections import deque
-from contextlib import contextmanager
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,8 +87,10 @@ class CaptureEngine:
     def __init__(self, settings: EngineSettings, plan: LayerPlan):
         self.vllm_version = require_vllm()
         if settings.pipeline_parallel_size != 1:
-            raise ValueError("pipeline parallelism is not supported: vLLM 0.16 drops the aux hidden "
-                             "states of non-last stages; use tensor parallelism (across nodes: Ray)")
+            raise ValueError(
+                "pipeline parallelism is not supported: vLLM 0.16 drops the aux hidden "
+                "states of non-last stages; use tensor parallelism (across nodes: Ray)"
+            )
         self.settings, self.plan = settings, plan
         config = self._vllm_config()
         for attempt in range(1, START_ATTEMPTS + 1):
@@ -98,16 +100,26 @@ class CaptureEngine:
             except Exception as exc:
                 if attempt == START_ATTEMPTS or not port_taken(exc):
                     raise
-                logger.info("engine start {} of {}: vLLM's rendezvous port was taken by another process between "
-                            "its choice and its use ({}); starting again", attempt, START_ATTEMPTS, exc)
+                logger.info(
+                    "engine start {} of {}: vLLM's rendezvous port was taken by another process between "
+                    "its choice and its use ({}); starting again",
+                    attempt,
+                    START_ATTEMPTS,
+                    exc,
+                )
         try:
             self._check_started(config)
         except BaseException:
             self.shutdown()
             raise
         self._reset_run_state()
-        logger.info("engine ready: {} (async scheduling {}, {} steps in flight, capture {})",
-                    settings.model, self.async_scheduling, self.depth, self.capture_info[0])
+        logger.info(
+            "engine ready: {} (async scheduling {}, {} steps in flight, capture {})",
+            settings.model,
+            self.async_scheduling,
+            self.depth,
+            self.capture_info[0],
+        )
 
     def _vllm_config(self):
         """vLLM's config from our settings, field by field; async scheduling set as we run it."""
@@ -115,18 +127,28 @@ class CaptureEngine:
 
         s = self.settings
         args = EngineArgs(
-            model=s.model, dtype=s.dtype, seed=s.seed, max_model_len=s.max_model_len,
-            max_num_batched_tokens=s.batched_tokens, max_num_seqs=s.max_num_seqs,
-            tensor_parallel_size=s.tensor_parallel_size, gpu_memory_utilization=s.gpu_memory_utilization,
-            enforce_eager=s.enforce_eager, trust_remote_code=s.trust_remote_code,
+            model=s.model,
+            dtype=s.dtype,
+            seed=s.seed,
+            max_model_len=s.max_model_len,
+            max_num_batched_tokens=s.batched_tokens,
+            max_num_seqs=s.max_num_seqs,
+            tensor_parallel_size=s.tensor_parallel_size,
+            gpu_memory_utilization=s.gpu_memory_utilization,
+            enforce_eager=s.enforce_eager,
+            trust_remote_code=s.trust_remote_code,
             distributed_executor_backend=s.executor,
             enable_prefix_caching=False,  # a cached prefix is not recomputed: no states for it
             worker_extension_cls=EXTENSION,
             # In the config (and so in its hash): compiled graphs cached on disk
             # without these capture ids are never reused for this engine.
-            additional_config={"speculators_v016": {"capture_ids": list(self.plan.capture_ids),
-                                                    "capture_mode": s.capture_mode,
-                                                    "hidden_states_dtype": s.hidden_states_dtype}},
+            additional_config={
+                "speculators_v016": {
+                    "capture_ids": list(self.plan.capture_ids),
+                    "capture_mode": s.capture_mode,
+                    "hidden_states_dtype": s.hidden_states_dtype,
+                }
+            },
             **s.extra_engine_args,
         )
         config = args.create_engine_config()
@@ -159,8 +181,12 @@ class CaptureEngine:
             self.ring = self._make_ring(config)
             try:
                 with self._recording():  # vLLM's queues and semaphores, recorded as they appear
-                    self.core = EngineCore(config, capture_executor(executor_class, self.ring), log_stats=False,
-                                           executor_fail_callback=self._on_executor_failure)
+                    self.core = EngineCore(
+                        config,
+                        capture_executor(executor_class, self.ring),
+                        log_stats=False,
+                        executor_fail_callback=self._on_executor_failure,
+                    )
             except BaseException:
                 if self.ring is not None:
                     self.ring.close()
@@ -214,11 +240,15 @@ class CaptureEngine:
             return None
         record = self.shm_record
         ring = SlotRing.create(
-            slots=(2 if self.async_scheduling else 1) + 1, num_ids=len(self.plan.capture_ids),
+            slots=(2 if self.async_scheduling else 1) + 1,
+            num_ids=len(self.plan.capture_ids),
             max_rows=config.scheduler_config.max_num_batched_tokens,
-            hidden=config.model_config.get_hidden_size(), dtype=config.model_config.dtype,
-            shared=not self._in_process, storage=self.settings.hidden_states_dtype,
-            created=record.add if record is not None else None)
+            hidden=config.model_config.get_hidden_size(),
+            dtype=config.model_config.dtype,
+            shared=not self._in_process,
+            storage=self.settings.hidden_states_dtype,
+            created=record.add if record is not None else None,
+        )
         logger.debug("capture ring {}: {}", ring.spec.name, ring.spec.describe())
         return ring
 
@@ -259,8 +289,11 @@ class CaptureEngine:
             params = self._sampling
             if want is not None and want(key):
                 params, self._logprob_keys[rid] = self._sampling_logprobs, key
-            self.scheduler.add_request(Request(rid, ids, params, None, None, arrival_time=time.time(),
-                                               block_hasher=self.core.request_block_hasher))
+            self.scheduler.add_request(
+                Request(
+                    rid, ids, params, None, None, arrival_time=time.time(), block_hasher=self.core.request_block_hasher
+                )
+            )
             self.stats.prompts += 1
             self.stats.tokens += len(ids)
         return True
@@ -272,8 +305,9 @@ class CaptureEngine:
             raise PromptError(f"prompt {key!r} is empty")
         check_token_ids(key, ids, self.vocab_size)
         if len(ids) > self.max_prompt_len and count:
-            logger.warning("prompt {!r}: {} tokens truncated to {} (max_model_len - 1)",
-                           key, len(ids), self.max_prompt_len)
+            logger.warning(
+                "prompt {!r}: {} tokens truncated to {} (max_model_len - 1)", key, len(ids), self.max_prompt_len
+            )
             self.stats.truncated += 1
         return ids[: self.max_prompt_len]
 
@@ -331,8 +365,13 @@ class CaptureEngine:
             if capture.slot is not None:
                 self.ring.release(capture.slot)
 
-    def stream(self, prompts: Iterable[tuple[Any, list[int]]], window: int | None = None, prompt_logprobs=None,
-               allocate: Allocate | None = None) -> Iterator[tuple[Any, list[int], list]]:
+    def stream(
+        self,
+        prompts: Iterable[tuple[Any, list[int]]],
+        window: int | None = None,
+        prompt_logprobs=None,
+        allocate: Allocate | None = None,
+    ) -> Iterator[tuple[Any, list[int], list]]:
         """Yield ``(key, input_ids, states per requested layer)`` as each prompt completes.
 
         A layer's states are a ``[len, hidden]`` tensor in the engine's dtype,
@@ -352,8 +391,7 @@ class CaptureEngine:
         """
         if self._broken is not None:
             raise RuntimeError(f"this engine failed earlier and cannot be used again: {self._broken}")
-        assembler = Assembler(self.plan.capture_order, allocate, fp8=self.settings.fp8,
-                              copy_threads=self.copy_threads)
+        assembler = Assembler(self.plan.capture_order, allocate, fp8=self.settings.fp8, copy_threads=self.copy_threads)
         feed, waiting, in_flight = iter(prompts), set(), deque()
         window = window or 2 * self.settings.max_num_seqs
         more = True
@@ -376,15 +414,18 @@ class CaptureEngine:
                     return
                 if waiting and not (in_flight or self.scheduler.has_requests() or assembler.pending_steps):
                     raise AttributionError(
-                        f"requests finished without complete hidden states: {assembler.unfinished()}")
+                        f"requests finished without complete hidden states: {assembler.unfinished()}"
+                    )
         except (GeneratorExit, PromptError):
             self._abandon(waiting, in_flight)
             raise
         except BaseException as exc:
             self._broken = exc
             if self._executor_failed or getattr(self.executor, "is_failed", False):
-                raise EngineDeadError(f"a vLLM worker process died, so the engine stopped "
-                                      f"({type(exc).__name__}: {exc}); finished samples are kept") from exc
+                raise EngineDeadError(
+                    f"a vLLM worker process died, so the engine stopped "
+                    f"({type(exc).__name__}: {exc}); finished samples are kept"
+                ) from exc
             raise
 
     def _abandon(self, waiting: set, in_flight: deque) -> None:

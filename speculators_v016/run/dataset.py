@@ -62,8 +62,12 @@ def _line_rows(path: Path, fh):
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            yield where, BadRowError(f"{where}: not UTF-8 text (byte {exc.start} of the line is "
-                                     f"{raw[exc.start:exc.start + 1]!r})")
+            yield (
+                where,
+                BadRowError(
+                    f"{where}: not UTF-8 text (byte {exc.start} of the line is {raw[exc.start : exc.start + 1]!r})"
+                ),
+            )
             continue
         if number == 1:
             line = line.removeprefix("\ufeff")
@@ -87,7 +91,7 @@ class _ArrayReader:
             return False
         block = self.fh.read(max(_CHUNK, len(self.text) - self.pos))  # doubles for a row larger than a block
         self.eof = not block
-        self.text = self.text[self.pos:] + self.decoder.decode(block, final=self.eof)
+        self.text = self.text[self.pos :] + self.decoder.decode(block, final=self.eof)
         self.pos = 0
         return True
 
@@ -108,13 +112,16 @@ class _ArrayReader:
             try:
                 value, end = _DECODER.raw_decode(self.text, self.pos)
                 if end < len(self.text) or self.eof:  # a value cut at the block's end may parse short
-                    raw, self.pos = self.text[self.pos:end], end
+                    raw, self.pos = self.text[self.pos : end], end
                     return value, raw
             except json.JSONDecodeError as exc:
                 error = (exc.msg, exc.pos - self.pos)
                 # the same error with more text after it is in the text, not the block's end
-                if self.eof or (error == seen and len(self.text) - exc.pos > _CHUNK
-                                and not exc.msg.startswith("Unterminated string")):
+                if self.eof or (
+                    error == seen
+                    and len(self.text) - exc.pos > _CHUNK
+                    and not exc.msg.startswith("Unterminated string")
+                ):
                     raise
                 seen = error
             self._more()
@@ -143,8 +150,10 @@ def _array_rows(path: Path, fh):
         if after == "]":
             return
         if after != ",":
-            raise BadRowError(f"{path} row {index}: not valid JSON (expected ',' or ']' after row {index - 1}, "
-                              f"found {after or 'the end of the file'!r})")
+            raise BadRowError(
+                f"{path} row {index}: not valid JSON (expected ',' or ']' after row {index - 1}, "
+                f"found {after or 'the end of the file'!r})"
+            )
         reader.pos += 1
 
 
@@ -194,16 +203,19 @@ def load_rows(paths: list[str], skip_bad_rows: bool, hf_cache_dir: str | None):
     for given in paths:
         path = Path(given)
         if path.is_dir():
-            raise BadRowError(f"--train-data-path {given}: is a folder; give .json or .jsonl files "
-                              "(repeat the option for several)")
+            raise BadRowError(
+                f"--train-data-path {given}: is a folder; give .json or .jsonl files (repeat the option for several)"
+            )
         if path.suffix not in (".json", ".jsonl"):
             if path.exists():
                 raise BadRowError(f"--train-data-path {given}: not a .json or .jsonl file")
             from speculators.data_generation.preprocessing import DATASET_CONFIGS, load_raw_dataset
 
             if given not in DATASET_CONFIGS:
-                raise BadRowError(f"--train-data-path {given}: no such file, and not a dataset name upstream "
-                                  f"knows ({', '.join(sorted(DATASET_CONFIGS))})")
+                raise BadRowError(
+                    f"--train-data-path {given}: no such file, and not a dataset name upstream "
+                    f"knows ({', '.join(sorted(DATASET_CONFIGS))})"
+                )
             logger.info("loading dataset {} with upstream's loader", given)
             data = load_raw_dataset(given, cache_dir=hf_cache_dir)
             sources.append({"name": given})
@@ -241,10 +253,19 @@ def load_rows(paths: list[str], skip_bad_rows: bool, hf_cache_dir: str | None):
     return (kinds.pop() if kinds else "conversations"), rows, sources, skipped
 
 
-def prepare_samples(paths: list[str], tokenizer, seq_length: int, *, max_samples: int | None = None,
-                    seed: int = 0, num_proc: int = 8, assistant_pattern: str | None = None,
-                    turn_dropout: bool = False, hf_cache_dir: str | None = None,
-                    skip_bad_rows: bool = False) -> PreparedSamples:
+def prepare_samples(
+    paths: list[str],
+    tokenizer,
+    seq_length: int,
+    *,
+    max_samples: int | None = None,
+    seed: int = 0,
+    num_proc: int = 8,
+    assistant_pattern: str | None = None,
+    turn_dropout: bool = False,
+    hf_cache_dir: str | None = None,
+    skip_bad_rows: bool = False,
+) -> PreparedSamples:
     """Load, validate, shuffle, cut and tokenize the inputs into samples."""
     import datasets
 
@@ -268,8 +289,18 @@ def prepare_samples(paths: list[str], tokenizer, seq_length: int, *, max_samples
 
         random.seed(seed)  # turn dropout draws from `random`
         table = datasets.Dataset.from_dict({"conversations": picked})
-        built = build_eagle3_dataset(table, tokenizer, seq_length, num_proc=max(1, min(num_proc, len(picked) // 64)),
-                                     assistant_pattern=assistant_pattern, turn_dropout=turn_dropout) if picked else []
+        built = (
+            build_eagle3_dataset(
+                table,
+                tokenizer,
+                seq_length,
+                num_proc=max(1, min(num_proc, len(picked) // 64)),
+                assistant_pattern=assistant_pattern,
+                turn_dropout=turn_dropout,
+            )
+            if picked
+            else []
+        )
         ids = [r["input_ids"].tolist() for r in built]
         masks = [r["loss_mask"].tolist() for r in built]
         rejected = len(picked) - len(ids)

@@ -13,7 +13,6 @@ import os
 from importlib import resources
 from pathlib import Path
 
-
 CONVERSATIONS = "conversations.jsonl"
 SEQ_LENGTH = 512
 
@@ -30,8 +29,8 @@ def corpus_lines() -> list[str]:
 
 
 def run_demo(where: Path, fmt: str, console) -> int:
-    from speculators_v016.run.run_report import run_and_report
     from speculators_v016.run.pipeline import RunOptions
+    from speculators_v016.run.run_report import run_and_report
     from speculators_v016.settings import EngineSettings
     from speculators_v016.store.sample_format import load_sample
     from speculators_v016.testing.tiny_models import DEFAULT_CORPUS, build_tiny_model
@@ -43,11 +42,19 @@ def run_demo(where: Path, fmt: str, console) -> int:
         console.echo(f"building a tiny random Llama in {model} ...")
         build_tiny_model(model, "llama", corpus=DEFAULT_CORPUS + corpus_lines())
     data = where / f"data-{fmt}"
-    engine = EngineSettings(model=str(model), max_model_len=SEQ_LENGTH + 1, dtype="float32", enforce_eager=True,
-                            max_num_seqs=8)
-    opts = RunOptions(engine=engine, train_data_path=[str(bundled_conversations())], output_dir=data,
-                      seq_length=SEQ_LENGTH, format=fmt, token_freq_path=str(where / "token_freq.pt"),
-                      num_preprocessing_workers=1, deep_verify=True)
+    engine = EngineSettings(
+        model=str(model), max_model_len=SEQ_LENGTH + 1, dtype="float32", enforce_eager=True, max_num_seqs=8
+    )
+    opts = RunOptions(
+        engine=engine,
+        train_data_path=[str(bundled_conversations())],
+        output_dir=data,
+        seq_length=SEQ_LENGTH,
+        format=fmt,
+        token_freq_path=str(where / "token_freq.pt"),
+        num_preprocessing_workers=1,
+        deep_verify=True,
+    )
     code = run_and_report(opts, console)
     if code != 0:
         return code
@@ -60,9 +67,15 @@ def run_demo(where: Path, fmt: str, console) -> int:
     count = len((data / "manifest.jsonl").read_text().splitlines())
     console.echo(summary=True, line=f"data:       {data} ({count} sample files, manifest.jsonl, data_config.json)")
     console.echo(summary=True, line=f"layers:     {layers['layer_ids']} (output of layer L, before the final norm)")
-    console.echo(summary=True, line=f"serve with: eagle_aux_hidden_state_layer_ids = {layers['eagle_aux_hidden_state_layer_ids']}")
-    console.echo(summary=True, line=f"a sample:   {first.name}: input_ids {tuple(sample['input_ids'].shape)}, "
-               f"loss_mask {tuple(sample['loss_mask'].shape)} ({int(sample['loss_mask'].sum())} trainable), "
-               f"hidden_states {len(sample['hidden_states'])} x {tuple(sample['hidden_states'][0].shape)} "
-               f"{sample['hidden_states'][0].dtype}")
+    console.echo(
+        summary=True,
+        line=f"serve with: eagle_aux_hidden_state_layer_ids = {layers['eagle_aux_hidden_state_layer_ids']}",
+    )
+    console.echo(
+        summary=True,
+        line=f"a sample:   {first.name}: input_ids {tuple(sample['input_ids'].shape)}, "
+        f"loss_mask {tuple(sample['loss_mask'].shape)} ({int(sample['loss_mask'].sum())} trainable), "
+        f"hidden_states {len(sample['hidden_states'])} x {tuple(sample['hidden_states'][0].shape)} "
+        f"{sample['hidden_states'][0].dtype}",
+    )
     return 0

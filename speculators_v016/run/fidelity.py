@@ -49,17 +49,21 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     raise TypeError(f"cannot find the decoder layers of transformers' {type(model).__name__}")
 
 
-def reference_layer_outputs(model_path: str, prompts: list[list[int]], dtype: torch.dtype,
-                            trust_remote_code: bool = False) -> list[list[torch.Tensor]]:
+def reference_layer_outputs(
+    model_path: str, prompts: list[list[int]], dtype: torch.dtype, trust_remote_code: bool = False
+) -> list[list[torch.Tensor]]:
     """transformers' output of every decoder layer (before the final norm), per prompt."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code).eval()
     layers = decoder_layers(model)
     seen: dict[int, torch.Tensor] = {}
-    hooks = [layer.register_forward_hook(
-        lambda mod, args, out, i=i: seen.__setitem__(i, (out[0] if isinstance(out, tuple) else out)[0].float()))
-        for i, layer in enumerate(layers)]
+    hooks = [
+        layer.register_forward_hook(
+            lambda mod, args, out, i=i: seen.__setitem__(i, (out[0] if isinstance(out, tuple) else out)[0].float())
+        )
+        for i, layer in enumerate(layers)
+    ]
     out = []
     with torch.no_grad():
         for ids in prompts:
@@ -71,8 +75,9 @@ def reference_layer_outputs(model_path: str, prompts: list[list[int]], dtype: to
     return out
 
 
-def compare(results: list[dict], reference: list[list[torch.Tensor]], layer_ids: list[int],
-            engine_dtype: str) -> list[LayerError]:
+def compare(
+    results: list[dict], reference: list[list[torch.Tensor]], layer_ids: list[int], engine_dtype: str
+) -> list[LayerError]:
     tolerance = RELATIVE_TOLERANCE.get(engine_dtype, 5e-2)
     errors = []
     for j, layer in enumerate(layer_ids):
@@ -103,15 +108,24 @@ class CheckReport:
         if self.layers:
             out.append(f"{self.samples} samples, engine dtype {self.engine_dtype}, reference transformers float32")
             out.append(f"{'layer':>6} {'max abs err':>12} {'relative':>10} {'tolerance':>10}  result")
-            out += [f"{e.layer:>6} {e.max_abs:>12.3e} {e.relative:>10.3e} {e.tolerance:>10.1e}  "
-                    f"{'pass' if e.ok else 'FAIL'}" for e in self.layers]
+            out += [
+                f"{e.layer:>6} {e.max_abs:>12.3e} {e.relative:>10.3e} {e.tolerance:>10.1e}  "
+                f"{'pass' if e.ok else 'FAIL'}"
+                for e in self.layers
+            ]
         if self.replay is not None:
             out += self.replay.lines()
         return out
 
 
-def check(settings: EngineSettings, train_data_path: list[str], samples: int, seq_length: int,
-          layer_ids: list[int] | None = None, with_transformers: bool = True) -> CheckReport:
+def check(
+    settings: EngineSettings,
+    train_data_path: list[str],
+    samples: int,
+    seq_length: int,
+    layer_ids: list[int] | None = None,
+    with_transformers: bool = True,
+) -> CheckReport:
     """Run ``samples`` samples of the dataset through the engine and check their states.
 
     ``with_transformers=False`` skips only the whole-model comparison (targets
@@ -146,8 +160,9 @@ def check(settings: EngineSettings, train_data_path: list[str], samples: int, se
     by_layer = [dict(zip(captured.layer_ids, r["hidden_states"])) for r in results]
     logits_ok = checker.result.ok or (bool(checker.result.unavailable) and with_transformers)
     report = CheckReport(len(prompts), engine_dtype, checker.result.line(), logits_ok)
-    report.replay = replay_layers(model, by_layer, list(plan.layer_ids), RELATIVE_TOLERANCE.get(engine_dtype, 5e-2),
-                                  settings.trust_remote_code)
+    report.replay = replay_layers(
+        model, by_layer, list(plan.layer_ids), RELATIVE_TOLERANCE.get(engine_dtype, 5e-2), settings.trust_remote_code
+    )
     if with_transformers:
         reference = reference_layer_outputs(model, prompts, torch.float32, settings.trust_remote_code)
         requested = [{"hidden_states": [states[layer] for layer in plan.layer_ids]} for states in by_layer]

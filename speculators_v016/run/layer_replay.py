@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 
-
 @dataclass
 class ReplayError:
     layer: int  # the replayed decoder layer (our id: its output)
@@ -56,14 +55,21 @@ class ReplayReport:
     def lines(self) -> list[str]:
         if self.skipped:
             return [f"layer replay: skipped ({self.skipped})"]
-        out = ["layer replay: transformers' decoder layer L (fp32, its weights only) on our captured input "
-               "(layer L-1) against our captured layer L",
-               f"{'':>7}{'layer':>6} {'from':>5} {'max abs':>12} {'relative':>10} {'tolerance':>10}  result"]
-        out += [f"replay {r.layer:>6} {r.source:>5} {r.max_abs:>12.3e} {r.relative:>10.3e} {r.tolerance:>10.1e}  "
-                f"{'pass' if r.ok else 'FAIL'}" for r in self.rows]
+        out = [
+            "layer replay: transformers' decoder layer L (fp32, its weights only) on our captured input "
+            "(layer L-1) against our captured layer L",
+            f"{'':>7}{'layer':>6} {'from':>5} {'max abs':>12} {'relative':>10} {'tolerance':>10}  result",
+        ]
+        out += [
+            f"replay {r.layer:>6} {r.source:>5} {r.max_abs:>12.3e} {r.relative:>10.3e} {r.tolerance:>10.1e}  "
+            f"{'pass' if r.ok else 'FAIL'}"
+            for r in self.rows
+        ]
         if self.not_replayed:
-            out.append(f"layer replay: layers {list(self.not_replayed)} not replayed (no captured input: "
-                       "the embeddings are not captured)")
+            out.append(
+                f"layer replay: layers {list(self.not_replayed)} not replayed (no captured input: "
+                "the embeddings are not captured)"
+            )
         return out
 
 
@@ -94,11 +100,14 @@ class LayerReplayer:
         config = getattr(config, "get_text_config", lambda: config)()
         try:
             with init_empty_weights(include_buffers=False):
-                self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                              trust_remote_code=trust_remote_code).eval()
+                self.model = AutoModelForCausalLM.from_config(
+                    config, dtype=torch.float32, trust_remote_code=trust_remote_code
+                ).eval()
         except ValueError as exc:
-            raise ReplayUnavailable(f"transformers has no causal-LM implementation of "
-                                    f"{getattr(config, 'model_type', '?')}: {str(exc).splitlines()[0]}") from None
+            raise ReplayUnavailable(
+                f"transformers has no causal-LM implementation of "
+                f"{getattr(config, 'model_type', '?')}: {str(exc).splitlines()[0]}"
+            ) from None
         self.owner, self.attr, self.layers = _layer_list(self.model)
         self.prefix = next(name for name, m in self.model.named_modules() if m is self.layers)
         self.weight_map = _weight_map(self.path)
@@ -122,16 +131,21 @@ class LayerReplayer:
             captured["out"] = output[0] if isinstance(output, tuple) else output
             raise _Stop
 
-        handles = [module.register_forward_pre_hook(swap_input, with_kwargs=True),
-                   module.register_forward_hook(keep_output, with_kwargs=True)]
+        handles = [
+            module.register_forward_pre_hook(swap_input, with_kwargs=True),
+            module.register_forward_hook(keep_output, with_kwargs=True),
+        ]
         original = getattr(self.owner, self.attr)
         setattr(self.owner, self.attr, nn.ModuleList([module]))
         try:
             tokens = layer_input.shape[0]
             hidden = self.model.get_input_embeddings().embedding_dim
             with torch.no_grad():
-                self.model(inputs_embeds=torch.zeros(1, tokens, hidden), use_cache=False,
-                           position_ids=torch.arange(tokens)[None])
+                self.model(
+                    inputs_embeds=torch.zeros(1, tokens, hidden),
+                    use_cache=False,
+                    position_ids=torch.arange(tokens)[None],
+                )
         except _Stop:
             pass
         finally:
@@ -147,14 +161,19 @@ class LayerReplayer:
         from safetensors import safe_open
 
         wanted = {name: f"{self.prefix}.{layer}.{name}" for name, _ in module.named_parameters()}
-        wanted |= {name: f"{self.prefix}.{layer}.{name}" for name, b in module.named_buffers()
-                   if name.split(".")[-1] not in module_non_persistent(module, name)}
+        wanted |= {
+            name: f"{self.prefix}.{layer}.{name}"
+            for name, b in module.named_buffers()
+            if name.split(".")[-1] not in module_non_persistent(module, name)
+        }
         for name, key in list(wanted.items()):
             if key not in self.weight_map:  # the text model under another prefix (e.g. a multimodal checkpoint)
                 found = [k for k in self.weight_map if k.endswith(f".{self.attr}.{layer}.{name}")]
                 if len(found) != 1:
-                    raise ReplayUnavailable(f"the checkpoint has no tensor {key} (layer {layer}'s weights are "
-                                            "not stored under transformers' names)")
+                    raise ReplayUnavailable(
+                        f"the checkpoint has no tensor {key} (layer {layer}'s weights are "
+                        "not stored under transformers' names)"
+                    )
                 wanted[name] = found[0]
         by_file: dict[str, list[tuple[str, str]]] = {}
         for name, key in wanted.items():
@@ -205,8 +224,13 @@ def _weight_map(path: Path) -> dict[str, str]:
         return {key: single.name for key in f.keys()}
 
 
-def replay_layers(model_path: str, samples: Sequence[dict[int, torch.Tensor]], layer_ids: Sequence[int],
-                  tolerance: float, trust_remote_code: bool = False) -> ReplayReport:
+def replay_layers(
+    model_path: str,
+    samples: Sequence[dict[int, torch.Tensor]],
+    layer_ids: Sequence[int],
+    tolerance: float,
+    trust_remote_code: bool = False,
+) -> ReplayReport:
     """Replay every requested layer ``L >= 1`` from captured ``L - 1``; ``samples``: our layer id -> [T, hidden].
 
     Passes where the largest error relative to the largest |value| of the captured layer is within ``tolerance``.

@@ -89,13 +89,17 @@ class LogitCheckResult:
             return "skipped (no sample was checked)"
         state = "ok" if self.ok else f"FAILED for {len(self.failures)} sample(s), first {self.failures[0]}"
         if self.fp8:
-            return (f"{state} ({self.samples} samples, {self.positions} positions: stored FP8 last layer, "
-                    f"dequantized -> norm -> lm_head vs vLLM's prompt logprobs, max |delta| {self.max_abs:.1e}, "
-                    f"at most {self.worst_sigmas:.1f} sigma beyond the rest; tolerance {self.describe_tolerance()})")
+            return (
+                f"{state} ({self.samples} samples, {self.positions} positions: stored FP8 last layer, "
+                f"dequantized -> norm -> lm_head vs vLLM's prompt logprobs, max |delta| {self.max_abs:.1e}, "
+                f"at most {self.worst_sigmas:.1f} sigma beyond the rest; tolerance {self.describe_tolerance()})"
+            )
         worst = f", at most {self.worst_ratio:.2f} of it" if self.logit_ulps else ""
-        return (f"{state} ({self.samples} samples, {self.positions} positions: captured last layer -> norm -> "
-                f"lm_head vs vLLM's prompt logprobs, max |delta| {self.max_abs:.1e}, tolerance "
-                f"{self.describe_tolerance()}{worst})")
+        return (
+            f"{state} ({self.samples} samples, {self.positions} positions: captured last layer -> norm -> "
+            f"lm_head vs vLLM's prompt logprobs, max |delta| {self.max_abs:.1e}, tolerance "
+            f"{self.describe_tolerance()}{worst})"
+        )
 
 
 def _text_config(model_path: str) -> dict:
@@ -158,15 +162,17 @@ class FinalHead:
         """log p(input_ids[t+1] | ..t) from the pre-norm last-layer states, as vLLM computes it: ``[T-1]``."""
         return self.judge(last_layer, input_ids, last_layer.dtype, chunk)[0]
 
-    def fp8_logprobs(self, states: Fp8States, input_ids: torch.Tensor, dtype: torch.dtype, chunk: int = 256
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def fp8_logprobs(
+        self, states: Fp8States, input_ids: torch.Tensor, dtype: torch.dtype, chunk: int = 256
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logprobs, sigma)``, both ``[T-1]``: :meth:`next_token_logprobs` of the dequantized rows (in
         ``dtype``), and the standard deviation the e4m3 rounding gives each of them (see :meth:`_sigma`)."""
         logprobs, _, sigma = self.judge(states, input_ids, dtype, chunk)
         return logprobs, sigma
 
-    def judge(self, last: torch.Tensor | Fp8States, input_ids: torch.Tensor, dtype: torch.dtype, chunk: int = 256
-              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def judge(
+        self, last: torch.Tensor | Fp8States, input_ids: torch.Tensor, dtype: torch.dtype, chunk: int = 256
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``(logprobs, rounding, sigma)``, each ``[T-1]``: the next-token logprobs of the last layer (FP8:
         dequantized to ``dtype``); what rounding vLLM's logits to ``dtype`` may move them by
         (:func:`logit_rounding`; None in float32); the e4m3 rounding's standard deviation (None unless FP8)."""
@@ -176,7 +182,7 @@ class FinalHead:
         logprobs, rounding, sigmas = [], [], []
         for start in range(0, rows, chunk):
             stop = min(start + chunk, rows)
-            targets = input_ids[start + 1: stop + 1].long()
+            targets = input_ids[start + 1 : stop + 1].long()
             if fp8:
                 codes, scales = last.codes[start:stop], last.scales[start:stop].float()
                 h = Fp8States(codes, scales).dequantize(dtype)
@@ -193,8 +199,7 @@ class FinalHead:
         if not logprobs:
             empty = torch.empty(0)
             return empty, (empty if dtype in _MANTISSA_BITS else None), (empty if fp8 else None)
-        return (torch.cat(logprobs), torch.cat(rounding) if rounding else None,
-                torch.cat(sigmas) if fp8 else None)
+        return (torch.cat(logprobs), torch.cat(rounding) if rounding else None, torch.cat(sigmas) if fp8 else None)
 
     def _logits(self, h: torch.Tensor, head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits before soft-capping, final logits), float32, of pre-norm rows ``h`` (in the engine's dtype)."""
@@ -208,8 +213,16 @@ class FinalHead:
         raw = (x @ head.T).float()
         return raw, (torch.tanh(raw / self.softcap) * self.softcap if self.softcap else raw)
 
-    def _sigma(self, h: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, raw: torch.Tensor,
-               logp: torch.Tensor, targets: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    def _sigma(
+        self,
+        h: torch.Tensor,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        raw: torch.Tensor,
+        logp: torch.Tensor,
+        targets: torch.Tensor,
+        head: torch.Tensor,
+    ) -> torch.Tensor:
         """The standard deviation the e4m3 rounding of rows ``h`` gives each next-token logprob.
 
         To first order, ``delta logp_t = sum_k c_k e_k`` with ``e_k`` the rounding
@@ -233,8 +246,9 @@ class FinalHead:
         return ((coeff * half_step).pow(2).sum(-1) / 3).sqrt()
 
 
-def logit_rounding(raw: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype
-                   ) -> torch.Tensor | None:
+def logit_rounding(
+    raw: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor | None:
     """How far rounding the logits to ``dtype`` may move each next-token logprob: one unit in the last
     place of the target's logit plus the softmax-weighted mean unit of all logits (None for float32).
 

@@ -31,22 +31,29 @@ from loguru import logger
 from tqdm import tqdm
 
 from speculators_v016 import fp8
-from speculators_v016.engine.shm_records import reclaim_and_log
 from speculators_v016.engine.buffer_pool import BufferPool
-from speculators_v016.store import run_config
-from speculators_v016.store.finite import non_finite
-from speculators_v016.run.dataset import PreparedSamples, prepare_samples
+from speculators_v016.engine.shm_records import reclaim_and_log
 from speculators_v016.layers import LayerPlan
-from speculators_v016.settings import (DEFAULT_BATCH_SIZE, DEFAULT_LOGIT_CHECK_SAMPLES, DEFAULT_MAX_BAD_SAMPLES,
-                                         DEFAULT_PREPROCESSING_WORKERS, DEFAULT_SEQ_LENGTH, DEFAULT_TOKEN_FREQ_PATH,
-                                         DEFAULT_WRITE_WORKERS, EngineSettings)
-from speculators_v016.target import PromptError, TargetInfo, check_token_ids
+from speculators_v016.run.dataset import PreparedSamples, prepare_samples
+from speculators_v016.settings import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_LOGIT_CHECK_SAMPLES,
+    DEFAULT_MAX_BAD_SAMPLES,
+    DEFAULT_PREPROCESSING_WORKERS,
+    DEFAULT_SEQ_LENGTH,
+    DEFAULT_TOKEN_FREQ_PATH,
+    DEFAULT_WRITE_WORKERS,
+    EngineSettings,
+)
+from speculators_v016.store import run_config
 from speculators_v016.store.atomic_files import WriteError
 from speculators_v016.store.degenerate import degenerate_layers, may_be_degenerate
+from speculators_v016.store.finite import non_finite
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.outdir import OutputDir, ShardedRoot, shard_dir
 from speculators_v016.store.sample_format import parse_sample_name
 from speculators_v016.store.writer import SampleWriter
+from speculators_v016.target import PromptError, TargetInfo, check_token_ids
 
 
 class NonFiniteError(RuntimeError):
@@ -88,8 +95,10 @@ class RunOptions:
 
     def __post_init__(self) -> None:
         if self.engine.fp8 and self.format != "safetensors":
-            raise ValueError(f"--hidden-states-dtype {self.engine.hidden_states_dtype} needs --format safetensors: "
-                             f"upstream's .pt readers would take the FP8 codes for values (format {self.format!r})")
+            raise ValueError(
+                f"--hidden-states-dtype {self.engine.hidden_states_dtype} needs --format safetensors: "
+                f"upstream's .pt readers would take the FP8 codes for values (format {self.format!r})"
+            )
 
     @property
     def target_model_path(self) -> str:
@@ -116,12 +125,14 @@ class RunSummary:
 
     def lines(self) -> list[str]:
         rate = self.tokens / self.generation_seconds if self.generation_seconds else 0.0
-        out = [f"output:     {self.output_dir}",
-               f"written:    {self.written} samples ({self.already_done} already done before this run)",
-               f"tokens:     {self.tokens} in {self.generation_seconds:.1f} s of generation "
-               f"({rate:,.0f} tokens/s; {self.seconds:.1f} s in all)",
-               f"bytes:      {self.bytes:,}",
-               f"truncated:  {self.truncated} (to --seq-length; loss masks cut alongside)"]
+        out = [
+            f"output:     {self.output_dir}",
+            f"written:    {self.written} samples ({self.already_done} already done before this run)",
+            f"tokens:     {self.tokens} in {self.generation_seconds:.1f} s of generation "
+            f"({rate:,.0f} tokens/s; {self.seconds:.1f} s in all)",
+            f"bytes:      {self.bytes:,}",
+            f"truncated:  {self.truncated} (to --seq-length; loss masks cut alongside)",
+        ]
         out += [f"skipped:    {n} {reason}" for reason, n in sorted(self.skipped.items())] or ["skipped:    0"]
         if self.logit_check:
             out.append(f"logit check: {self.logit_check['line']}")
@@ -129,15 +140,26 @@ class RunSummary:
 
 
 def fingerprint(opts: RunOptions, samples: PreparedSamples, layer_ids: list[int]) -> dict:
-    generation = {"layer_ids": layer_ids, "format": opts.format, "dtype": opts.engine.dtype,
-                  "start_idx": opts.start_idx, "num_shards": opts.num_shards, "shard_index": opts.shard_index}
+    generation = {
+        "layer_ids": layer_ids,
+        "format": opts.format,
+        "dtype": opts.engine.dtype,
+        "start_idx": opts.start_idx,
+        "num_shards": opts.num_shards,
+        "shard_index": opts.shard_index,
+    }
     if opts.engine.hidden_states_dtype != "auto":  # absent for "auto": folders of earlier releases still resume
         generation["hidden_states_dtype"] = opts.engine.hidden_states_dtype
     return {
         "model": run_config.model_fingerprint(opts.target_model_path),
         "dataset": {"sources": samples.sources, "kind": samples.kind},
-        "preprocessing": {"seq_length": opts.seq_length, "max_samples": opts.max_samples, "seed": opts.seed,
-                          "assistant_pattern": opts.assistant_pattern, "turn_dropout": opts.turn_dropout},
+        "preprocessing": {
+            "seq_length": opts.seq_length,
+            "max_samples": opts.max_samples,
+            "seed": opts.seed,
+            "assistant_pattern": opts.assistant_pattern,
+            "turn_dropout": opts.turn_dropout,
+        },
         "generation": generation,
     }
 
@@ -160,9 +182,17 @@ def run(opts: RunOptions, progress_to=None) -> RunSummary:
             logger.warning("removed {} temporary files left by an interrupted run", len(out.removed_leftovers))
         tokenizer = AutoTokenizer.from_pretrained(opts.target_model_path, trust_remote_code=opts.trust_remote_code)
         samples = prepare_samples(
-            opts.train_data_path, tokenizer, opts.seq_length, max_samples=opts.max_samples, seed=opts.seed,
-            num_proc=opts.num_preprocessing_workers, assistant_pattern=opts.assistant_pattern,
-            turn_dropout=opts.turn_dropout, hf_cache_dir=opts.hf_cache_dir, skip_bad_rows=opts.skip_bad_rows)
+            opts.train_data_path,
+            tokenizer,
+            opts.seq_length,
+            max_samples=opts.max_samples,
+            seed=opts.seed,
+            num_proc=opts.num_preprocessing_workers,
+            assistant_pattern=opts.assistant_pattern,
+            turn_dropout=opts.turn_dropout,
+            hf_cache_dir=opts.hf_cache_dir,
+            skip_bad_rows=opts.skip_bad_rows,
+        )
         summary.skipped, summary.truncated = dict(samples.skipped), samples.truncated
         if not len(samples):
             raise PromptError(f"no usable sample in {opts.train_data_path} (skipped: {dict(samples.skipped)})")
@@ -203,16 +233,31 @@ def _announce(generator, opts: RunOptions, pending: int, done: int) -> None:
     logger.bind(terminal=True).info(
         "{}: layers {} (vLLM aux ids {}), {}, TP {}, {} executor, async scheduling {}, {}, "
         "max_num_seqs {}, max_num_batched_tokens {}; {} samples to write{}",
-        s.model, list(generator.plan.layer_ids), list(generator.plan.vllm_ids),
+        s.model,
+        list(generator.plan.layer_ids),
+        list(generator.plan.vllm_ids),
         str(engine.dtype).removeprefix("torch.") + (f" (stored as {fp8.NAME})" if s.fp8 else ""),
-        s.tensor_parallel_size, engine.executor_kind,
-        "on" if engine.async_scheduling else "OFF", "eager" if s.enforce_eager else "compiled",
-        s.max_num_seqs, engine.max_num_batched_tokens, pending,
-        f" ({done} already done)" if done else "")
+        s.tensor_parallel_size,
+        engine.executor_kind,
+        "on" if engine.async_scheduling else "OFF",
+        "eager" if s.enforce_eager else "compiled",
+        s.max_num_seqs,
+        engine.max_num_batched_tokens,
+        pending,
+        f" ({done} already done)" if done else "",
+    )
 
 
-def _generate(generator, samples: PreparedSamples, pending: list[int], directory: Path, opts: RunOptions,
-              summary: RunSummary, progress_to=None, cpus=None) -> None:
+def _generate(
+    generator,
+    samples: PreparedSamples,
+    pending: list[int],
+    directory: Path,
+    opts: RunOptions,
+    summary: RunSummary,
+    progress_to=None,
+    cpus=None,
+) -> None:
     layer_ids = list(generator.plan.layer_ids)
     engine = generator.engine
     checker = _logit_checker(generator, opts) if opts.logit_check_samples > 0 else None
@@ -224,8 +269,9 @@ def _generate(generator, samples: PreparedSamples, pending: list[int], directory
     awaiting = set(checked)
     held: list[tuple[int, dict]] = []
 
-    writer = SampleWriter(directory, opts.format, layer_ids, workers=opts.write_workers,
-                          reject=reject_non_finite(layer_ids), cpus=cpus)
+    writer = SampleWriter(
+        directory, opts.format, layer_ids, workers=opts.write_workers, reject=reject_non_finite(layer_ids), cpus=cpus
+    )
 
     def put(name: int, sample: dict) -> None:
         block = fp8.tensors_of(sample["hidden_states"])  # FP8: codes and scales, one block
@@ -234,8 +280,16 @@ def _generate(generator, samples: PreparedSamples, pending: list[int], directory
     window = max(opts.batch_size, 2 * opts.engine.max_num_seqs)
     total_tokens = sum(len(samples.input_ids[i]) for i in pending)
     started = time.monotonic()
-    bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, disable=not opts.progress or progress_to is None,
-               desc=f"0/{len(pending)} samples", dynamic_ncols=True, file=progress_to, mininterval=1.0)
+    bar = tqdm(
+        total=total_tokens,
+        unit="tok",
+        unit_scale=True,
+        disable=not opts.progress or progress_to is None,
+        desc=f"0/{len(pending)} samples",
+        dynamic_ncols=True,
+        file=progress_to,
+        mininterval=1.0,
+    )
     try:
         feed = ((i, samples.input_ids[i]) for i in pending)
         want = checked.__contains__ if checked else None
@@ -283,6 +337,7 @@ def _generate(generator, samples: PreparedSamples, pending: list[int], directory
 def reject_non_finite(layer_ids: list[int]):
     """The writer's check (in its threads): a sample with NaN/Inf states is not written;
     the reason is ``(its bad layer ids, its token count)``."""
+
     def reject(sample: dict) -> tuple[list[int], int] | None:
         bad = non_finite(sample["hidden_states"])
         return ([layer_ids[j] for j in bad], int(sample["input_ids"].shape[0])) if bad else None
@@ -297,8 +352,10 @@ def _note_rejected(rejected: list, summary: RunSummary, opts: RunOptions) -> Non
         summary.tokens -= tokens
         logger.error("sample {}: NaN/Inf hidden states in layers {}: not written", index, layers)
     if len(summary.non_finite) > opts.max_bad_samples:
-        raise NonFiniteError(f"{len(summary.non_finite)} samples with NaN/Inf hidden states "
-                             f"(limit --max-bad-samples {opts.max_bad_samples}); first: {summary.non_finite[0]}")
+        raise NonFiniteError(
+            f"{len(summary.non_finite)} samples with NaN/Inf hidden states "
+            f"(limit --max-bad-samples {opts.max_bad_samples}); first: {summary.non_finite[0]}"
+        )
 
 
 def _check_plausible(name: int, input_ids: torch.Tensor, states: list, layer_ids: list[int], holding: bool) -> None:
@@ -308,12 +365,14 @@ def _check_plausible(name: int, input_ids: torch.Tensor, states: list, layer_ids
     found = degenerate_layers(input_ids, states)
     if found:
         j, what = found[0]
-        kept = ("nothing of this run was written" if holding else
-                "samples written before it passed this check and are kept")
+        kept = (
+            "nothing of this run was written" if holding else "samples written before it passed this check and are kept"
+        )
         raise SelfCheckError(
             f"self-check failed: sample {name}, layer {layer_ids[j]}: {what}. No model produces this: the "
             f"capture is broken, and the run stops ({kept}; this sample is not written). Please report it "
-            "with the log")
+            "with the log"
+        )
 
 
 def _check_logits(checker, name: int, input_ids: torch.Tensor, states: list, theirs, held: int) -> None:
@@ -325,7 +384,8 @@ def _check_logits(checker, name: int, input_ids: torch.Tensor, states: list, the
             f"vLLM's own prompt logprobs (logit check: max |delta| {delta:.3g}, tolerance "
             f"{checker.describe_tolerance()}). The captured states are wrong for this model or setup; the run "
             f"stops before writing any sample ({held + 1} finished samples held back; a resume redoes them). "
-            "Please report it with the log")
+            "Please report it with the log"
+        )
 
 
 def _logit_checker(generator, opts: RunOptions):
@@ -359,9 +419,14 @@ def _new_config(generator, opts: RunOptions, samples: PreparedSamples, fp: dict,
     import speculators_v016
 
     config = DataGenerationConfig.from_generator(
-        generator=generator, train_data_path=opts.train_data_path, seq_length=opts.seq_length,
-        cache_dir=str(opts.hf_cache_dir or ""), num_samples=len(samples), max_samples=opts.max_samples,
-        seed=opts.seed).to_dict()
+        generator=generator,
+        train_data_path=opts.train_data_path,
+        seq_length=opts.seq_length,
+        cache_dir=str(opts.hf_cache_dir or ""),
+        num_samples=len(samples),
+        max_samples=opts.max_samples,
+        seed=opts.seed,
+    ).to_dict()
     config["speculators_v016"] = {
         "version": speculators_v016.__version__,
         "layers": generator.layer_mapping,
@@ -379,7 +444,10 @@ def _new_config(generator, opts: RunOptions, samples: PreparedSamples, fp: dict,
         schema = config["format"]["schema"]
         schema["hidden_states"]["dtype"] = "list[torch.float8_e4m3fn]"
         schema["hidden_states"]["description"] += " (e4m3 codes: value = code * hidden_states_scale)"
-        schema["hidden_states_scale"] = {"dtype": "list[torch.float32]", "shape": "list of [seq_len]",
-                                         "num_tensors": len(generator.layer_ids),
-                                         "description": "One scale per token per layer (amax/448; 1 for a zero row)"}
+        schema["hidden_states_scale"] = {
+            "dtype": "list[torch.float32]",
+            "shape": "list of [seq_len]",
+            "num_tensors": len(generator.layer_ids),
+            "description": "One scale per token per layer (amax/448; 1 for a zero row)",
+        }
     return config

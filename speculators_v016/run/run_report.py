@@ -15,14 +15,14 @@ SELF_CHECK_FAILED = 7
 
 
 def exit_code(exc: BaseException) -> int:
+    from speculators_v016.layers import LayerIdError
     from speculators_v016.run.dataset import BadRowError
     from speculators_v016.run.pipeline import SelfCheckError
-    from speculators_v016.target import PromptError, RemoteCodeError
-    from speculators_v016.layers import LayerIdError
+    from speculators_v016.store.atomic_files import WriteError
     from speculators_v016.store.manifest import ManifestError
     from speculators_v016.store.outdir import OutputDirError
     from speculators_v016.store.run_config import ResumeMismatchError
-    from speculators_v016.store.atomic_files import WriteError
+    from speculators_v016.target import PromptError, RemoteCodeError
 
     if isinstance(exc, (BadRowError, PromptError, LayerIdError, RemoteCodeError)):
         return 3

@@ -52,8 +52,7 @@ def write_parts(fh, parts: Sequence, digest) -> int:
     return size
 
 
-def write_durable(directory: Path, name: str, parts: bytes | Sequence, *, drop_cache: bool = False
-                  ) -> tuple[int, str]:
+def write_durable(directory: Path, name: str, parts: bytes | Sequence, *, drop_cache: bool = False) -> tuple[int, str]:
     """Write ``parts`` (in order) to ``directory/name``: temporary name, fsync, rename; return (bytes, sha256 hex).
 
     The file's contents are on disk before it gets its final name, so the name

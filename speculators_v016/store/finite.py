@@ -41,7 +41,7 @@ def all_finite(tensor: torch.Tensor) -> bool:
     values = tensor.contiguous().view(view_dtype).reshape(-1).numpy()
     scratch = np.empty(min(SLICE, values.size), dtype=values.dtype)
     for start in range(0, values.size, SLICE):
-        part = values[start: start + SLICE]
+        part = values[start : start + SLICE]
         magnitude = np.bitwise_and(part, mask, out=scratch[: part.size])
         if magnitude.max() >= threshold:
             return False
@@ -50,5 +50,8 @@ def all_finite(tensor: torch.Tensor) -> bool:
 
 def non_finite(tensors: list) -> list[int]:
     """Positions in ``tensors`` of those holding a NaN or an infinity (FP8 layers: in their codes or scales)."""
-    return [j for j, t in enumerate(tensors)
-            if not (all_finite(t.codes) and all_finite(t.scales) if isinstance(t, Fp8States) else all_finite(t))]
+    return [
+        j
+        for j, t in enumerate(tensors)
+        if not (all_finite(t.codes) and all_finite(t.scales) if isinstance(t, Fp8States) else all_finite(t))
+    ]

@@ -33,8 +33,14 @@ DEFAULT_COMMIT_INTERVAL = 0.25
 class GroupCommit:
     """A committer thread: entries of renamed files -> folder fsync -> manifest lines + fsync, per batch."""
 
-    def __init__(self, directory: Path, manifest: Manifest, *, interval: float = DEFAULT_COMMIT_INTERVAL,
-                 on_commit: Callable[[list[Entry]], None] | None = None):
+    def __init__(
+        self,
+        directory: Path,
+        manifest: Manifest,
+        *,
+        interval: float = DEFAULT_COMMIT_INTERVAL,
+        on_commit: Callable[[list[Entry]], None] | None = None,
+    ):
         self.directory, self.manifest, self.interval = Path(directory), manifest, interval
         self.on_commit = on_commit
         self.error: BaseException | None = None
@@ -65,15 +71,18 @@ class GroupCommit:
                 except BaseException as exc:  # noqa: BLE001 - handed to the writer's caller
                     self.error = exc
             with self._wake:  # the next batch gathers for at least `interval`, unless closing
-                self._wake.wait_for(lambda: self._closing, timeout=max(0.0, self.interval - (time.monotonic() - started)))
+                self._wake.wait_for(
+                    lambda: self._closing, timeout=max(0.0, self.interval - (time.monotonic() - started))
+                )
 
     def _commit(self, batch: list[Entry]) -> None:
         try:
             fsync_dir(self.directory)
             self.manifest.append(*batch)
         except OSError as exc:
-            raise WriteError(exc.errno, f"cannot record {len(batch)} sample(s) in {self.manifest.path}: "
-                                        f"{exc.strerror or exc}") from exc
+            raise WriteError(
+                exc.errno, f"cannot record {len(batch)} sample(s) in {self.manifest.path}: {exc.strerror or exc}"
+            ) from exc
         self.commits += 1
         if self.on_commit is not None:
             self.on_commit(batch)

@@ -68,8 +68,9 @@ class Manifest:
             except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as exc:
                 if number == len(lines):  # last line without newline: torn append
                     break
-                raise ManifestError(f"{self.path}:{number}: not a manifest entry of this tool "
-                                    f"({type(exc).__name__}: {str(exc)[:120]})") from exc
+                raise ManifestError(
+                    f"{self.path}:{number}: not a manifest entry of this tool ({type(exc).__name__}: {str(exc)[:120]})"
+                ) from exc
             out[entry.index] = entry
         return out, bool(lines[-1])
 
@@ -91,8 +92,11 @@ class Manifest:
         run; appending after a torn line would glue the next entry onto it)."""
         entries, torn = self._read()
         folder = self.path.parent
-        good = {i: e for i, e in entries.items()
-                if (folder / e.file).is_file() and (folder / e.file).stat().st_size == e.bytes}
+        good = {
+            i: e
+            for i, e in entries.items()
+            if (folder / e.file).is_file() and (folder / e.file).stat().st_size == e.bytes
+        }
         if len(good) != len(entries) or torn:
             self.compact(good)
         return good

@@ -25,9 +25,9 @@ import os
 import re
 from pathlib import Path
 
+from speculators_v016.store.atomic_files import TMP_PREFIX, WriteError
 from speculators_v016.store.manifest import NAME as MANIFEST
 from speculators_v016.store.sample_format import parse_sample_name
-from speculators_v016.store.atomic_files import TMP_PREFIX, WriteError
 
 CONFIG = "data_config.json"
 LOCK = ".speculators-data-gen.lock"
@@ -60,8 +60,9 @@ def cannot_use(path: Path, exc: OSError, what: str = "") -> OSError | OutputDirE
     reason = exc.strerror or str(exc)
     if exc.errno in _FULL:
         return WriteError(exc.errno, f"cannot write {path}: {reason}")
-    return OutputDirError(f"--output-dir: cannot {what or 'create or write'} {path} ({reason}); "
-                          "choose a folder you can write")
+    return OutputDirError(
+        f"--output-dir: cannot {what or 'create or write'} {path} ({reason}); choose a folder you can write"
+    )
 
 
 def _lock(path: Path, mode: int) -> int:
@@ -76,8 +77,7 @@ def _lock(path: Path, mode: int) -> int:
         holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
         os.close(fd)
         who = f"run (pid {holder})" if holder else "sharded run"
-        raise OutputDirError(f"another speculators-data-gen {who} is writing to {path}; "
-                             "one run per folder") from None
+        raise OutputDirError(f"another speculators-data-gen {who} is writing to {path}; one run per folder") from None
     return fd
 
 
@@ -103,11 +103,13 @@ class OutputDir:
             raise OutputDirError(
                 f"--output-dir {self.path} holds the shard folders of a sharded run ({_summary(shards)}); "
                 "an unsharded run beside them would be mixed into training by a trainer reading the folder "
-                "recursively: use another --output-dir, or the same --num-shards")
+                "recursively: use another --output-dir, or the same --num-shards"
+            )
         if foreign:
             raise OutputDirError(
                 f"--output-dir {self.path} holds files this tool did not write ({_summary(foreign)}); "
-                "use an empty or new folder")
+                "use an empty or new folder"
+            )
 
     def open(self) -> OutputDir:
         """Create or accept the folder, take the lock, clear temporary leftovers."""
@@ -166,16 +168,20 @@ class ShardedRoot:
             raise OutputDirError(
                 f"--output-dir {self.path} holds an unsharded run ({_summary(unsharded)}); shard folders beside "
                 "it would be mixed into training by a trainer reading the folder recursively: use another "
-                "--output-dir")
+                "--output-dir"
+            )
         others = sorted(n for n in names if SHARD_DIR.match(n) and int(SHARD_DIR.match(n).group(2)) != self.count)
         if others:
             raise OutputDirError(
                 f"--output-dir {self.path} holds shard folders of a run split another way ({_summary(others)}); "
-                f"this run is split {self.count} ways: use another --output-dir, or the same --num-shards")
+                f"this run is split {self.count} ways: use another --output-dir, or the same --num-shards"
+            )
         foreign = sorted(n for n in names if not SHARD_DIR.match(n) and n not in (LOGS, LOCK))
         if foreign:
-            raise OutputDirError(f"--output-dir {self.path} holds files this tool did not write "
-                                 f"({_summary(foreign)}); use an empty or new folder")
+            raise OutputDirError(
+                f"--output-dir {self.path} holds files this tool did not write "
+                f"({_summary(foreign)}); use an empty or new folder"
+            )
 
     def open(self) -> ShardedRoot:
         if self.path.exists() and not self.path.is_dir():

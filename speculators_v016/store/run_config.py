@@ -14,11 +14,18 @@ import hashlib
 import json
 from pathlib import Path
 
-from speculators_v016.store.outdir import CONFIG
 from speculators_v016.store.atomic_files import write_atomic
+from speculators_v016.store.outdir import CONFIG
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                    "chat_template.jinja", "vocab.json", "merges.txt")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 class ResumeMismatchError(RuntimeError):
@@ -39,8 +46,11 @@ def model_fingerprint(model: str) -> dict:
     path = Path(model)
     if not path.is_dir():
         return {"name": model}
-    weights = {p.name: p.stat().st_size for p in sorted(path.iterdir())
-               if p.suffix in (".safetensors", ".bin", ".pt") or p.name.endswith(".index.json")}
+    weights = {
+        p.name: p.stat().st_size
+        for p in sorted(path.iterdir())
+        if p.suffix in (".safetensors", ".bin", ".pt") or p.name.endswith(".index.json")
+    }
     return {
         "path": str(path.resolve()),
         "config_sha256": file_sha256(path / "config.json") if (path / "config.json").exists() else None,
@@ -68,8 +78,9 @@ def load(directory: Path) -> dict | None:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ResumeMismatchError(f"{path} is not valid JSON ({exc}); not a folder of ours to resume") from exc
     except OSError as exc:
-        raise ResumeMismatchError(f"{path} cannot be read ({exc.strerror or exc}); not a folder of ours "
-                                  "to resume") from exc
+        raise ResumeMismatchError(
+            f"{path} cannot be read ({exc.strerror or exc}); not a folder of ours to resume"
+        ) from exc
 
 
 def check_resume(directory: Path, fingerprint: dict, has_samples: bool) -> dict | None:
@@ -77,18 +88,22 @@ def check_resume(directory: Path, fingerprint: dict, has_samples: bool) -> dict 
     existing = load(directory)
     if existing is None:
         if has_samples:
-            raise ResumeMismatchError(f"{directory} holds sample files but no {CONFIG}: "
-                                      "not a run of this tool to resume; use another folder")
+            raise ResumeMismatchError(
+                f"{directory} holds sample files but no {CONFIG}: not a run of this tool to resume; use another folder"
+            )
         return None
     ours = existing.get("speculators_v016", {}).get("fingerprint")
     if ours is None:
-        raise ResumeMismatchError(f"{directory}/{CONFIG} was not written by speculators-data-gen "
-                                  "(no fingerprint); use another folder")
+        raise ResumeMismatchError(
+            f"{directory}/{CONFIG} was not written by speculators-data-gen (no fingerprint); use another folder"
+        )
     diff = differences(ours, fingerprint)
     if diff:
         raise ResumeMismatchError(
             f"{directory} was generated with other settings; resuming would mix samples. Differs:\n  "
-            + "\n  ".join(diff) + "\nUse another --output-dir, or the original settings.")
+            + "\n  ".join(diff)
+            + "\nUse another --output-dir, or the original settings."
+        )
     return existing
 
 

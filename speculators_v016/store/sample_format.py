@@ -50,9 +50,17 @@ def parse_sample_name(name: str) -> tuple[int, str] | None:
 
 
 _SAFETENSORS_DTYPES = {
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
-    torch.bfloat16: "BF16", torch.float8_e4m3fn: "F8_E4M3",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
 }
 SCALE_KEY = "hidden_states_scale.{}"
 
@@ -74,8 +82,11 @@ def safetensors_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]
         if tensor.dtype not in _SAFETENSORS_DTYPES:
             raise ValueError(f"tensor {name}: dtype {tensor.dtype} has no safetensors name")
         raw = _raw(tensor)
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + raw.nbytes]}
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + raw.nbytes],
+        }
         offset += raw.nbytes
         buffers.append(raw)
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -105,12 +116,19 @@ def encode_parts(sample: dict, fmt: str, layer_ids: list[int]) -> list:
         return safetensors_parts(tensors, metadata)
     if fmt == "pt":
         if any(quantized):
-            raise ValueError("FP8 hidden states cannot be stored as .pt: upstream's readers would take the "
-                             "codes for values; use safetensors")
+            raise ValueError(
+                "FP8 hidden states cannot be stored as .pt: upstream's readers would take the "
+                "codes for values; use safetensors"
+            )
         buffer = io.BytesIO()
-        torch.save({"input_ids": sample["input_ids"],
-                    "hidden_states": [h.contiguous() for h in sample["hidden_states"]],
-                    "loss_mask": sample["loss_mask"]}, buffer)
+        torch.save(
+            {
+                "input_ids": sample["input_ids"],
+                "hidden_states": [h.contiguous() for h in sample["hidden_states"]],
+                "loss_mask": sample["loss_mask"],
+            },
+            buffer,
+        )
         return [buffer.getbuffer()]
     raise ValueError(f"unknown sample format {fmt!r}; choose from {sorted(FORMATS)}")
 
@@ -136,8 +154,9 @@ def load_sample(path: str | Path, dequantize_to: torch.dtype | None = torch.floa
             raise ValueError(f"{path}: missing tensors {sorted(missing)}")
         states = [tensors[f"hidden_states.{j}"] for j in range(count)]
         if scales or any(h.dtype == fp8.CODE_DTYPE for h in states):
-            states = _fp8_states(path, states, [tensors.get(SCALE_KEY.format(j)) for j in range(count)],
-                                 scales, dequantize_to)
+            states = _fp8_states(
+                path, states, [tensors.get(SCALE_KEY.format(j)) for j in range(count)], scales, dequantize_to
+            )
         return {"input_ids": tensors["input_ids"], "loss_mask": tensors["loss_mask"], "hidden_states": states}
     if path.suffix == ".pt":
         data = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
@@ -150,12 +169,16 @@ def load_sample(path: str | Path, dequantize_to: torch.dtype | None = torch.floa
 def _fp8_states(path: Path, codes: list, scales: list, count: int, dequantize_to: torch.dtype | None) -> list:
     """Codes and scales of an FP8 file, checked to belong together; dequantized unless ``dequantize_to`` is None."""
     if count != len(codes) or any(c.dtype != fp8.CODE_DTYPE for c in codes):
-        raise ValueError(f"{path}: FP8 file with {len(codes)} hidden_states ({sorted({str(c.dtype) for c in codes})}) "
-                         f"and {count} hidden_states_scale tensors: codes must be float8_e4m3fn, one scale "
-                         "tensor per layer")
+        raise ValueError(
+            f"{path}: FP8 file with {len(codes)} hidden_states ({sorted({str(c.dtype) for c in codes})}) "
+            f"and {count} hidden_states_scale tensors: codes must be float8_e4m3fn, one scale "
+            "tensor per layer"
+        )
     states = [Fp8States(c, s) for c, s in zip(codes, scales)]
     for j, state in enumerate(states):
         if state.scales.dtype != fp8.SCALE_DTYPE or tuple(state.scales.shape) != tuple(state.codes.shape[:1]):
-            raise ValueError(f"{path}: hidden_states_scale.{j} is {tuple(state.scales.shape)} "
-                             f"{state.scales.dtype}, expected [{state.codes.shape[0]}] float32")
+            raise ValueError(
+                f"{path}: hidden_states_scale.{j} is {tuple(state.scales.shape)} "
+                f"{state.scales.dtype}, expected [{state.codes.shape[0]}] float32"
+            )
     return states if dequantize_to is None else [s.dequantize(dequantize_to) for s in states]

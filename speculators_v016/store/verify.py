@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 
 from speculators_v016 import fp8
+from speculators_v016.store.atomic_files import TMP_PREFIX
 from speculators_v016.store.degenerate import degenerate_layers
 from speculators_v016.store.manifest import Manifest, ManifestError
 from speculators_v016.store.outdir import CONFIG, SHARD_DIR, is_ours, unsharded_run_files
 from speculators_v016.store.sample_format import FORMATS, load_sample, parse_sample_name
-from speculators_v016.store.atomic_files import TMP_PREFIX
 
 
 @dataclass
@@ -107,16 +107,19 @@ def folder_settings(folder: Path) -> FolderSettings | None:
         last_run = config["speculators_v016"].get("last_run") or {}
         storage = config["speculators_v016"].get("hidden_states_dtype", "auto")  # absent: earlier releases
         if storage not in ("auto", fp8.NAME):
-            raise ConfigError(f"field speculators_v016.hidden_states_dtype is {storage!r}, not 'auto' or "
-                              f"{fp8.NAME!r}")
+            raise ConfigError(f"field speculators_v016.hidden_states_dtype is {storage!r}, not 'auto' or {fp8.NAME!r}")
         return FolderSettings(
-            format=fmt, layer_ids=layer_ids, hidden_size=_field(config, "model.hidden_size", int),
+            format=fmt,
+            layer_ids=layer_ids,
+            hidden_size=_field(config, "model.hidden_size", int),
             dtype=_field(config, "speculators_v016.dtype", str),
             shard_index=_field(config, "speculators_v016.shard.index", int),
             shard_count=_field(config, "speculators_v016.shard.count", int),
             dataset_samples=_field(config, "speculators_v016.dataset_samples", int),
             start_idx=_field(config, "speculators_v016.start_idx", int),
-            skipped=len(last_run.get("non_finite", [])) if isinstance(last_run, dict) else 0, storage=storage)
+            skipped=len(last_run.get("non_finite", [])) if isinstance(last_run, dict) else 0,
+            storage=storage,
+        )
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
 
@@ -127,18 +130,23 @@ def _folders(root: Path, report: Report) -> list[Path]:
     if shards:
         counts = sorted({SHARD_DIR.match(p.name).group(2) for p in shards})
         if len(counts) > 1:
-            report.problems.append(f"{root}: shard folders of runs split {' and '.join(str(int(c)) for c in counts)} "
-                                   "ways: a trainer reading the folder would mix them")
+            report.problems.append(
+                f"{root}: shard folders of runs split {' and '.join(str(int(c)) for c in counts)} "
+                "ways: a trainer reading the folder would mix them"
+            )
         beside = unsharded_run_files(os.listdir(root))
         if beside:
-            report.problems.append(f"{root}: holds shard folders and an unsharded run's files "
-                                   f"({', '.join(beside[:3])}{', ...' if len(beside) > 3 else ''}): a trainer "
-                                   "reading the folder recursively would mix both")
+            report.problems.append(
+                f"{root}: holds shard folders and an unsharded run's files "
+                f"({', '.join(beside[:3])}{', ...' if len(beside) > 3 else ''}): a trainer "
+                "reading the folder recursively would mix both"
+            )
     return shards or [root]
 
 
-def _check_sample(path: Path, layer_ids: list[int], hidden: int, dtype: str,
-                  storage: str = "auto") -> tuple[int, list[str]]:
+def _check_sample(
+    path: Path, layer_ids: list[int], hidden: int, dtype: str, storage: str = "auto"
+) -> tuple[int, list[str]]:
     try:
         data = load_sample(path, dequantize_to=None)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is a finding
@@ -157,8 +165,9 @@ def _check_sample(path: Path, layer_ids: list[int], hidden: int, dtype: str,
     for j, h in enumerate(states):
         if isinstance(h, fp8.Fp8States) != (storage == fp8.NAME):
             stored = "FP8 codes and scales" if isinstance(h, fp8.Fp8States) else str(h.dtype)
-            problems.append(f"{path}: hidden_states[{j}] is {stored}, data_config.json says "
-                            f"hidden_states_dtype {storage}")
+            problems.append(
+                f"{path}: hidden_states[{j}] is {stored}, data_config.json says hidden_states_dtype {storage}"
+            )
         elif isinstance(h, fp8.Fp8States):
             problems += [f"{path}: hidden_states[{j}]: {p}" for p in _fp8_problems(h, length, hidden)]
         elif tuple(h.shape) != (length, hidden):
@@ -169,8 +178,10 @@ def _check_sample(path: Path, layer_ids: list[int], hidden: int, dtype: str,
             problems.append(f"{path}: hidden_states[{j}] has NaN or Inf")
     if not problems:
         for j, what in degenerate_layers(ids, states):
-            problems.append(f"{path}: hidden_states[{j}] (layer {layer_ids[j]}): {what}; no model produces "
-                            "this: the capture was broken")
+            problems.append(
+                f"{path}: hidden_states[{j}] (layer {layer_ids[j]}): {what}; no model produces "
+                "this: the capture was broken"
+            )
     return length, problems
 
 
@@ -183,8 +194,9 @@ def _fp8_problems(h: fp8.Fp8States, length: int, hidden: int) -> list[str]:
     return problems
 
 
-def verify_folder(folder: Path, report: Report, seen: dict[int, Path], partial: bool = False,
-                  deep: bool = True) -> FolderSettings | None:
+def verify_folder(
+    folder: Path, report: Report, seen: dict[int, Path], partial: bool = False, deep: bool = True
+) -> FolderSettings | None:
     """Check one folder into ``report``; its settings, or None where it cannot be checked (said in ``report``)."""
     report.folders.append(str(folder))
     try:
@@ -196,8 +208,9 @@ def verify_folder(folder: Path, report: Report, seen: dict[int, Path], partial: 
     return None
 
 
-def _verify_folder(folder: Path, report: Report, seen: dict[int, Path], partial: bool,
-                   deep: bool) -> FolderSettings | None:
+def _verify_folder(
+    folder: Path, report: Report, seen: dict[int, Path], partial: bool, deep: bool
+) -> FolderSettings | None:
     settings = folder_settings(folder)
     if settings is None:
         report.problems.append(f"{folder}: no {CONFIG} written by speculators-data-gen")
@@ -205,11 +218,15 @@ def _verify_folder(folder: Path, report: Report, seen: dict[int, Path], partial:
     fmt, ext = settings.format, FORMATS[settings.format]
     hidden, dtype = settings.hidden_size, settings.dtype
     names = sorted(os.listdir(folder))
-    leftovers = [f"{folder / n}: temporary file left by an interrupted write" for n in names
-                 if n.startswith(TMP_PREFIX)]
+    leftovers = [
+        f"{folder / n}: temporary file left by an interrupted write" for n in names if n.startswith(TMP_PREFIX)
+    ]
     (report.notes if partial else report.problems).extend(leftovers)  # the next run removes them
-    report.problems += [f"{folder / n}: not a file of this tool (not opened)" for n in names
-                        if not is_ours(n) and not SHARD_DIR.match(n)]
+    report.problems += [
+        f"{folder / n}: not a file of this tool (not opened)"
+        for n in names
+        if not is_ours(n) and not SHARD_DIR.match(n)
+    ]
     entries = Manifest(folder).entries()
     listed = {e.file for e in entries.values()}
     for name in names:
@@ -279,8 +296,7 @@ def verify(root: str | Path, partial: bool = False, deep: bool = True) -> Report
             wanted = set(range(start, start + total))
             absent = sorted(wanted - set(seen))
             if len(absent) > skipped:
-                report.problems.append(f"{root}: {len(absent)} of {total} samples are missing "
-                                       f"(first: {absent[:5]})")
+                report.problems.append(f"{root}: {len(absent)} of {total} samples are missing (first: {absent[:5]})")
         else:
             report.problems.append(f"{root}: shard folders disagree on shard count, dataset size or start index")
     return report

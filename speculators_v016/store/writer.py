@@ -56,9 +56,19 @@ class SampleWriter:
     started would otherwise hash and write on that one core.
     """
 
-    def __init__(self, directory: Path, fmt: str, layer_ids: list[int], *, workers: int = DEFAULT_WRITE_WORKERS,
-                 bound: int = 8, reject: Callable[[dict], Any] | None = None, cpus: Iterable[int] | None = None,
-                 commit_interval: float = DEFAULT_COMMIT_INTERVAL, nice: int = WRITER_NICE_INCREMENT):
+    def __init__(
+        self,
+        directory: Path,
+        fmt: str,
+        layer_ids: list[int],
+        *,
+        workers: int = DEFAULT_WRITE_WORKERS,
+        bound: int = 8,
+        reject: Callable[[dict], Any] | None = None,
+        cpus: Iterable[int] | None = None,
+        commit_interval: float = DEFAULT_COMMIT_INTERVAL,
+        nice: int = WRITER_NICE_INCREMENT,
+    ):
         if workers < 1:
             raise ValueError(f"write workers must be at least 1, got {workers}")
         self.directory, self.fmt, self.layer_ids = Path(directory), fmt, layer_ids
@@ -73,8 +83,9 @@ class SampleWriter:
         self._rejected: list[tuple[int, Any]] = []
         self._lock = threading.Lock()
         self.commit = GroupCommit(self.directory, self.manifest, interval=commit_interval, on_commit=self._count)
-        self._threads = [threading.Thread(target=self._work, name=f"sample-writer-{i}", daemon=True)
-                         for i in range(workers)]
+        self._threads = [
+            threading.Thread(target=self._work, name=f"sample-writer-{i}", daemon=True) for i in range(workers)
+        ]
         for thread in self._threads:
             thread.start()
 
@@ -102,8 +113,9 @@ class SampleWriter:
                 self._rejected.append((index, reason))
             return
         name = sample_name(index, self.fmt)
-        size, sha256 = write_durable(self.directory, name, encode_parts(sample, self.fmt, self.layer_ids),
-                                     drop_cache=True)
+        size, sha256 = write_durable(
+            self.directory, name, encode_parts(sample, self.fmt, self.layer_ids), drop_cache=True
+        )
         self.commit.add(Entry(index, name, size, sha256, int(sample["input_ids"].shape[0])))
 
     def _count(self, batch: list[Entry]) -> None:

@@ -175,8 +175,12 @@ def install() -> None:
             for key, ids, states in original_stream(self, *args, **kwargs):
                 if zeroing or _armed(point):
                     zeroing.append(key)
-                    states = [Fp8States(torch.zeros_like(h.codes), torch.ones_like(h.scales))
-                              if isinstance(h, Fp8States) else torch.zeros_like(h) for h in states]
+                    states = [
+                        Fp8States(torch.zeros_like(h.codes), torch.ones_like(h.scales))
+                        if isinstance(h, Fp8States)
+                        else torch.zeros_like(h)
+                        for h in states
+                    ]
                 yield key, ids, states
 
         CaptureEngine.stream = stream
@@ -192,8 +196,11 @@ def install() -> None:
                     armed.append(key)
                     middle = len(states) // 2
                     before = states[middle - 1]
-                    states[middle] = (Fp8States(before.codes.clone(), before.scales.clone())
-                                      if isinstance(before, Fp8States) else before.clone())
+                    states[middle] = (
+                        Fp8States(before.codes.clone(), before.scales.clone())
+                        if isinstance(before, Fp8States)
+                        else before.clone()
+                    )
                 yield key, ids, states
 
         CaptureEngine.stream = stream

@@ -19,52 +19,136 @@ CHAT_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 
-_COMMON = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-               max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+_COMMON = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
 
 #: architecture name -> (transformers config class name, extra config fields)
 ARCHITECTURES = {
     "llama": ("LlamaConfig", {}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 32}),
-    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
-                                     "moe_intermediate_size": 64, "decoder_sparse_step": 1,
-                                     "norm_topk_prob": True}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {
+            "head_dim": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "decoder_sparse_step": 1,
+            "norm_topk_prob": True,
+        },
+    ),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # DeepSeek-V3 (and Kimi-K2's text model): dense first layer, then grouped noaux_tc MoE with a
     # shared expert; MLA with q LoRA. vLLM's CPU backend runs it with VLLM_MLA_DISABLE=1.
-    "deepseek_v3": ("DeepseekV3Config", {
-        "num_key_value_heads": 4, "q_lora_rank": 96, "kv_lora_rank": 64, "qk_nope_head_dim": 32,
-        "qk_rope_head_dim": 32, "v_head_dim": 32, "moe_intermediate_size": 64, "n_routed_experts": 8,
-        "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
-        "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
-        # Real checkpoints name both in config.json; transformers' class hard-codes them, vLLM reads
-        # them (without scoring_func it routes with softmax; without topk_method it cannot load the bias).
-        "topk_method": "noaux_tc", "scoring_func": "sigmoid"}),
-    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-                                     "shared_expert_intermediate_size": 64, "decoder_sparse_step": 1}),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        {
+            "num_key_value_heads": 4,
+            "q_lora_rank": 96,
+            "kv_lora_rank": 64,
+            "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 32,
+            "v_head_dim": 32,
+            "moe_intermediate_size": 64,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "n_group": 2,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            # Real checkpoints name both in config.json; transformers' class hard-codes them, vLLM reads
+            # them (without scoring_func it routes with softmax; without topk_method it cannot load the bias).
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+        },
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64,
+            "decoder_sparse_step": 1,
+        },
+    ),
     # Sandwich norms (extra norms after attention and MLP), embeddings scaled by sqrt(hidden).
     # (vLLM's Gemma-2 requires tied embeddings, as every released Gemma has.)
-    "gemma2": ("Gemma2Config", {"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 64,
-                                "hidden_act": "gelu_pytorch_tanh",
-                                "tie_word_embeddings": True}),
-    "gemma3": ("Gemma3TextConfig", {"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 64,
-                                    "sliding_window_pattern": 2, "tie_word_embeddings": True}),
-    "glm4_moe": ("Glm4MoeConfig", {"head_dim": 32, "moe_intermediate_size": 64, "n_routed_experts": 8,
-                                   "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
-                                   "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
-                                   "partial_rotary_factor": 0.5}),
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "head_dim": 32,
+            "query_pre_attn_scalar": 32,
+            "sliding_window": 64,
+            "hidden_act": "gelu_pytorch_tanh",
+            "tie_word_embeddings": True,
+        },
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 32,
+            "query_pre_attn_scalar": 32,
+            "sliding_window": 64,
+            "sliding_window_pattern": 2,
+            "tie_word_embeddings": True,
+        },
+    ),
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        {
+            "head_dim": 32,
+            "moe_intermediate_size": 64,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "norm_topk_prob": True,
+            "partial_rotary_factor": 0.5,
+        },
+    ),
     "phi3": ("Phi3Config", {"num_key_value_heads": 4, "pad_token_id": 0}),
     # Post-norm blocks without fused add-norm: each layer takes the residual stream as one tensor.
     "olmo2": ("Olmo2Config", {"num_key_value_heads": 4, "pad_token_id": 0}),
-    "gpt_oss": ("GptOssConfig", {"head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
-                                 "sliding_window": 64}),
+    "gpt_oss": (
+        "GptOssConfig",
+        {"head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 64},
+    ),
     # DeepSeek-V2-Lite-like: no q LoRA, greedy softmax routing over 2 shared + 8 routed experts.
-    "deepseek_v2": ("DeepseekV2Config", {
-        "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 64, "qk_nope_head_dim": 32,
-        "qk_rope_head_dim": 32, "v_head_dim": 32, "moe_intermediate_size": 64, "n_routed_experts": 8,
-        "n_shared_experts": 2, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "topk_method": "greedy",
-        "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": False}),
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        {
+            "num_key_value_heads": 4,
+            "q_lora_rank": None,
+            "kv_lora_rank": 64,
+            "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 32,
+            "v_head_dim": 32,
+            "moe_intermediate_size": 64,
+            "n_routed_experts": 8,
+            "n_shared_experts": 2,
+            "num_experts_per_tok": 2,
+            "first_k_dense_replace": 1,
+            "topk_method": "greedy",
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 1.0,
+            "norm_topk_prob": False,
+        },
+    ),
     # Parallel blocks (attention and MLP from one LayerNorm, added to the stream together); the
     # layers take a `residual` argument they do not add (Command-R). Cohere2 (Command-R7B / Command-A):
     # sliding-window layers with RoPE, every 4th layer global without it.
@@ -78,23 +162,51 @@ ARCHITECTURES = {
     # MoE layers (interleave_moe_layer_step=1 or 2 in real models) cannot run here. Attention temperature
     # tuning off: vLLM decides it from generation_config.json (default: on above 32K context), not from
     # config.json as transformers does, so at this context length the two would differ.
-    "llama4": ("Llama4TextConfig", {"head_dim": 32, "intermediate_size": 64, "intermediate_size_mlp": 256,
-                                    "num_local_experts": 4, "num_experts_per_tok": 1,
-                                    "interleave_moe_layer_step": 8, "attention_chunk_size": 128,
-                                    "attn_temperature_tuning": False, "use_qk_norm": True,
-                                    "rope_scaling": None}),
+    "llama4": (
+        "Llama4TextConfig",
+        {
+            "head_dim": 32,
+            "intermediate_size": 64,
+            "intermediate_size_mlp": 256,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 1,
+            "interleave_moe_layer_step": 8,
+            "attention_chunk_size": 128,
+            "attn_temperature_tuning": False,
+            "use_qk_norm": True,
+            "rope_scaling": None,
+        },
+    ),
     # Hybrid: three gated-delta-net (linear attention) layers per full-attention layer, MoE MLPs.
-    "qwen3_next": ("Qwen3NextConfig", {"head_dim": 32, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
-                                       "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-                                       "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-                                       "shared_expert_intermediate_size": 64, "partial_rotary_factor": 0.5}),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        {
+            "head_dim": 32,
+            "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64,
+            "partial_rotary_factor": 0.5,
+        },
+    ),
     # MiniMax-Text-01: lightning (linear) attention layers and softmax attention layers, MoE MLPs.
-    "minimax": ("MiniMaxConfig", {"head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
-                                  "block_size": 16}),
+    "minimax": ("MiniMaxConfig", {"head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2, "block_size": 16}),
     # ERNIE 4.5 MoE: dense first layer, then MoE with shared experts.
-    "ernie4_5_moe": ("Ernie4_5_MoeConfig", {"moe_intermediate_size": 64, "moe_k": 2, "moe_num_experts": 4,
-                                            "moe_num_shared_experts": 1, "moe_layer_start_index": 1,
-                                            "tie_word_embeddings": False}),
+    "ernie4_5_moe": (
+        "Ernie4_5_MoeConfig",
+        {
+            "moe_intermediate_size": 64,
+            "moe_k": 2,
+            "moe_num_experts": 4,
+            "moe_num_shared_experts": 1,
+            "moe_layer_start_index": 1,
+            "tie_word_embeddings": False,
+        },
+    ),
 }
 
 #: Parameters left at zero, per architecture, where vLLM's CPU backend ignores them (so that a tiny
@@ -120,18 +232,32 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int = 512):
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(list(corpus), trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="</s>", pad_token="</s>",
-                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="</s>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def build_tiny_model(out: str | Path, arch: str = "llama", *, num_layers: int = 8, seed: int = 0,
-                     corpus: Iterable[str] | None = None, vocab_size: int = 512, **overrides) -> Path:
+def build_tiny_model(
+    out: str | Path,
+    arch: str = "llama",
+    *,
+    num_layers: int = 8,
+    seed: int = 0,
+    corpus: Iterable[str] | None = None,
+    vocab_size: int = 512,
+    **overrides,
+) -> Path:
     """Save a tiny random ``arch`` model and its tokenizer to ``out``; return the path."""
     import torch
     import transformers
@@ -141,8 +267,7 @@ def build_tiny_model(out: str | Path, arch: str = "llama", *, num_layers: int = 
     out = Path(out)
     config_cls, extra = ARCHITECTURES[arch]
     tokenizer = train_tokenizer(corpus or DEFAULT_CORPUS, vocab_size)
-    fields = {**_COMMON, **extra, "vocab_size": len(tokenizer), "num_hidden_layers": num_layers,
-              **overrides}
+    fields = {**_COMMON, **extra, "vocab_size": len(tokenizer), "num_hidden_layers": num_layers, **overrides}
     config = getattr(transformers, config_cls)(**fields)
     config.dtype = torch.float32  # saved as the checkpoint's dtype
     torch.manual_seed(seed)

@@ -64,8 +64,9 @@ def pack(values: torch.Tensor) -> torch.Tensor:
     return (packed - (packed >= 2**31).to(torch.int64) * 2**32).to(torch.int32)  # two's complement
 
 
-def _quantized_pair(out: Path, arch: str, num_layers: int, kind: str, convert, quantization_config: dict,
-                    **overrides) -> tuple[Path, Path]:
+def _quantized_pair(
+    out: Path, arch: str, num_layers: int, kind: str, convert, quantization_config: dict, **overrides
+) -> tuple[Path, Path]:
     """Build ``out/dequantized`` (a tiny model) and ``out/<kind>`` from it.
 
     ``convert(name, tensor)`` returns None (keep the tensor in both) or
@@ -93,20 +94,29 @@ def _quantized_pair(out: Path, arch: str, num_layers: int, kind: str, convert, q
     return target, base
 
 
-def build_tiny_awq(out: str | Path, arch: str = "llama", *, num_layers: int = 4, group_size: int = 32,
-                   **overrides) -> tuple[Path, Path]:
+def build_tiny_awq(
+    out: str | Path, arch: str = "llama", *, num_layers: int = 4, group_size: int = 32, **overrides
+) -> tuple[Path, Path]:
     """Write ``out/awq`` (INT4 AWQ checkpoint) and ``out/dequantized`` (its exact twin); return both."""
+
     def convert(name: str, tensor: torch.Tensor):
         module = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
         if module not in QUANTIZED or tensor.dim() != 2:
             return None
         codes, zeros, scales = quantize(tensor, group_size)
         prefix = name.removesuffix(".weight")
-        return ({f"{prefix}.qweight": pack(codes), f"{prefix}.qzeros": pack(zeros),
-                 f"{prefix}.scales": scales.to(torch.float16)}, dequantize(codes, zeros, scales, group_size))
+        return (
+            {
+                f"{prefix}.qweight": pack(codes),
+                f"{prefix}.qzeros": pack(zeros),
+                f"{prefix}.scales": scales.to(torch.float16),
+            },
+            dequantize(codes, zeros, scales, group_size),
+        )
 
     config = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
     return _quantized_pair(Path(out), arch, num_layers, "awq", convert, config, **overrides)
+
 
 EXPERT = r"mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$"
 
@@ -120,8 +130,9 @@ def quantize_symmetric(weight: torch.Tensor, group_size: int) -> tuple[torch.Ten
     return codes.to(torch.int8), scales
 
 
-def build_tiny_w4a8_moe(out: str | Path, arch: str = "deepseek_v3", *, num_layers: int = 4, group_size: int = 32,
-                        **overrides) -> tuple[Path, Path]:
+def build_tiny_w4a8_moe(
+    out: str | Path, arch: str = "deepseek_v3", *, num_layers: int = 4, group_size: int = 32, **overrides
+) -> tuple[Path, Path]:
     """Write ``out/w4a8`` (routed experts INT4, compressed-tensors) and ``out/dequantized``; return both."""
     import re
 
@@ -133,14 +144,35 @@ def build_tiny_w4a8_moe(out: str | Path, arch: str = "deepseek_v3", *, num_layer
         return {name: codes, name.removesuffix(".weight") + ".weight_scale": scales}, twin
 
     config = {
-        "quant_method": "compressed-tensors", "format": "int-quantized",
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
         # vLLM refuses a linear layer that neither matches a target nor is ignored
-        "ignore": ["lm_head", r"re:.*self_attn\..*", r"re:.*shared_experts\..*", r"re:.*mlp\.gate$",
-                   r"re:.*mlp\.(gate|up|down)_proj$"],
-        "config_groups": {"experts": {
-            "targets": [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"],
-            "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                        "group_size": group_size, "dynamic": False},
-            "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
-                                  "dynamic": True}}}}
+        "ignore": [
+            "lm_head",
+            r"re:.*self_attn\..*",
+            r"re:.*shared_experts\..*",
+            r"re:.*mlp\.gate$",
+            r"re:.*mlp\.(gate|up|down)_proj$",
+        ],
+        "config_groups": {
+            "experts": {
+                "targets": [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"],
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "group",
+                    "group_size": group_size,
+                    "dynamic": False,
+                },
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "token",
+                    "dynamic": True,
+                },
+            }
+        },
+    }
     return _quantized_pair(Path(out), arch, num_layers, "w4a8", convert, config, **overrides)

@@ -33,8 +33,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from speculators_v016.worker.stream_proof import (CheckForward, Location, StreamConvention, StreamProofError,
-                                                  UnsupportedModelError, prove_streams, read, verify_aux)
+from speculators_v016.worker.stream_proof import (
+    CheckForward,
+    Location,
+    StreamConvention,
+    StreamProofError,
+    UnsupportedModelError,
+    prove_streams,
+    read,
+    verify_aux,
+)
 
 __all__ = ["StreamProofError", "UnsupportedModelError", "find_decoder_stack", "install_aux_outputs"]
 
@@ -82,24 +90,28 @@ def find_decoder_stack(model: nn.Module) -> DecoderStack:
         lm = getter()
     elif isinstance(getattr(model, "language_model", None), nn.Module):
         lm = model.language_model
-    found = [(d, l, nm, decoder, layers, norm)
-             for d, decoder in _one(lm, DECODER_NAMES, nn.Module)
-             for l, layers in _one(decoder, LAYERS_NAMES, nn.ModuleList)
-             for nm, norm in _one(decoder, NORM_NAMES, nn.Module)]
+    found = [
+        (d, ln, nm, decoder, layers, norm)
+        for d, decoder in _one(lm, DECODER_NAMES, nn.Module)
+        for ln, layers in _one(decoder, LAYERS_NAMES, nn.ModuleList)
+        for nm, norm in _one(decoder, NORM_NAMES, nn.Module)
+    ]
     where = f" inside its language model {type(lm).__name__}" if lm is not model else ""
     if len(found) != 1:
         raise UnsupportedModelError(
             f"cannot find the decoder layers of {type(model).__name__}{where}: expected one "
             f"<causal LM>.{{{','.join(DECODER_NAMES)}}} holding a ModuleList .{{{','.join(LAYERS_NAMES)}}} "
             f"and a final norm .{{{','.join(NORM_NAMES)}}}, found "
-            + (", ".join(f"{d}.{l} + {d}.{nm}" for d, l, nm, *_ in found) or "none"))
-    d, l, nm, decoder, layers, norm = found[0]
+            + (", ".join(f"{d}.{ln} + {d}.{nm}" for d, ln, nm, *_ in found) or "none")
+        )
+    d, ln, nm, decoder, layers, norm = found[0]
     start, end = getattr(decoder, "start_layer", 0), getattr(decoder, "end_layer", len(layers))
     if (start, end) != (0, len(layers)):
         raise UnsupportedModelError(
             f"{type(model).__name__} holds only decoder layers {start}..{end - 1} of {len(layers)} "
-            "in this process (pipeline parallelism); capture needs every layer on the last stage")
-    return DecoderStack(model, lm, decoder, layers, norm, (d, l, nm))
+            "in this process (pipeline parallelism); capture needs every layer on the last stage"
+        )
+    return DecoderStack(model, lm, decoder, layers, norm, (d, ln, nm))
 
 
 def has_builtin_aux(model: nn.Module) -> bool:
@@ -142,8 +154,7 @@ def _with_aux_outputs(base: type, sink: list, builtin: bool) -> type:
     return type(f"AuxOutputs{base.__name__}", (base,), {"forward": forward, "__module__": __name__})
 
 
-def install_aux_outputs(model: nn.Module, vllm_ids: Sequence[int], mode: str = "auto", *,
-                        check: CheckForward) -> dict:
+def install_aux_outputs(model: nn.Module, vllm_ids: Sequence[int], mode: str = "auto", *, check: CheckForward) -> dict:
     """Prove the stream at ``vllm_ids``, install their capture on ``model``, verify it; return what was done.
 
     ``vllm_ids``: ascending, distinct, in ``1..n``. ``mode`` is ``auto``
@@ -173,8 +184,9 @@ def install_aux_outputs(model: nn.Module, vllm_ids: Sequence[int], mode: str = "
         target.register_forward_pre_hook(_Tap(sink, tap_locations(conventions[k])), with_kwargs=True)
     if tap_ids:
         stack.outer.__class__ = _with_aux_outputs(type(stack.outer), sink, builtin)
-    verify_aux(stack.layers, stack.norm, conventions, check,
-               {k: "built-in" if k in builtin_ids else "tap" for k in ids})
+    verify_aux(
+        stack.layers, stack.norm, conventions, check, {k: "built-in" if k in builtin_ids else "tap" for k in ids}
+    )
     return {
         "model_class": model_class,
         "decoder_class": type(stack.decoder).__name__,

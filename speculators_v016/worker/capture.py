@@ -60,12 +60,12 @@ from typing import Any
 import torch
 
 from speculators_v016 import fp8
+from speculators_v016.engine.slot_ring import SlotRing
+from speculators_v016.protocol import RingSpec, StepCapture
 from speculators_v016.worker import cpu_async, cpu_rope
 from speculators_v016.worker.aux_outputs import install_aux_outputs
 from speculators_v016.worker.check_forward import engine_check_forward
 from speculators_v016.worker.staging import Fp8Buffers, StagingCopier, StagingPlan, plan_staging
-from speculators_v016.engine.slot_ring import SlotRing
-from speculators_v016.protocol import RingSpec, StepCapture
 
 
 @dataclass
@@ -106,8 +106,15 @@ def paired_output(output: Any, pending: _Pending | None) -> Any:
 class CaptureWorkerExtension:
     """Mixed into vLLM's worker by ``ParallelConfig.worker_extension_cls``."""
 
-    def speculators_capture_setup(self, capture_ids: list[int], output_rank: int, mode: str = "auto",
-                                  ring: RingSpec | None = None, storage: str = "auto", staging: str = "auto") -> dict:
+    def speculators_capture_setup(
+        self,
+        capture_ids: list[int],
+        output_rank: int,
+        mode: str = "auto",
+        ring: RingSpec | None = None,
+        storage: str = "auto",
+        staging: str = "auto",
+    ) -> dict:
         """Prove the stream, install aux outputs and map the ring; run after model load, before profiling and warm-up.
 
         ``storage``: "auto" (the engine's dtype) or "fp8_e4m3" (quantized here).
@@ -125,8 +132,9 @@ class CaptureWorkerExtension:
         info.update(self._speculators_copy_info)
         return info
 
-    def speculators_capture_attach(self, num_ids: int, is_output: bool, ring: RingSpec | None,
-                                   staging: str = "auto", storage: str | None = None) -> None:
+    def speculators_capture_attach(
+        self, num_ids: int, is_output: bool, ring: RingSpec | None, staging: str = "auto", storage: str | None = None
+    ) -> None:
         """Map the ring on the output rank (pinned on GPUs) and choose the copy path; reset the pending capture.
 
         ``staging``: ``"auto"`` stages on the GPU when :func:`plan_staging`
@@ -163,20 +171,32 @@ class CaptureWorkerExtension:
         plan = self._speculators_plan_staging(ring, device, staging)
         if plan.use:
             try:
-                self._speculators_staging = StagingCopier(plan, (ring.num_ids, ring.max_rows, ring.hidden),
-                                                          ring.torch_dtype, device, fp8=self._speculators_fp8)
+                self._speculators_staging = StagingCopier(
+                    plan,
+                    (ring.num_ids, ring.max_rows, ring.hidden),
+                    ring.torch_dtype,
+                    device,
+                    fp8=self._speculators_fp8,
+                )
             except torch.cuda.OutOfMemoryError as exc:
-                plan = StagingPlan(False, plan.buffers, plan.buffer_bytes,
-                                   f"staging buffers could not be allocated ({exc}): direct copies")
+                plan = StagingPlan(
+                    False,
+                    plan.buffers,
+                    plan.buffer_bytes,
+                    f"staging buffers could not be allocated ({exc}): direct copies",
+                )
         quant_bytes = 0
         if self._speculators_fp8 and not plan.use:  # allocated now, before vLLM profiles memory
             self._speculators_quant = Fp8Buffers(
                 torch.empty((1, ring.max_rows, ring.hidden), dtype=fp8.CODE_DTYPE, device=device),
-                torch.empty((1, ring.max_rows), dtype=fp8.SCALE_DTYPE, device=device))
+                torch.empty((1, ring.max_rows), dtype=fp8.SCALE_DTYPE, device=device),
+            )
             quant_bytes = ring.max_rows * (ring.hidden + 4)
-        self._speculators_copy_info = {"copy_path": "staged" if plan.use else "direct",
-                                       "staging": plan.describe(),
-                                       "staging_in_model_memory": self._speculators_account(plan, quant_bytes)}
+        self._speculators_copy_info = {
+            "copy_path": "staged" if plan.use else "direct",
+            "staging": plan.describe(),
+            "staging_in_model_memory": self._speculators_account(plan, quant_bytes),
+        }
 
     def _speculators_plan_staging(self, ring: RingSpec, device: torch.device, staging: str) -> StagingPlan:
         """One staging buffer per step in flight (the ring has one slot more), if it fits (see plan_staging)."""
@@ -260,12 +280,15 @@ class CaptureWorkerExtension:
         runner = self.model_runner
         state = runner.execute_model_state
         if state is None or state.aux_hidden_states is None:
-            raise RuntimeError(f"step {step}: the model runner holds no aux hidden states "
-                               "(capture called outside execute_model/sample_tokens?)")
+            raise RuntimeError(
+                f"step {step}: the model runner holds no aux hidden states "
+                "(capture called outside execute_model/sample_tokens?)"
+            )
         aux = state.aux_hidden_states
         if len(aux) != self._speculators_num_ids:
-            raise RuntimeError(f"step {step}: the model returned {len(aux)} aux states, "
-                               f"{self._speculators_num_ids} were set up")
+            raise RuntimeError(
+                f"step {step}: the model returned {len(aux)} aux states, {self._speculators_num_ids} were set up"
+            )
         batch = runner.input_batch
         num_reqs = batch.num_reqs
         bounds = runner.query_start_loc.np[: num_reqs + 1].tolist()
@@ -303,18 +326,21 @@ class CaptureWorkerExtension:
         ready.record()  # on the compute stream: the copy is ordered before the next forward
         return _Pending(capture, ready)
 
-    def _speculators_quant_buffer(self, rows: int, hidden: int, device: torch.device
-                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _speculators_quant_buffer(
+        self, rows: int, hidden: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """FP8, direct path: device codes ``[rows, hidden]`` and scales ``[rows]`` of one layer (kept)."""
         have = self._speculators_quant
         if have is None or have.codes.shape[1] < rows or have.codes.shape[2] != hidden:  # no ring: grow
             have = self._speculators_quant = Fp8Buffers(
                 torch.empty((1, rows, hidden), dtype=fp8.CODE_DTYPE, device=device),
-                torch.empty((1, rows), dtype=fp8.SCALE_DTYPE, device=device))
+                torch.empty((1, rows), dtype=fp8.SCALE_DTYPE, device=device),
+            )
         return have.codes[0, :rows], have.scales[0, :rows]
 
-    def _speculators_destination(self, step: int, slot: int | None, total: int, like: torch.Tensor,
-                                 on_gpu: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _speculators_destination(
+        self, step: int, slot: int | None, total: int, like: torch.Tensor, on_gpu: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Host memory for this step, its ring slot or new tensors: states ``[num_ids, total, hidden]``
         (e4m3 codes with FP8 storage) and FP8 scales ``[num_ids, total]`` (else None)."""
         ring = self._speculators_ring
@@ -324,14 +350,17 @@ class CaptureWorkerExtension:
             shape = (self._speculators_num_ids, total, like.shape[-1])
             if not self._speculators_fp8:
                 return torch.empty(shape, dtype=like.dtype, pin_memory=on_gpu), None
-            return (torch.empty(shape, dtype=fp8.CODE_DTYPE, pin_memory=on_gpu),
-                    torch.empty(shape[:2], dtype=fp8.SCALE_DTYPE, pin_memory=on_gpu))
+            return (
+                torch.empty(shape, dtype=fp8.CODE_DTYPE, pin_memory=on_gpu),
+                torch.empty(shape[:2], dtype=fp8.SCALE_DTYPE, pin_memory=on_gpu),
+            )
         spec = ring.spec
         if slot is None or not 0 <= slot < spec.slots:
             raise RuntimeError(f"step {step}: no valid ring slot given ({slot!r} of {spec.slots})")
         if total > spec.max_rows or like.shape[-1] != spec.hidden or like.dtype != spec.torch_dtype:
             raise RuntimeError(
                 f"step {step}: {total} rows of {like.shape[-1]} x {like.dtype} do not fit the ring "
-                f"({spec.max_rows} rows of {spec.hidden} x {spec.dtype})")
+                f"({spec.max_rows} rows of {spec.hidden} x {spec.dtype})"
+            )
         scales = ring.scales(slot)
         return ring.slot(slot)[:, :total], (scales[:, :total] if scales is not None else None)

@@ -28,8 +28,7 @@ def _silence(module: nn.Module, args, kwargs, output):
         return torch.zeros_like(output)
     if output is None:  # mixers that write into an output buffer they are given (vLLM's SSM and conv layers)
         for buffer in [*args[1:], *kwargs.values()]:
-            if isinstance(buffer, torch.Tensor) and buffer.is_floating_point() \
-                    and not isinstance(buffer, nn.Parameter):
+            if isinstance(buffer, torch.Tensor) and buffer.is_floating_point() and not isinstance(buffer, nn.Parameter):
                 buffer.zero_()
     return None
 
@@ -38,8 +37,11 @@ def _silence(module: nn.Module, args, kwargs, output):
 def _silent_kv_layers(model: nn.Module):
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
-    handles = [m.register_forward_hook(_silence, with_kwargs=True)
-               for m in model.modules() if isinstance(m, AttentionLayerBase)]
+    handles = [
+        m.register_forward_hook(_silence, with_kwargs=True)
+        for m in model.modules()
+        if isinstance(m, AttentionLayerBase)
+    ]
     try:
         yield
     finally:
@@ -63,8 +65,10 @@ def engine_check_forward(runner) -> CheckForward:
 
     @contextlib.contextmanager
     def context():
-        with (set_forward_context(None, runner.vllm_config, num_tokens=tokens, skip_compiled=True),
-              _silent_kv_layers(model)):
+        with (
+            set_forward_context(None, runner.vllm_config, num_tokens=tokens, skip_compiled=True),
+            _silent_kv_layers(model),
+        ):
             yield
 
     def run():

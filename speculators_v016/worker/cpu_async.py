@@ -31,8 +31,15 @@ class _Done:
 
 
 def _cpu_output_class(base: type) -> type:
-    def __init__(self, model_runner_output, sampled_token_ids, logprobs_tensors,
-                 invalid_req_indices, async_output_copy_stream, vocab_size):
+    def __init__(
+        self,
+        model_runner_output,
+        sampled_token_ids,
+        logprobs_tensors,
+        invalid_req_indices,
+        async_output_copy_stream,
+        vocab_size,
+    ):
         self._model_runner_output = model_runner_output
         self._invalid_req_indices = invalid_req_indices
         self.async_copy_ready_event = _Done()

@@ -70,8 +70,9 @@ class StagingPlan:
         return {"staged": self.use, "buffers": self.buffers, "bytes": self.nbytes, "reason": self.reason}
 
 
-def plan_staging(buffers: int, buffer_bytes: int, free_bytes: int, budget_left: int | None,
-                 share: float = MAX_BUDGET_SHARE) -> StagingPlan:
+def plan_staging(
+    buffers: int, buffer_bytes: int, free_bytes: int, budget_left: int | None, share: float = MAX_BUDGET_SHARE
+) -> StagingPlan:
     """Stage if ``buffers x buffer_bytes`` fits the free memory and ``share`` of the budget left.
 
     ``budget_left``: bytes of ``gpu_memory_utilization``'s budget not yet
@@ -83,18 +84,29 @@ def plan_staging(buffers: int, buffer_bytes: int, free_bytes: int, budget_left: 
     need = buffers * buffer_bytes
     mib = lambda n: f"{n / 2**20:,.0f} MiB"  # noqa: E731
     if budget_left is not None and need > share * budget_left:
-        return StagingPlan(False, buffers, buffer_bytes,
-                           f"{buffers} staging buffers need {mib(need)}, more than {share:.0%} of the "
-                           f"{mib(max(budget_left, 0))} gpu_memory_utilization leaves for activations and "
-                           "KV cache: device-to-host copies stay on the compute stream")
+        return StagingPlan(
+            False,
+            buffers,
+            buffer_bytes,
+            f"{buffers} staging buffers need {mib(need)}, more than {share:.0%} of the "
+            f"{mib(max(budget_left, 0))} gpu_memory_utilization leaves for activations and "
+            "KV cache: device-to-host copies stay on the compute stream",
+        )
     if need > free_bytes - FREE_HEADROOM_BYTES:
-        return StagingPlan(False, buffers, buffer_bytes,
-                           f"{buffers} staging buffers need {mib(need)}, the device has {mib(free_bytes)} "
-                           "free: device-to-host copies stay on the compute stream")
+        return StagingPlan(
+            False,
+            buffers,
+            buffer_bytes,
+            f"{buffers} staging buffers need {mib(need)}, the device has {mib(free_bytes)} "
+            "free: device-to-host copies stay on the compute stream",
+        )
     where = "inside gpu_memory_utilization" if budget_left is not None else "budget unknown"
-    return StagingPlan(True, buffers, buffer_bytes,
-                       f"{buffers} x {mib(buffer_bytes)} staged on the device ({where}); "
-                       "device-to-host copies on a copy stream")
+    return StagingPlan(
+        True,
+        buffers,
+        buffer_bytes,
+        f"{buffers} x {mib(buffer_bytes)} staged on the device ({where}); device-to-host copies on a copy stream",
+    )
 
 
 class Fp8Buffers(NamedTuple):
@@ -130,8 +142,15 @@ class StagingCopier:
     ``dtype`` is ignored; the destination of :meth:`copy` is then one too.
     """
 
-    def __init__(self, plan: StagingPlan, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
-                 streams: CudaStreams | None = None, fp8: bool = False):
+    def __init__(
+        self,
+        plan: StagingPlan,
+        shape: tuple[int, int, int],
+        dtype: torch.dtype,
+        device: torch.device,
+        streams: CudaStreams | None = None,
+        fp8: bool = False,
+    ):
         if not plan.use:
             raise ValueError(f"staging was not planned: {plan.reason}")
         self.plan = plan
@@ -145,8 +164,10 @@ class StagingCopier:
     def _buffer(self, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device):
         if not self.fp8:
             return torch.empty(shape, dtype=dtype, device=device)
-        return Fp8Buffers(torch.empty(shape, dtype=fp8.CODE_DTYPE, device=device),
-                          torch.empty(shape[:2], dtype=fp8.SCALE_DTYPE, device=device))
+        return Fp8Buffers(
+            torch.empty(shape, dtype=fp8.CODE_DTYPE, device=device),
+            torch.empty(shape[:2], dtype=fp8.SCALE_DTYPE, device=device),
+        )
 
     def copy(self, aux: Sequence[torch.Tensor], total: int, dst: torch.Tensor | Fp8Buffers) -> Any:
         """Stage ``aux[j][:total]`` (compute stream) and drain it into ``dst[j]`` (copy stream).

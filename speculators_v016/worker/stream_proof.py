@@ -87,8 +87,12 @@ class StreamConvention:
     evidence: tuple[tuple[str, float], ...] = ()  # candidate -> relative difference of the outputs
 
     def describe(self) -> dict:
-        return {"consumer": self.consumer, "class": self.class_name, "kind": self.kind,
-                "evidence": {k: float(f"{v:.3g}") for k, v in self.evidence}}
+        return {
+            "consumer": self.consumer,
+            "class": self.class_name,
+            "kind": self.kind,
+            "evidence": {k: float(f"{v:.3g}") for k, v in self.evidence},
+        }
 
 
 @dataclass
@@ -120,6 +124,7 @@ class _Recorder:
     def _pre(self, name):
         def hook(module, args, kwargs):
             self.calls.append((name, _Call(_clone(args), _clone(kwargs))))
+
         return hook
 
     def _post(self, name):
@@ -128,6 +133,7 @@ class _Recorder:
                 if called == name and call.output is None:
                     call.output = _clone(output)
                     break
+
         return hook
 
     def of(self, name: str) -> list[_Call]:
@@ -157,8 +163,9 @@ def _tensors(output) -> list[torch.Tensor | None]:
 
 def _locations(call: _Call, shape: tuple[int, int]) -> list[Location]:
     """The arguments of ``call`` shaped like the stream (``[tokens, hidden]``), in call order."""
-    found: list[Location] = [("arg", i) for i, a in enumerate(call.args)
-                             if isinstance(a, torch.Tensor) and tuple(a.shape) == shape]
+    found: list[Location] = [
+        ("arg", i) for i, a in enumerate(call.args) if isinstance(a, torch.Tensor) and tuple(a.shape) == shape
+    ]
     found += [("kw", k) for k, a in call.kwargs.items() if isinstance(a, torch.Tensor) and tuple(a.shape) == shape]
     return found
 
@@ -203,9 +210,15 @@ def _relative(got: list, want: list) -> float:
 def _crafted(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Random values k/64 (|k| <= 64) times a power of two near ``like``'s scale: sums of two are exact."""
     scale = like.float().pow(2).mean().sqrt().item()
-    power = 2.0 ** round(torch.log2(torch.tensor(max(scale, 2.0 ** -20))).item())
+    power = 2.0 ** round(torch.log2(torch.tensor(max(scale, 2.0**-20))).item())
     grid = torch.randint(-64, 65, tuple(like.shape), generator=generator).float() / 64
     return (grid * power).to(device=like.device, dtype=like.dtype)
+
+
+def _outputs(module: nn.Module, call: _Call, slots: list[Location], keep: slice, first, second) -> list:
+    """The consumer's outputs (those at ``keep``) with ``first``/``second`` in place of its two stream arguments."""
+    args, kwargs = _replace(call, {slots[0]: first.clone(), slots[1]: second.clone()})
+    return [_clone(t) for t in _tensors(module.forward(*args, **kwargs))[keep]]
 
 
 CANDIDATES = {"a + b": lambda a, b: a + b, "a": lambda a, b: a, "b": lambda a, b: b}
@@ -213,9 +226,11 @@ CANDIDATES = {"a + b": lambda a, b: a + b, "a": lambda a, b: a, "b": lambda a, b
 
 def _kind(candidate: str, names: tuple[str, str]) -> str:
     a, b = names
-    return {"a + b": f"sum: {a} + {b} (fused add-norm)",
-            "a": f"{a} alone ({b} passed along, not added)",
-            "b": f"{b} alone ({a} not part of the stream)"}[candidate]
+    return {
+        "a + b": f"sum: {a} + {b} (fused add-norm)",
+        "a": f"{a} alone ({b} passed along, not added)",
+        "b": f"{b} alone ({a} not part of the stream)",
+    }[candidate]
 
 
 def _name(where: Location) -> str:
@@ -245,8 +260,9 @@ class _Findings(list):
         self.append(f"{consumer} ({type(module).__name__}): {message}")
 
 
-def prove_streams(layers: Sequence[nn.Module], norm: nn.Module, consumer_ids: Sequence[int],
-                  check: CheckForward) -> dict[int, StreamConvention]:
+def prove_streams(
+    layers: Sequence[nn.Module], norm: nn.Module, consumer_ids: Sequence[int], check: CheckForward
+) -> dict[int, StreamConvention]:
     """The proven stream convention of each consumer (vLLM aux id -> convention); raises if any is not established.
 
     ``consumer_ids`` are vLLM aux ids: ``k < n`` is decoder layer ``k``, ``n`` the final norm.
@@ -259,26 +275,37 @@ def prove_streams(layers: Sequence[nn.Module], norm: nn.Module, consumer_ids: Se
         with _Recorder(names) as rec, check.context():
             output = check.run()
     except Exception as exc:  # noqa: BLE001 - any failure of the model's forward: named, refused
-        raise StreamProofError(_message([f"the model's forward on {check.tokens} check tokens failed: "
-                                         f"{type(exc).__name__}: {exc}"])) from exc
+        raise StreamProofError(
+            _message([f"the model's forward on {check.tokens} check tokens failed: {type(exc).__name__}: {exc}"])
+        ) from exc
     # 1. structure
     order = [name for name, _ in rec.calls]
     want = [f"layer {i}" for i in range(n)] + ["final norm"]
     if order != want:
         counts = {name: order.count(name) for name in want if order.count(name) != 1}
-        findings.append(f"the decoder does not run each layer once, in order, then the final norm: "
-                        f"calls {_short(order)}" + (f" (called {counts} times)" if counts else ""))
+        findings.append(
+            f"the decoder does not run each layer once, in order, then the final norm: "
+            f"calls {_short(order)}" + (f" (called {counts} times)" if counts else "")
+        )
         raise StreamProofError(_message(findings))
     [norm_call] = rec.of("final norm")
     normed = _tensors(norm_call.output)[0]
     if normed is None or normed.dim() != 2 or normed.shape[0] != check.tokens:
-        raise StreamProofError(_message([f"final norm ({type(norm).__name__}) returned "
-                                         f"{_describe(norm_call.output)}, not [{check.tokens}, hidden]"]))
+        raise StreamProofError(
+            _message(
+                [
+                    f"final norm ({type(norm).__name__}) returned "
+                    f"{_describe(norm_call.output)}, not [{check.tokens}, hidden]"
+                ]
+            )
+        )
     shape = (check.tokens, normed.shape[1])
     model_out = _tensors(output[0] if isinstance(output, tuple) else output)[0]
     if model_out is None or not torch.equal(model_out, normed):
-        findings.append(f"the model's output is not its final norm's output ({type(norm).__name__}): "
-                        "the module taken for the final norm is not the last step")
+        findings.append(
+            f"the model's output is not its final norm's output ({type(norm).__name__}): "
+            "the module taken for the final norm is not the last step"
+        )
     for k in range(1, n + 1):
         consumer, module = (f"layer {k}", layers[k]) if k < n else ("final norm", norm)
         [call] = rec.of(consumer)
@@ -287,9 +314,13 @@ def prove_streams(layers: Sequence[nn.Module], norm: nn.Module, consumer_ids: Se
         got = [read(call.args, call.kwargs, w) for w in _locations(call, shape)]
         handed_tensors = [t for t in handed if t is not None]
         if len(got) != len(handed_tensors) or not all(torch.equal(a, b) for a, b in zip(got, handed_tensors)):
-            findings.add(consumer, module, f"does not receive what layer {k - 1} returned: layer {k - 1} "
-                         f"returned {_describe(before.output)}, it got {len(got)} [tokens, hidden] "
-                         "argument(s) that differ (the model changes the stream between layers)")
+            findings.add(
+                consumer,
+                module,
+                f"does not receive what layer {k - 1} returned: layer {k - 1} "
+                f"returned {_describe(before.output)}, it got {len(got)} [tokens, hidden] "
+                "argument(s) that differ (the model changes the stream between layers)",
+            )
     # 2. sufficiency, per consumer; every experiment runs on every rank whatever the findings
     conventions: dict[int, StreamConvention] = {}
     generator = torch.Generator().manual_seed(1234)
@@ -299,48 +330,66 @@ def prove_streams(layers: Sequence[nn.Module], norm: nn.Module, consumer_ids: Se
             [call] = rec.of(consumer)
             slots = _locations(call, shape)
             if len(slots) == 1:
-                conventions[k] = StreamConvention(consumer, type(module).__name__, tuple(slots),
-                                                  f"whole: {_param_name(module, slots[0])}")
+                conventions[k] = StreamConvention(
+                    consumer, type(module).__name__, tuple(slots), f"whole: {_param_name(module, slots[0])}"
+                )
                 continue
             if len(slots) != 2:
-                findings.add(consumer, module, f"has {len(slots)} arguments shaped like the stream "
-                             f"[{shape[0]}, {shape[1]}] (expected 1 or 2): {_describe(call.args)}")
+                findings.add(
+                    consumer,
+                    module,
+                    f"has {len(slots)} arguments shaped like the stream "
+                    f"[{shape[0]}, {shape[1]}] (expected 1 or 2): {_describe(call.args)}",
+                )
                 continue
             a, b = (_crafted(read(call.args, call.kwargs, w), generator) for w in slots)
             keep = slice(0, 1) if k == n else slice(None)  # the final norm: only its normed output is used
 
-            def outputs(first, second):
-                args, kwargs = _replace(call, {slots[0]: first.clone(), slots[1]: second.clone()})
-                return [_clone(t) for t in _tensors(module.forward(*args, **kwargs))[keep]]
-
-            reference = outputs(a, b)
-            evidence = tuple((cand, _relative(outputs(fn(a, b), torch.zeros_like(a)), reference))
-                             for cand, fn in CANDIDATES.items())
+            reference = _outputs(module, call, slots, keep, a, b)
+            evidence = tuple(
+                (cand, _relative(_outputs(module, call, slots, keep, fn(a, b), torch.zeros_like(a)), reference))
+                for cand, fn in CANDIDATES.items()
+            )
             arg_names = (_param_name(module, slots[0]), _param_name(module, slots[1]))
             same = [c for c, err in evidence if err <= SAME]
             unclear = [c for c, err in evidence if SAME < err < DIFFERENT]
             seen = ", ".join(f"{_kind(c, arg_names).split(' (')[0]}: {err:.2g}" for c, err in evidence)
             if len(same) == 1 and not unclear:
-                conventions[k] = StreamConvention(consumer, type(module).__name__, tuple(slots),
-                                                  _kind(same[0], arg_names), evidence)
+                conventions[k] = StreamConvention(
+                    consumer, type(module).__name__, tuple(slots), _kind(same[0], arg_names), evidence
+                )
                 if same[0] != "a + b":
                     keep_at = slots[0] if same[0] == "a" else slots[1]
-                    conventions[k] = StreamConvention(consumer, type(module).__name__, (keep_at,),
-                                                      _kind(same[0], arg_names), evidence)
+                    conventions[k] = StreamConvention(
+                        consumer, type(module).__name__, (keep_at,), _kind(same[0], arg_names), evidence
+                    )
             elif not same:
-                findings.add(consumer, module, f"no known combination of its arguments {list(arg_names)} "
-                             f"reproduces its outputs; relative change of its outputs when the stream is taken "
-                             f"as {seen}")
+                findings.add(
+                    consumer,
+                    module,
+                    f"no known combination of its arguments {list(arg_names)} "
+                    f"reproduces its outputs; relative change of its outputs when the stream is taken "
+                    f"as {seen}",
+                )
             else:
-                findings.add(consumer, module, "the stream cannot be told apart on the check input: "
-                             f"relative change of its outputs when taken as {seen}")
+                findings.add(
+                    consumer,
+                    module,
+                    "the stream cannot be told apart on the check input: "
+                    f"relative change of its outputs when taken as {seen}",
+                )
     if findings:
         raise StreamProofError(_message(findings))
     return conventions
 
 
-def verify_aux(layers: Sequence[nn.Module], norm: nn.Module, conventions: dict[int, StreamConvention],
-               check: CheckForward, sources: dict[int, str]) -> None:
+def verify_aux(
+    layers: Sequence[nn.Module],
+    norm: nn.Module,
+    conventions: dict[int, StreamConvention],
+    check: CheckForward,
+    sources: dict[int, str],
+) -> None:
     """Run the installed model once more: every aux output must equal the proven stream, bit for bit."""
     n = len(layers)
     expected: dict[int, torch.Tensor] = {}
@@ -351,6 +400,7 @@ def verify_aux(layers: Sequence[nn.Module], norm: nn.Module, conventions: dict[i
         def keep(mod, args, kwargs, k=k, conv=conv):
             parts = [read(args, kwargs, w) for w in conv.slots]
             expected[k] = (parts[0] + parts[1] if len(parts) == 2 else parts[0]).clone()
+
         handles.append(module.register_forward_pre_hook(keep, with_kwargs=True))
     try:
         with check.context(), torch.inference_mode():
@@ -369,11 +419,17 @@ def verify_aux(layers: Sequence[nn.Module], norm: nn.Module, conventions: dict[i
         want = expected[k]
         if got is None or got.shape != want.shape or not torch.equal(got, want):
             conv = conventions[k]
-            diff = ("shape " + str(tuple(got.shape)) if got is not None and got.shape != want.shape else
-                    f"max abs difference {(got.float() - want.float()).abs().max().item():.3g}"
-                    if got is not None else "nothing")
-            wrong.append(f"aux id {k} ({sources[k]}) at {conv.consumer} ({conv.class_name}): recorded "
-                         f"{diff} from the proven stream ({conv.kind})")
+            diff = (
+                "shape " + str(tuple(got.shape))
+                if got is not None and got.shape != want.shape
+                else f"max abs difference {(got.float() - want.float()).abs().max().item():.3g}"
+                if got is not None
+                else "nothing"
+            )
+            wrong.append(
+                f"aux id {k} ({sources[k]}) at {conv.consumer} ({conv.class_name}): recorded "
+                f"{diff} from the proven stream ({conv.kind})"
+            )
     if wrong:
         raise StreamProofError(_message(wrong))
 
@@ -393,5 +449,7 @@ def _short(order: list[str]) -> str:
 
 
 def _message(findings: Sequence[str]) -> str:
-    return ("the residual stream could not be established on the loaded model, so the capture is refused "
-            "(it would record something else): " + "; ".join(findings))
+    return (
+        "the residual stream could not be established on the loaded model, so the capture is refused "
+        "(it would record something else): " + "; ".join(findings)
+    )

@@ -36,8 +36,18 @@ class Result:
 
 def invoke_in_namespace(setup: str, *args) -> Result:
     """The real command in a private mount namespace after the shell commands ``setup`` (mounts)."""
-    cmd = ["unshare", "-rm", "sh", "-c", f'{setup} && exec "$@"', "sh", sys.executable, "-m",
-           "speculators_v016.run.cli", *map(str, args)]
+    cmd = [
+        "unshare",
+        "-rm",
+        "sh",
+        "-c",
+        f'{setup} && exec "$@"',
+        "sh",
+        sys.executable,
+        "-m",
+        "speculators_v016.run.cli",
+        *map(str, args),
+    ]
     return Result(subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **CPU}, timeout=600))
 
 
@@ -47,8 +57,19 @@ def data_file(tmp_path_factory):
 
 
 def run_args(model_dir, data, out, *extra):
-    return ["--target-model-path", model_dir, "--train-data-path", data, "--output-dir", out, "--seq-length", 256,
-            "--token-freq-path", "", *extra]
+    return [
+        "--target-model-path",
+        model_dir,
+        "--train-data-path",
+        data,
+        "--output-dir",
+        out,
+        "--seq-length",
+        256,
+        "--token-freq-path",
+        "",
+        *extra,
+    ]
 
 
 def assert_one_message(result, code: int, *needles: str) -> None:
@@ -66,8 +87,9 @@ def test_a_read_only_output_dir_is_refused_by_name(tmp_path, model_dir, data_fil
     """--output-dir on a read-only filesystem: exit 4 naming it, no traceback (was: exit 1, console.py)."""
     mount = tmp_path / "ro"
     mount.mkdir()
-    result = invoke_in_namespace(f"mount -t tmpfs tmpfs {mount} && mount -o remount,ro {mount}",
-                                 *run_args(model_dir, data_file, mount / "out"))
+    result = invoke_in_namespace(
+        f"mount -t tmpfs tmpfs {mount} && mount -o remount,ro {mount}", *run_args(model_dir, data_file, mount / "out")
+    )
     assert_one_message(result, 4, f"cannot create or read {mount}/out (Read-only file system)")
 
 
@@ -92,9 +114,10 @@ def test_an_already_full_output_disk_is_exit_6_naming_the_file(tmp_path, model_d
     """A full output filesystem: exit 6 naming the file that could not be written (was: exit 1, nothing named)."""
     mount = tmp_path / "full"
     mount.mkdir()
-    result = invoke_in_namespace(f"mount -t tmpfs -o size=64k tmpfs {mount} && "
-                                 f"(dd if=/dev/zero of={mount}/filler bs=4k 2>/dev/null; true)",
-                                 *run_args(model_dir, data_file, mount / "out"))
+    result = invoke_in_namespace(
+        f"mount -t tmpfs -o size=64k tmpfs {mount} && (dd if=/dev/zero of={mount}/filler bs=4k 2>/dev/null; true)",
+        *run_args(model_dir, data_file, mount / "out"),
+    )
     assert_one_message(result, 6, f"cannot write {mount}/out/", "No space left on device")
 
 
@@ -105,9 +128,11 @@ def test_a_full_log_disk_keeps_the_exit_code_and_one_message(tmp_path, model_dir
     (out / "logs").mkdir(parents=True)
     data = tmp_path / "bad.jsonl"
     data.write_text(json.dumps(conversations(1)[0]) + "\n{not json\n")
-    result = invoke_in_namespace(f"mount -t tmpfs -o size=16k tmpfs {out}/logs && "
-                                 f"(dd if=/dev/zero of={out}/logs/filler bs=4k 2>/dev/null; true)",
-                                 *run_args(model_dir, data, out))
+    result = invoke_in_namespace(
+        f"mount -t tmpfs -o size=16k tmpfs {out}/logs && "
+        f"(dd if=/dev/zero of={out}/logs/filler bs=4k 2>/dev/null; true)",
+        *run_args(model_dir, data, out),
+    )
     assert_one_message(result, 3, f"{data}:2: not valid JSON")
 
 
@@ -119,7 +144,9 @@ def test_a_non_utf8_dataset_names_file_and_line(tmp_path, model_dir):
     assert_one_message(result, 3, f"{data}:2: not UTF-8 text")
 
 
-@pytest.mark.parametrize("given, message", [("folder", "is a folder"), ("sharegtp", "no such file, and not a dataset name upstream knows")])
+@pytest.mark.parametrize(
+    "given, message", [("folder", "is a folder"), ("sharegtp", "no such file, and not a dataset name upstream knows")]
+)
 def test_a_folder_or_unknown_dataset_name_is_bad_input(tmp_path, model_dir, given, message):
     """A folder or a misspelt dataset name: exit 3 naming it (was: exit 5)."""
     (tmp_path / "folder").mkdir()
@@ -141,8 +168,12 @@ def test_a_sharded_run_into_an_unsharded_run_is_refused(tmp_path, model_dir, dat
     out = tmp_path / "out"
     _unsharded_run(out)
     result = invoke(*run_args(model_dir, data_file, out, "--num-shards", 2, "--shard-index", 0))
-    assert_one_message(result, 4, f"--output-dir {out} holds an unsharded run (data_0.safetensors, data_config.json, "
-                                  "manifest.jsonl)", "recursively")
+    assert_one_message(
+        result,
+        4,
+        f"--output-dir {out} holds an unsharded run (data_0.safetensors, data_config.json, manifest.jsonl)",
+        "recursively",
+    )
     assert sorted(os.listdir(out)) == ["data_0.safetensors", "data_config.json", "logs", "manifest.jsonl"]
 
 
@@ -168,10 +199,21 @@ def test_verify_reports_a_broken_manifest_as_a_finding(tmp_path):
     """verify on a folder whose manifest holds garbage before its last line: a FAIL line, exit 1, no traceback."""
     out = tmp_path / "out"
     out.mkdir()
-    (out / "data_config.json").write_text(json.dumps({
-        "model": {"hidden_size": 8}, "speculators_v016": {
-            "format": "safetensors", "layers": {"layer_ids": [1]}, "dtype": "float32",
-            "shard": {"index": 0, "count": 1}, "dataset_samples": 1, "start_idx": 0}}))
+    (out / "data_config.json").write_text(
+        json.dumps(
+            {
+                "model": {"hidden_size": 8},
+                "speculators_v016": {
+                    "format": "safetensors",
+                    "layers": {"layer_ids": [1]},
+                    "dtype": "float32",
+                    "shard": {"index": 0, "count": 1},
+                    "dataset_samples": 1,
+                    "start_idx": 0,
+                },
+            }
+        )
+    )
     (out / "manifest.jsonl").write_bytes(b"garbage\n\xff\n")
     result = invoke("verify", out)
     assert result.exit_code == 1, result.output

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.cli import assert_one_voice, CPU, conversations, invoke, load_all, write_jsonl
+from helpers.cli import CPU, assert_one_voice, conversations, invoke, load_all, write_jsonl
 from helpers.reference import TOLERANCE, hf_layer_outputs
 from speculators_v016.store.manifest import Manifest
+
 
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
@@ -24,8 +25,18 @@ def data_file(tmp_path_factory):
 def reference_run(tmp_path_factory, model_dir, data_file):
     """One uninterrupted run, the yardstick for resume and shards."""
     out = tmp_path_factory.mktemp("ref") / "out"
-    result = invoke("--target-model-path", model_dir, "--train-data-path", data_file, "--output-dir", out,
-                    "--seq-length", 256, "--token-freq-path", out.parent / "tf.pt")
+    result = invoke(
+        "--target-model-path",
+        model_dir,
+        "--train-data-path",
+        data_file,
+        "--output-dir",
+        out,
+        "--seq-length",
+        256,
+        "--token-freq-path",
+        out.parent / "tf.pt",
+    )
     assert result.exit_code == 0, result.output
     return out
 
@@ -58,11 +69,36 @@ def test_reference_run_is_complete_and_exact(reference_run, model_dir):
 def test_upstream_invocation_with_pt_format(tmp_path, model_dir, data_file):
     """Upstream's option names (nargs layer ids included) work; --format pt is upstream's layout."""
     out = tmp_path / "out"
-    result = invoke("--target-model-path", model_dir, "--train-data-path", data_file, "--output-dir", out,
-                    "--seq-length", 256, "--max-samples", 6, "--layer-ids", "1 3 7", "--batch-size", 4,
-                    "--tensor-parallel-size", 1, "--gpu-memory-utilization", 0.5,
-                    "--token-freq-path", tmp_path / "token_freq.pt", "--seed", 3, "--start-idx", 100,
-                    "--num-preprocessing-workers", 1, "--format", "pt")
+    result = invoke(
+        "--target-model-path",
+        model_dir,
+        "--train-data-path",
+        data_file,
+        "--output-dir",
+        out,
+        "--seq-length",
+        256,
+        "--max-samples",
+        6,
+        "--layer-ids",
+        "1 3 7",
+        "--batch-size",
+        4,
+        "--tensor-parallel-size",
+        1,
+        "--gpu-memory-utilization",
+        0.5,
+        "--token-freq-path",
+        tmp_path / "token_freq.pt",
+        "--seed",
+        3,
+        "--start-idx",
+        100,
+        "--num-preprocessing-workers",
+        1,
+        "--format",
+        "pt",
+    )
     assert result.exit_code == 0, result.output
     files = sorted(out.glob("data_*.pt"))
     assert [f.name for f in files] == [f"data_{i}.pt" for i in (100, 101, 102, 103, 104, 105)]
@@ -76,17 +112,28 @@ def test_layer_ids_nargs_from_the_command_line():
     """The real entry point turns upstream's `--layer-ids 2 16 29` into one value."""
     from speculators_v016.run.cli import _join_multi_value
 
-    assert _join_multi_value(["--layer-ids", "2", "16", "29", "--seed", "1"], "--layer-ids") == \
-        ["--layer-ids", "2 16 29", "--seed", "1"]
+    assert _join_multi_value(["--layer-ids", "2", "16", "29", "--seed", "1"], "--layer-ids") == [
+        "--layer-ids",
+        "2 16 29",
+        "--seed",
+        "1",
+    ]
 
 
 def test_environment_variables_set_options(tmp_path, model_dir, data_file):
     """Options come from SPECULATORS_DATA_GEN_* variables too."""
     out = tmp_path / "env-out"
-    result = invoke("--train-data-path", data_file, "--max-samples", 2, "--seq-length", 128,
-                    "--token-freq-path", "",
-                    env={"SPECULATORS_DATA_GEN_TARGET_MODEL_PATH": str(model_dir),
-                         "SPECULATORS_DATA_GEN_OUTPUT_DIR": str(out)})
+    result = invoke(
+        "--train-data-path",
+        data_file,
+        "--max-samples",
+        2,
+        "--seq-length",
+        128,
+        "--token-freq-path",
+        "",
+        env={"SPECULATORS_DATA_GEN_TARGET_MODEL_PATH": str(model_dir), "SPECULATORS_DATA_GEN_OUTPUT_DIR": str(out)},
+    )
     assert result.exit_code == 0, result.output
     assert len(Manifest(out).entries()) == 2
 
@@ -95,8 +142,22 @@ def test_two_shards_verify_as_one(tmp_path, model_dir, data_file, reference_run)
     """Shards 0 and 1 of 2, written separately, verify as one dataset equal to the unsharded one."""
     out = tmp_path / "sharded"
     for index in (0, 1):
-        result = invoke("--target-model-path", model_dir, "--train-data-path", data_file, "--output-dir", out,
-                        "--seq-length", 256, "--token-freq-path", "", "--num-shards", 2, "--shard-index", index)
+        result = invoke(
+            "--target-model-path",
+            model_dir,
+            "--train-data-path",
+            data_file,
+            "--output-dir",
+            out,
+            "--seq-length",
+            256,
+            "--token-freq-path",
+            "",
+            "--num-shards",
+            2,
+            "--shard-index",
+            index,
+        )
         assert result.exit_code == 0, result.output
     result = invoke("verify", out)
     assert result.exit_code == 0, result.output
@@ -111,9 +172,24 @@ def test_two_shards_verify_as_one(tmp_path, model_dir, data_file, reference_run)
 def test_one_shard_alone_does_not_verify_as_complete(tmp_path, model_dir, data_file):
     """A missing shard is reported by verify."""
     out = tmp_path / "half"
-    result = invoke("--target-model-path", model_dir, "--train-data-path", data_file, "--output-dir", out,
-                    "--seq-length", 256, "--token-freq-path", "", "--num-shards", 2, "--shard-index", 1,
-                    "--max-samples", 8)
+    result = invoke(
+        "--target-model-path",
+        model_dir,
+        "--train-data-path",
+        data_file,
+        "--output-dir",
+        out,
+        "--seq-length",
+        256,
+        "--token-freq-path",
+        "",
+        "--num-shards",
+        2,
+        "--shard-index",
+        1,
+        "--max-samples",
+        8,
+    )
     assert result.exit_code == 0, result.output
     result = invoke("verify", out)
     assert result.exit_code == 1 and "shards [0] of 2 are missing" in result.output
@@ -122,9 +198,25 @@ def test_one_shard_alone_does_not_verify_as_complete(tmp_path, model_dir, data_f
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path, model_dir, data_file, reference_run):
     """A run killed with SIGKILL mid-way resumes to exactly the uninterrupted run's samples."""
     out = tmp_path / "killed"
-    args = [sys.executable, "-m", "speculators_v016.run.cli", "--target-model-path", model_dir,
-            "--train-data-path", data_file, "--output-dir", out, "--seq-length", 256, "--token-freq-path", "",
-            "--max-num-seqs", 2, "--write-workers", 1]
+    args = [
+        sys.executable,
+        "-m",
+        "speculators_v016.run.cli",
+        "--target-model-path",
+        model_dir,
+        "--train-data-path",
+        data_file,
+        "--output-dir",
+        out,
+        "--seq-length",
+        256,
+        "--token-freq-path",
+        "",
+        "--max-num-seqs",
+        2,
+        "--write-workers",
+        1,
+    ]
     env = {**os.environ, **CPU}
     proc = subprocess.Popen([str(a) for a in args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
@@ -139,8 +231,18 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, model_dir, data_file
     assert 5 <= partial < 40
     result = invoke("verify", out, "--partial")
     assert result.exit_code == 0, result.output  # what was written before the kill is intact
-    result = invoke("--target-model-path", model_dir, "--train-data-path", data_file, "--output-dir", out,
-                    "--seq-length", 256, "--token-freq-path", "")
+    result = invoke(
+        "--target-model-path",
+        model_dir,
+        "--train-data-path",
+        data_file,
+        "--output-dir",
+        out,
+        "--seq-length",
+        256,
+        "--token-freq-path",
+        "",
+    )
     assert result.exit_code == 0, result.output
     assert f"({partial} already done before this run)" in result.output or partial >= 40
     assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]
@@ -158,8 +260,22 @@ def test_trainer_dataset_reads_both_formats(reference_run, tmp_path, model_dir, 
     from speculators.train.data import Eagle3SampleFileDataset
 
     pt_out = tmp_path / "pt"
-    result = invoke("--target-model-path", model_dir, "--train-data-path", data_file, "--output-dir", pt_out,
-                    "--seq-length", 256, "--token-freq-path", "", "--format", "pt", "--max-samples", 4)
+    result = invoke(
+        "--target-model-path",
+        model_dir,
+        "--train-data-path",
+        data_file,
+        "--output-dir",
+        pt_out,
+        "--seq-length",
+        256,
+        "--token-freq-path",
+        "",
+        "--format",
+        "pt",
+        "--max-samples",
+        4,
+    )
     assert result.exit_code == 0, result.output
     for folder, count in ((reference_run, 40), (pt_out, 4)):
         dataset = Eagle3SampleFileDataset(max_len=256, datapath=str(folder))
@@ -172,10 +288,20 @@ def test_trainer_dataset_reads_both_formats(reference_run, tmp_path, model_dir, 
 def test_eagle3_trainer_runs_on_generated_data(reference_run, model_dir, tmp_path):
     """A few steps of upstream's EAGLE-3 Trainer run on CPU on our safetensors output."""
     script = Path(__file__).parents[1] / "helpers" / "eagle3_train_steps.py"
-    proc = subprocess.run([sys.executable, str(script), model_dir, str(reference_run),
-                           str(reference_run.parent / "tf.pt"), str(tmp_path / "ckpt")],
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TORCHDYNAMO_DISABLE": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            model_dir,
+            str(reference_run),
+            str(reference_run.parent / "tf.pt"),
+            str(tmp_path / "ckpt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TORCHDYNAMO_DISABLE": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result == {"steps": 4, "changed": True, "finite": True}
@@ -183,8 +309,20 @@ def test_eagle3_trainer_runs_on_generated_data(reference_run, model_dir, tmp_pat
 
 def test_check_compares_with_transformers(model_dir, data_file):
     """`check` prints per-layer errors against transformers and a replay of each layer; passes for fp32."""
-    result = invoke("check", "--target-model-path", model_dir, "--train-data-path", data_file,
-                    "--samples", 3, "--dtype", "float32", "--enforce-eager", "--seq-length", 256)
+    result = invoke(
+        "check",
+        "--target-model-path",
+        model_dir,
+        "--train-data-path",
+        data_file,
+        "--samples",
+        3,
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--seq-length",
+        256,
+    )
     assert result.exit_code == 0, result.output
     rows = [line.split() for line in result.output.splitlines() if line.strip().endswith(("pass", "FAIL"))]
     layers = [r for r in rows if r[0].isdigit()]
@@ -198,8 +336,21 @@ def test_check_compares_with_transformers(model_dir, data_file):
 
 def test_check_without_transformers_uses_only_the_final_head(model_dir, data_file):
     """`check --no-transformers` (targets too big to load) runs the logit check and the one-layer replay only."""
-    result = invoke("check", "--target-model-path", model_dir, "--train-data-path", data_file,
-                    "--samples", 2, "--dtype", "float32", "--enforce-eager", "--seq-length", 256, "--no-transformers")
+    result = invoke(
+        "check",
+        "--target-model-path",
+        model_dir,
+        "--train-data-path",
+        data_file,
+        "--samples",
+        2,
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--seq-length",
+        256,
+        "--no-transformers",
+    )
     assert result.exit_code == 0, result.output
     assert "logit check: ok (2 samples" in result.output and "max abs err" not in result.output
     assert sum(line.startswith("replay") and line.endswith("pass") for line in result.output.splitlines()) == 4
@@ -209,13 +360,29 @@ def test_check_replay_finds_a_wrong_intermediate_layer(model_dir, data_file):
     """Injected: layer 4 holds layer 3's states. The logit check passes; the layer replay fails on 4 and 5."""
     from speculators_v016.testing.faults import VARIABLE as FAULT
 
-    result = invoke("check", "--target-model-path", model_dir, "--train-data-path", data_file, "--samples", 2,
-                    "--dtype", "float32", "--enforce-eager", "--seq-length", 256, "--no-transformers",
-                    env={FAULT: "wrong-layer:1"})
+    result = invoke(
+        "check",
+        "--target-model-path",
+        model_dir,
+        "--train-data-path",
+        data_file,
+        "--samples",
+        2,
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--seq-length",
+        256,
+        "--no-transformers",
+        env={FAULT: "wrong-layer:1"},
+    )
     assert result.exit_code == 1, result.output
     assert "logit check: ok (2 samples" in result.output
-    replayed = {int(r[1]): (float(r[4]), r[-1]) for r in (line.split() for line in result.output.splitlines())
-                if r and r[0] == "replay"}
+    replayed = {
+        int(r[1]): (float(r[4]), r[-1])
+        for r in (line.split() for line in result.output.splitlines())
+        if r and r[0] == "replay"
+    }
     assert {k: v[1] for k, v in replayed.items()} == {2: "pass", 4: "FAIL", 5: "FAIL", 7: "pass"}
     assert replayed[4][0] > 0.1 and replayed[5][0] > 0.1  # at the scale of the stream, not of rounding
 

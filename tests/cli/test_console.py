@@ -11,8 +11,20 @@ def data_file(tmp_path_factory):
 
 
 def run(model_dir, data_file, out, *flags):
-    return invoke(*flags, "--target-model-path", model_dir, "--train-data-path", data_file, "--output-dir", out,
-                  "--seq-length", 256, "--token-freq-path", "", env={"SPECULATORS_DATA_GEN_NO_PROGRESS": "0"})
+    return invoke(
+        *flags,
+        "--target-model-path",
+        model_dir,
+        "--train-data-path",
+        data_file,
+        "--output-dir",
+        out,
+        "--seq-length",
+        256,
+        "--token-freq-path",
+        "",
+        env={"SPECULATORS_DATA_GEN_NO_PROGRESS": "0"},
+    )
 
 
 def test_run_shows_progress_and_summary_and_logs_the_rest(tmp_path, model_dir, data_file):
@@ -41,4 +53,3 @@ def test_verbose_shows_everything_and_writes_no_log(tmp_path, model_dir, data_fi
     assert result.exit_code == 0, result.output
     assert "[Gloo]" in result.output and "Initializing a V1 LLM engine" in result.output
     assert not (out / "logs").exists()
-

@@ -14,9 +14,9 @@ import torch
 
 from helpers.cli import CPU, conversations, generate, invoke, load_all, write_jsonl
 from helpers.reference import TOLERANCE
-from speculators_v016.testing.faults import VARIABLE as FAULT
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.sample_format import load_sample
+from speculators_v016.testing.faults import VARIABLE as FAULT
 
 COUNT = 30
 
@@ -111,16 +111,36 @@ def test_worker_death_aborts_promptly_and_resumes(tmp_path, model_dir, reference
     """Killing vLLM's worker process ends the run with an error (no hang); a rerun completes."""
     data = write_jsonl(tmp_path / "many.jsonl", conversations(400, seed=9))
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "speculators_v016.run.cli", "--target-model-path", model_dir, "--train-data-path",
-           data, "--output-dir", out, "--seq-length", 256, "--token-freq-path", "", "--executor", "mp",
-           "--max-num-seqs", 2]
-    proc = subprocess.Popen([str(c) for c in cmd], env={**os.environ, **CPU}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "speculators_v016.run.cli",
+        "--target-model-path",
+        model_dir,
+        "--train-data-path",
+        data,
+        "--output-dir",
+        out,
+        "--seq-length",
+        256,
+        "--token-freq-path",
+        "",
+        "--executor",
+        "mp",
+        "--max-num-seqs",
+        2,
+    ]
+    proc = subprocess.Popen(
+        [str(c) for c in cmd], env={**os.environ, **CPU}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     deadline = time.monotonic() + 300
     while len(Manifest(out).entries()) < 3 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.1)
-    workers = [c for c in psutil.Process(proc.pid).children(recursive=True)
-               if "python" in c.name().lower() or "vllm" in " ".join(c.cmdline()).lower()]
+    workers = [
+        c
+        for c in psutil.Process(proc.pid).children(recursive=True)
+        if "python" in c.name().lower() or "vllm" in " ".join(c.cmdline()).lower()
+    ]
     assert proc.poll() is None and workers, "run ended before a worker could be killed"
     killed_at = time.monotonic()
     for worker in workers:
@@ -147,8 +167,7 @@ def test_nan_states_are_not_written_and_reported(tmp_path, model_dir, data_file)
     assert match, result.output
     assert int(match.group(1)) not in Manifest(out).entries() and len(Manifest(out).entries()) == COUNT - 1
     assert "skipped:    1 NaN/Inf hidden states" in result.output
-    strict = generate(model_dir, data_file, tmp_path / "strict", "--max-bad-samples", 0,
-                      env={FAULT: "nan-sample:2"})
+    strict = generate(model_dir, data_file, tmp_path / "strict", "--max-bad-samples", 0, env={FAULT: "nan-sample:2"})
     assert strict.exit_code == 5 and "limit --max-bad-samples 0" in strict.output
 
 
@@ -157,9 +176,11 @@ def test_logit_check_failure_stops_the_run_before_writing(tmp_path, model_dir, d
     out = tmp_path / "out"
     result = generate(model_dir, data_file, out, env={FAULT: "shift-check:2"})
     assert result.exit_code == 7, result.output
-    assert re.search(r"error: self-check failed: sample \d+: the captured last layer, normed and projected, does not "
-                     r"reproduce vLLM's own prompt logprobs \(logit check: max \|delta\| [\d.e+-]+, tolerance 1e-04\)",
-                     result.output), result.output
+    assert re.search(
+        r"error: self-check failed: sample \d+: the captured last layer, normed and projected, does not "
+        r"reproduce vLLM's own prompt logprobs \(logit check: max \|delta\| [\d.e+-]+, tolerance 1e-04\)",
+        result.output,
+    ), result.output
     assert "the run stops before writing any sample" in result.output
     assert Manifest(out).entries() == {} and not list(out.glob("data_*.safetensors"))
     assert_resumes_to_reference(model_dir, data_file, out, reference)
@@ -171,8 +192,9 @@ def test_all_zero_states_stop_the_run_without_the_logit_check(tmp_path, model_di
     args = ("--layer-ids", "2 4", "--max-samples", 8)
     result = generate(model_dir, data_file, out, *args, env={FAULT: "zero-states:1"})
     assert result.exit_code == 7, result.output
-    assert re.search(r"error: self-check failed: sample \d+, layer 2: every value is 0. No model produces this",
-                     result.output), result.output
+    assert re.search(
+        r"error: self-check failed: sample \d+, layer 2: every value is 0. No model produces this", result.output
+    ), result.output
     assert Manifest(out).entries() == {} and not list(out.glob("data_*.safetensors"))
     resumed = generate(model_dir, data_file, out, *args)
     assert resumed.exit_code == 0 and "written:    8 samples (0 already done" in resumed.output, resumed.output
@@ -183,8 +205,9 @@ def test_zero_states_mid_run_stop_it_keeping_what_passed(tmp_path, model_dir, da
     """States going to 0 mid-run (no logit check holding samples back): exit 7 naming the sample; samples written
     before stay valid; resume completes."""
     out = tmp_path / "out"
-    result = generate(model_dir, data_file, out, "--write-workers", 1, "--logit-check-samples", 0,
-                      env={FAULT: "zero-states:6"})
+    result = generate(
+        model_dir, data_file, out, "--write-workers", 1, "--logit-check-samples", 0, env={FAULT: "zero-states:6"}
+    )
     assert result.exit_code == 7, result.output
     match = re.search(r"self-check failed: sample (\d+), layer 2: every value is 0", result.output)
     assert match, result.output

@@ -25,8 +25,11 @@ def wide_model(tmp_path_factory):
     """A tiny Llama with hidden 256 (the acceptance's width), 8 layers."""
     from speculators_v016.testing.tiny_models import build_tiny_model
 
-    return str(build_tiny_model(tmp_path_factory.mktemp("llama-256"), "llama", num_layers=8, hidden_size=HIDDEN,
-                                intermediate_size=512))
+    return str(
+        build_tiny_model(
+            tmp_path_factory.mktemp("llama-256"), "llama", num_layers=8, hidden_size=HIDDEN, intermediate_size=512
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +38,24 @@ def data_file(tmp_path_factory):
 
 
 def generate(model, data, out, *extra, env=None):
-    return invoke("--target-model-path", model, "--train-data-path", data, "--output-dir", out, "--seq-length", 256,
-                  "--dtype", "bfloat16", "--layer-ids", " ".join(map(str, LAYER_IDS)),
-                  "--logit-check-samples", COUNT, *extra, env=env)
+    return invoke(
+        "--target-model-path",
+        model,
+        "--train-data-path",
+        data,
+        "--output-dir",
+        out,
+        "--seq-length",
+        256,
+        "--dtype",
+        "bfloat16",
+        "--layer-ids",
+        " ".join(map(str, LAYER_IDS)),
+        "--logit-check-samples",
+        COUNT,
+        *extra,
+        env=env,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +71,16 @@ def bf16_run(tmp_path_factory, wide_model, data_file):
 def fp8_run(tmp_path_factory, wide_model, data_file):
     """The same run storing FP8, chosen through the environment, on the multiprocess executor (/dev/shm ring)."""
     out = tmp_path_factory.mktemp("fp8") / "out"
-    result = generate(wide_model, data_file, out, "--token-freq-path", out.parent / "tf.pt", "--executor", "mp",
-                      env={"SPECULATORS_DATA_GEN_HIDDEN_STATES_DTYPE": "fp8_e4m3"})
+    result = generate(
+        wide_model,
+        data_file,
+        out,
+        "--token-freq-path",
+        out.parent / "tf.pt",
+        "--executor",
+        "mp",
+        env={"SPECULATORS_DATA_GEN_HIDDEN_STATES_DTYPE": "fp8_e4m3"},
+    )
     assert result.exit_code == 0, result.output
     return out, result.output
 
@@ -79,8 +105,12 @@ def test_fp8_files_load_with_safetensors(fp8_run):
     out, _ = fp8_run
     for entry in Manifest(out).entries().values():
         tensors = load_file(str(out / entry.file))
-        assert set(tensors) == {"input_ids", "loss_mask", *(f"hidden_states.{j}" for j in range(4)),
-                                *(f"hidden_states_scale.{j}" for j in range(4))}
+        assert set(tensors) == {
+            "input_ids",
+            "loss_mask",
+            *(f"hidden_states.{j}" for j in range(4)),
+            *(f"hidden_states_scale.{j}" for j in range(4)),
+        }
         for j in range(4):
             assert tensors[f"hidden_states.{j}"].dtype == torch.float8_e4m3fn
             assert tensors[f"hidden_states.{j}"].shape == (entry.tokens, HIDDEN)
@@ -90,8 +120,9 @@ def test_fp8_files_load_with_safetensors(fp8_run):
 
 def test_fp8_states_match_the_engine_dtype_run(fp8_run, bf16_run):
     """Dequantized FP8 is within 2**-4 of each row's amax of the bf16 run; the codes are quantize(bf16 rows) exactly."""
-    fp8_samples = {i: load_sample(Path(fp8_run[0]) / e.file, dequantize_to=None)
-                   for i, e in Manifest(fp8_run[0]).entries().items()}
+    fp8_samples = {
+        i: load_sample(Path(fp8_run[0]) / e.file, dequantize_to=None) for i, e in Manifest(fp8_run[0]).entries().items()
+    }
     reference = load_all(bf16_run)
     assert sorted(fp8_samples) == sorted(reference) == list(range(COUNT))
     worst = 0.0
@@ -110,6 +141,7 @@ def test_fp8_states_match_the_engine_dtype_run(fp8_run, bf16_run):
 
 def test_fp8_halves_the_bytes_per_token(fp8_run, bf16_run):
     """Hidden-state bytes per token are <= 0.51x of bf16 at hidden 256 (whole files: input_ids and mask added)."""
+
     def per_token(folder, prefix):
         states = total = tokens = 0
         for entry in Manifest(folder).entries().values():
@@ -144,9 +176,13 @@ def test_eagle3_trainer_runs_on_fp8_data(fp8_run, wide_model, tmp_path):
     """A few steps of upstream's EAGLE-3 Trainer run on CPU on an FP8 folder."""
     out, _ = fp8_run
     script = Path(__file__).parents[1] / "helpers" / "eagle3_train_steps.py"
-    proc = subprocess.run([sys.executable, str(script), wide_model, str(out), str(out.parent / "tf.pt"),
-                           str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TORCHDYNAMO_DISABLE": "1"})
+    proc = subprocess.run(
+        [sys.executable, str(script), wide_model, str(out), str(out.parent / "tf.pt"), str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TORCHDYNAMO_DISABLE": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"steps": 4, "changed": True, "finite": True}
 
@@ -175,20 +211,41 @@ def test_resume_with_another_storage_is_refused(fp8_run, wide_model, data_file, 
 def test_logit_check_on_fp8_catches_misplaced_rows(fault, tmp_path, wide_model, data_file):
     """On FP8 states, rows one position off or the adjacent layer (n-2) fail the logit check: exit 7, nothing written."""
     out = tmp_path / "out"
-    result = generate(wide_model, data_file, out, "--token-freq-path", "", "--hidden-states-dtype", "fp8_e4m3",
-                      env={FAULT: f"{fault}:2"})
+    result = generate(
+        wide_model,
+        data_file,
+        out,
+        "--token-freq-path",
+        "",
+        "--hidden-states-dtype",
+        "fp8_e4m3",
+        env={FAULT: f"{fault}:2"},
+    )
     assert result.exit_code == 7, result.output
-    assert re.search(r"error: self-check failed: sample \d+: the captured last layer, normed and projected, does not "
-                     r"reproduce vLLM's own prompt logprobs \(logit check: max \|delta\| [\d.e+-]+, tolerance 8 "
-                     r"sigma of the e4m3 rounding \+ 5e-02 \+ 3 ulps of the logits\)", result.output), result.output
+    assert re.search(
+        r"error: self-check failed: sample \d+: the captured last layer, normed and projected, does not "
+        r"reproduce vLLM's own prompt logprobs \(logit check: max \|delta\| [\d.e+-]+, tolerance 8 "
+        r"sigma of the e4m3 rounding \+ 5e-02 \+ 3 ulps of the logits\)",
+        result.output,
+    ), result.output
     assert Manifest(out).entries() == {} and not list(out.glob("data_*.safetensors"))
 
 
 def test_fp8_nan_sample_is_skipped(tmp_path, wide_model, data_file):
     """A NaN row shows in its FP8 scale: the sample is not written and is named with its layer."""
     out = tmp_path / "out"
-    result = generate(wide_model, data_file, out, "--token-freq-path", "", "--hidden-states-dtype", "fp8_e4m3",
-                      "--logit-check-samples", 0, env={FAULT: "nan-sample:3"})
+    result = generate(
+        wide_model,
+        data_file,
+        out,
+        "--token-freq-path",
+        "",
+        "--hidden-states-dtype",
+        "fp8_e4m3",
+        "--logit-check-samples",
+        0,
+        env={FAULT: "nan-sample:3"},
+    )
     assert result.exit_code == 0, result.output
     match = re.search(r"sample (\d+): NaN/Inf hidden states in layers \[7\]: not written", result.output)
     assert match and int(match.group(1)) not in Manifest(out).entries()

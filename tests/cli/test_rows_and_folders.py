@@ -29,9 +29,11 @@ def data_file(tmp_path_factory):
 def test_unusable_rows_are_skipped_by_reason(tmp_path, model_dir):
     """Empty, template-rejected and no-assistant rows are counted by reason; none at all is an error."""
     good = conversations(3)
-    rows = good + [{"conversations": []},
-                   {"conversations": [{"from": "human", "value": "only a question"}]},
-                   {"conversations": [{"from": "narrator", "value": "nobody speaks"}]}]
+    rows = good + [
+        {"conversations": []},
+        {"conversations": [{"from": "human", "value": "only a question"}]},
+        {"conversations": [{"from": "narrator", "value": "nobody speaks"}]},
+    ]
     result = generate(model_dir, write_jsonl(tmp_path / "mixed.jsonl", rows), tmp_path / "out")
     assert result.exit_code == 0, result.output
     assert "skipped:    1 empty conversation" in result.output
@@ -44,25 +46,41 @@ def test_unusable_rows_are_skipped_by_reason(tmp_path, model_dir):
 
 def test_long_rows_are_truncated_and_counted(tmp_path, model_dir):
     """Rows over --seq-length are cut to it, counted, and their loss masks stay aligned."""
-    long = {"conversations": [{"from": "human", "value": "tell me more"},
-                              {"from": "gpt", "value": "the quick brown fox " * 40}]}
+    long = {
+        "conversations": [
+            {"from": "human", "value": "tell me more"},
+            {"from": "gpt", "value": "the quick brown fox " * 40},
+        ]
+    }
     short = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "the fox"}]}
     out = tmp_path / "out"
-    result = invoke("--target-model-path", model_dir, "--train-data-path",
-                    write_jsonl(tmp_path / "long.jsonl", [long] + [short, short]), "--output-dir", out,
-                    "--seq-length", 48, "--token-freq-path", "")
+    result = invoke(
+        "--target-model-path",
+        model_dir,
+        "--train-data-path",
+        write_jsonl(tmp_path / "long.jsonl", [long] + [short, short]),
+        "--output-dir",
+        out,
+        "--seq-length",
+        48,
+        "--token-freq-path",
+        "",
+    )
     assert result.exit_code == 0, result.output
-    assert "truncated:  1" in result.output, result.output[result.output.find("output:"):]
+    assert "truncated:  1" in result.output, result.output[result.output.find("output:") :]
     lengths = sorted(s["input_ids"].shape[0] for s in load_all(out).values())
     assert lengths[-1] == 48
     assert all(s["loss_mask"].shape == s["input_ids"].shape for s in load_all(out).values())
 
 
-@pytest.mark.parametrize("line, message", [
-    ("{not json", "bad.jsonl:2: not valid JSON"),
-    ('{"foo": 1}', "bad.jsonl:2: no 'conversations' or 'messages' list"),
-    ('{"conversations": [{"from": "human", "value": 5}]}', "bad.jsonl:2: turn 0 needs string"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{not json", "bad.jsonl:2: not valid JSON"),
+        ('{"foo": 1}', "bad.jsonl:2: no 'conversations' or 'messages' list"),
+        ('{"conversations": [{"from": "human", "value": 5}]}', "bad.jsonl:2: turn 0 needs string"),
+    ],
+)
 def test_malformed_rows_name_file_and_line(line, message, tmp_path, model_dir):
     """A malformed row fails with file and line (exit 3), or is skipped and counted with --skip-bad-rows."""
     data = tmp_path / "bad.jsonl"
@@ -98,8 +116,9 @@ def test_gpt2_runs_once_its_stream_is_proven(tmp_path, data_file):
 
     model = tmp_path / "gpt2"
     tokenizer = train_tokenizer(["the quick brown fox jumps over the lazy dog"] * 5)
-    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=len(tokenizer),
-                               n_positions=512)).save_pretrained(model)
+    GPT2LMHeadModel(
+        GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=len(tokenizer), n_positions=512)
+    ).save_pretrained(model)
     tokenizer.save_pretrained(model)
     out = tmp_path / "out"
     result = generate(model, data_file, out, "--layer-ids", "0 1", "--max-samples", 4)
@@ -142,9 +161,13 @@ def test_foreign_files_and_a_second_writer_are_refused(tmp_path, model_dir, data
 
 def test_path_like_fields_never_name_files(tmp_path, model_dir):
     """Ids and fields that look like paths do not reach file names."""
-    rows = [{"id": "../../escaped", "conversations": [{"from": "human", "value": "../../etc/passwd"},
-                                                       {"from": "gpt", "value": "/etc/shadow"}]},
-            {"id": "/tmp/absolute", **conversations(1)[0]}]
+    rows = [
+        {
+            "id": "../../escaped",
+            "conversations": [{"from": "human", "value": "../../etc/passwd"}, {"from": "gpt", "value": "/etc/shadow"}],
+        },
+        {"id": "/tmp/absolute", **conversations(1)[0]},
+    ]
     work = tmp_path / "deep" / "er"
     work.mkdir(parents=True)
     out = work / "out"
@@ -153,11 +176,13 @@ def test_path_like_fields_never_name_files(tmp_path, model_dir):
     result = generate(model_dir, data, out)
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["data_0.safetensors", "data_1.safetensors", "manifest.jsonl", "data_config.json", LOCK, "logs"])
+        ["data_0.safetensors", "data_1.safetensors", "manifest.jsonl", "data_config.json", LOCK, "logs"]
+    )
     [log] = [p.name for p in (out / "logs").iterdir()]
     assert re.fullmatch(r"run-\d{8}-\d{6}\.log", log)  # named from the clock alone
     assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(
-        before + [p.name for p in out.iterdir()] + ["out", log])
+        before + [p.name for p in out.iterdir()] + ["out", log]
+    )
     assert not Path("/tmp/absolute").exists()
 
 
@@ -182,6 +207,7 @@ def test_hostile_pt_is_never_unpickled(tmp_path, model_dir, data_file):
     entries = manifest.entries()  # make the manifest agree, so verify gets as far as loading it
     import hashlib
     from dataclasses import replace
+
     entries[1] = replace(entries[1], bytes=len(hostile), sha256=hashlib.sha256(hostile).hexdigest())
     manifest.compact(entries)
     (out / "evil.pt").write_bytes(hostile)
@@ -199,7 +225,8 @@ def test_remote_code_is_refused_unless_asked(tmp_path, model_dir, data_file):
     marker = tmp_path / "code-ran"
     (model / "custom_config.py").write_text(
         f"from pathlib import Path\nPath({str(marker)!r}).touch()\n"
-        "from transformers import LlamaConfig\nclass CustomConfig(LlamaConfig):\n    model_type = 'custom_llama'\n")
+        "from transformers import LlamaConfig\nclass CustomConfig(LlamaConfig):\n    model_type = 'custom_llama'\n"
+    )
     config = json.loads((model / "config.json").read_text())
     config["auto_map"] = {"AutoConfig": "custom_config.CustomConfig"}
     config["model_type"] = "custom_llama"  # unknown to transformers: only the folder's code can load it

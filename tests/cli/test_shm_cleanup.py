@@ -25,30 +25,62 @@ pytestmark = pytest.mark.alone
 
 
 def command(model, data, out, *extra):
-    args = ["--target-model-path", model, "--train-data-path", data, "--output-dir", out, "--seq-length", 256,
-            "--token-freq-path", "", *extra]
+    args = [
+        "--target-model-path",
+        model,
+        "--train-data-path",
+        data,
+        "--output-dir",
+        out,
+        "--seq-length",
+        256,
+        "--token-freq-path",
+        "",
+        *extra,
+    ]
     return [sys.executable, "-m", "speculators_v016.run.cli", *map(str, args)]
 
 
 def run_segments() -> set[str]:
     """Regular files in /dev/shm of the kinds a run makes (ring, vLLM's queues, semaphores)."""
-    return {e.name for e in os.scandir(SHM_DIR) if e.is_file(follow_symlinks=False)
-            and e.name.startswith((PREFIX, "psm_", "sem."))}
+    return {
+        e.name
+        for e in os.scandir(SHM_DIR)
+        if e.is_file(follow_symlinks=False) and e.name.startswith((PREFIX, "psm_", "sem."))
+    }
 
 
 def dead_runs_segments() -> set[str]:
     return {s.name for r in reclaim(SHM_DIR, delete=False).runs if not r.alive for s in r.segments if s.delete}
 
 
-@pytest.mark.parametrize("point, message", [("ring-vanish:1", "is gone: something removed it"),
-                                            ("ring-replace:1", "does not carry the engine's identity token")])
+@pytest.mark.parametrize(
+    "point, message",
+    [
+        ("ring-vanish:1", "is gone: something removed it"),
+        ("ring-replace:1", "does not carry the engine's identity token"),
+    ],
+)
 def test_a_ring_gone_before_the_worker_maps_it_fails_the_run_at_start(point, message, tmp_path, model_dir):
     """Ring name deleted (or replaced) before the worker maps it: exit 5 naming it, no sample written."""
     data = write_jsonl(tmp_path / "chats.jsonl", conversations(20, seed=7))
     out = tmp_path / "out"
     before = run_segments()
-    result = invoke("--target-model-path", model_dir, "--train-data-path", data, "--output-dir", out,
-                    "--seq-length", 256, "--token-freq-path", "", "--executor", "mp", env={FAULT: point})
+    result = invoke(
+        "--target-model-path",
+        model_dir,
+        "--train-data-path",
+        data,
+        "--output-dir",
+        out,
+        "--seq-length",
+        256,
+        "--token-freq-path",
+        "",
+        "--executor",
+        "mp",
+        env={FAULT: point},
+    )
     assert result.exit_code == 5, result.output
     assert message in result.output and f"capture ring {SHM_DIR}/{PREFIX}" in result.output
     assert not list(out.glob("data_*")) and Manifest(out).entries() == {}
@@ -64,8 +96,16 @@ def test_two_runs_starting_together_both_finish(tmp_path, model_dir):
     """Two --executor mp runs of one user started at the same moment (same-node shards) both finish."""
     data = write_jsonl(tmp_path / "chats.jsonl", conversations(12, seed=8))
     env = {**os.environ, **CPU, **SPAWN}
-    procs = [subprocess.Popen(command(model_dir, data, tmp_path / f"out{i}", "--executor", "mp"), env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            command(model_dir, data, tmp_path / f"out{i}", "--executor", "mp"),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outputs = [p.communicate(timeout=540)[0] for p in procs]
     for proc, output in zip(procs, outputs):
         assert proc.returncode == 0, output
@@ -83,8 +123,13 @@ def test_sigkilled_multiprocess_run_leaves_nothing_after_the_next_run(method, tm
     env = {**os.environ, **CPU, "VLLM_WORKER_MULTIPROC_METHOD": method}
     cmd = command(model, data, out)
     before = run_segments()
-    proc = subprocess.Popen(cmd + ["--executor", "mp", "--max-num-seqs", "2"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd + ["--executor", "mp", "--max-num-seqs", "2"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 300
     while len(Manifest(out).entries()) < 3 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.1)
@@ -108,16 +153,18 @@ def test_a_resume_with_nothing_to_do_still_reclaims(tmp_path, model_dir):
     """A run that finds every sample written starts no engine, and still reclaims a dead run's segments."""
     data = write_jsonl(tmp_path / "chats.jsonl", conversations(4, seed=9))
     out = tmp_path / "out"
-    first = subprocess.run(command(model_dir, data, out), env={**os.environ, **CPU}, capture_output=True,
-                           text=True, timeout=600)
+    first = subprocess.run(
+        command(model_dir, data, out), env={**os.environ, **CPU}, capture_output=True, text=True, timeout=600
+    )
     assert first.returncode == 0, first.stdout + first.stderr
     tag = f"t{os.getpid()}"
     dead, _ = start(RUN.replace("run0001", tag), SHM_DIR)  # a killed run's record, in the real /dev/shm
     kill(dead)
     planted = {n.replace("run0001", tag) for n in RECORDED}
     assert planted <= set(os.listdir(SHM_DIR))
-    again = subprocess.run(command(model_dir, data, out), env={**os.environ, **CPU}, capture_output=True,
-                           text=True, timeout=600)
+    again = subprocess.run(
+        command(model_dir, data, out), env={**os.environ, **CPU}, capture_output=True, text=True, timeout=600
+    )
     assert again.returncode == 0, again.stdout + again.stderr
     log = sorted((out / "logs").iterdir())[-1].read_text()
     assert "already written" in log and "reclaimed 3 shared-memory segments" in log

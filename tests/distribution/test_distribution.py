@@ -35,6 +35,7 @@ def test_upstream_public_api_imports():
 def test_version_names_upstream_base_and_our_revision():
     """The reported version is upstream's base release plus our revision."""
     import speculators.version
+
     import speculators_v016
 
     assert speculators.version.version == speculators_v016.__version__
@@ -46,8 +47,9 @@ def test_console_script_version_and_convert_help():
     version = subprocess.run([str(SCRIPT), "--version"], capture_output=True, text=True)
     assert version.returncode == 0, version.stderr
     assert version.stdout.strip().endswith(f"{PIN.version}.post1")
-    helped = subprocess.run([str(SCRIPT), "convert", "--help"], capture_output=True, text=True,
-                            env={**os.environ, "COLUMNS": "200"})
+    helped = subprocess.run(
+        [str(SCRIPT), "convert", "--help"], capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"}
+    )
     assert helped.returncode == 0, helped.stderr
     assert "--algorithm" in helped.stdout and "eagle3" in helped.stdout
 
@@ -90,14 +92,22 @@ def artifact():
 def build_wheel(source: Path, out: Path, env: dict) -> subprocess.CompletedProcess:
     # No build isolation: the build must work with what is already installed,
     # and PIP_NO_INDEX proves that nothing is downloaded.
-    return subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                           "-w", str(out), str(source)], capture_output=True, text=True, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(source)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
 
 
 def test_offline_wheel_from_clean_clone(clean_clone, artifact, tmp_path):
     """Offline, with a local copy of the pinned artifact, a clean clone builds the right wheel."""
-    env = {**os.environ, "PIP_NO_INDEX": "1", LOCAL_ARTIFACT_ENV: str(artifact),
-           "XDG_CACHE_HOME": str(tmp_path / "empty-cache")}
+    env = {
+        **os.environ,
+        "PIP_NO_INDEX": "1",
+        LOCAL_ARTIFACT_ENV: str(artifact),
+        "XDG_CACHE_HOME": str(tmp_path / "empty-cache"),
+    }
     proc = build_wheel(clean_clone, tmp_path / "dist", env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [wheel] = (tmp_path / "dist").glob("speculators_v016-*.whl")

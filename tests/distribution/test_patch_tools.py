@@ -15,8 +15,9 @@ from patchtool.worktree import git, has_unexported, read_series  # noqa: E402
 
 
 def tool(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "patches.py"), *args], cwd=cwd,
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "patches.py"), *args], cwd=cwd, capture_output=True, text=True
+    )
 
 
 @pytest.fixture
@@ -41,7 +42,7 @@ def test_apply_makes_pristine_upstream_plus_one_commit_per_patch(work, series):
     log = git(work, "log", "--reverse", "--format=%s").splitlines()
     assert log[0].startswith("Upstream speculators 0.3.0")
     assert len(log) == 1 + len(read_series(series))
-    assert git(work, "tag", "--points-at", "HEAD~%d" % len(read_series(series))).split() == ["upstream"]
+    assert git(work, "tag", "--points-at", f"HEAD~{len(read_series(series))}").split() == ["upstream"]
 
 
 def test_refresh_of_an_unchanged_tree_changes_no_byte(work, series):
@@ -56,8 +57,12 @@ def test_a_new_commit_becomes_a_patch_named_from_its_subject(work, series):
     """A commit in the work tree is exported as a new patch at the end of the series."""
     init = work / "speculators" / "__init__.py"
     init.write_text(init.read_text() + "\n# touched\n")
-    git(work, "commit", "-qam", "Touch the package init\n\nDescription: test\nOrigin: vendor\n"
-        "Forwarded: not-needed\nLast-Update: 2026-11-29")
+    git(
+        work,
+        "commit",
+        "-qam",
+        "Touch the package init\n\nDescription: test\nOrigin: vendor\nForwarded: not-needed\nLast-Update: 2026-11-29",
+    )
     assert has_unexported(work)
     proc = tool("--patches", str(series), "refresh", "--work", str(work))
     assert proc.returncode == 0, proc.stderr
@@ -93,6 +98,6 @@ def test_check_finds_unlisted_and_missing_patches(series):
 def test_check_finds_a_patch_that_no_longer_applies(series):
     """A patch whose context does not match upstream fails check (no fuzz, no 3-way)."""
     text = series / read_series(series)[0]
-    text.write_text(text.read_text().replace(' import json\n', ' import jsonx\n', 1))
+    text.write_text(text.read_text().replace(" import json\n", " import jsonx\n", 1))
     problems = check_series(series)
     assert len(problems) == 1 and "does not apply" in problems[0]

@@ -23,8 +23,11 @@ HEADER = "\n\nDescription: test\nOrigin: vendor\nForwarded: not-needed\nLast-Upd
 
 def make_wheel(folder: Path, version: str, changes: dict | None = None, requires=("torch",)) -> Path:
     """A minimal upstream wheel: speculators/a.py and b.py of 20 lines, with ``changes`` applied."""
-    files = {"speculators/__init__.py": "", "speculators/a.py": "\n".join(LINES) + "\n",
-             "speculators/b.py": "\n".join(LINES) + "\n"}
+    files = {
+        "speculators/__init__.py": "",
+        "speculators/a.py": "\n".join(LINES) + "\n",
+        "speculators/b.py": "\n".join(LINES) + "\n",
+    }
     for path, edit in (changes or {}).items():
         files[path] = edit(files.get(path, ""))
     wheel = folder / f"speculators-{version}-py3-none-any.whl"
@@ -43,6 +46,7 @@ def replace_line(number: int, text: str):
         lines = content.splitlines()
         lines[number] = text
         return "\n".join(lines) + "\n"
+
     return edit
 
 
@@ -69,8 +73,21 @@ def setup(tmp_path, monkeypatch):
 
 
 def rebase(patches: Path, work: Path, *args):
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "patches.py"), "--patches", str(patches),
-                           "rebase", "--work", str(work), *args], capture_output=True, text=True, env=os.environ)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "patches.py"),
+            "--patches",
+            str(patches),
+            "rebase",
+            "--work",
+            str(work),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=os.environ,
+    )
     report = json.loads(proc.stdout) if "--json" in args and proc.stdout.startswith("{") else None
     return proc, report
 
@@ -83,8 +100,7 @@ def test_onto_the_pinned_release_is_a_noop(setup):
     """Rebasing onto the pinned release itself: exit 0, all clean, nothing written."""
     wheels, patches, work = setup
     before = snapshot(patches)
-    proc, report = rebase(patches, work, "--onto-artifact", str(wheels / "speculators-1.0-py3-none-any.whl"),
-                          "--json")
+    proc, report = rebase(patches, work, "--onto-artifact", str(wheels / "speculators-1.0-py3-none-any.whl"), "--json")
     assert proc.returncode == 0, proc.stderr
     assert report["result"] == "clean" and [p["status"] for p in report["patches"]] == ["clean", "clean"]
     assert snapshot(patches) == before and not work.exists()
@@ -137,7 +153,8 @@ def test_conflict_then_continue(setup):
     assert "line 10 patched" in conflict["current_patch"]
     assert snapshot(patches) == before  # nothing written before the end
     (work / "speculators" / "a.py").write_text(
-        "\n".join(LINES[:10] + ["line 10 upstream and patched"] + LINES[11:]) + "\n")
+        "\n".join(LINES[:10] + ["line 10 upstream and patched"] + LINES[11:]) + "\n"
+    )
     git(work, "add", "speculators/a.py")
     proc, report = rebase(patches, work, "--continue", "--json")
     assert proc.returncode == 1, proc.stderr  # a resolved conflict still wants review
@@ -188,7 +205,8 @@ def test_real_next_release_from_the_index(tmp_path):
     assert proc.returncode in (0, 1), proc.stderr
     assert report["new"].startswith("speculators 0.4.0") and report["patches"]
     assert {m["upstream"] for m in report["wrapped_modules"]} >= {
-        "speculators/data_generation/vllm_hidden_states_generator.py"}
+        "speculators/data_generation/vllm_hidden_states_generator.py"
+    }
     assert "added" in report["dependencies"]
     assert snapshot(ROOT / "patches") == before
 
@@ -215,8 +233,9 @@ def series_of_four(tmp_path, monkeypatch):
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     monkeypatch.setenv(LOCAL_ARTIFACT_ENV, str(wheels))
-    extra = {f"speculators/{n}.py": (lambda _, n=n: "\n".join(f"{n} {line}" for line in LINES) + "\n")
-             for n in ("c", "d")}
+    extra = {
+        f"speculators/{n}.py": (lambda _, n=n: "\n".join(f"{n} {line}" for line in LINES) + "\n") for n in ("c", "d")
+    }
     base = make_wheel(wheels, "1.0", extra)
     patches = tmp_path / "patches"
     patches.mkdir()
@@ -225,8 +244,13 @@ def series_of_four(tmp_path, monkeypatch):
     (patches / "wrapped-modules.json").write_text(json.dumps({"ours/c_rewrite.py": ["speculators/c.py"]}))
     work = tmp_path / "author"
     materialise(work, patches)
-    for path, number, subject in (("a.py", 10, "Patch a"), ("b.py", 5, "Patch b"), ("b.py", 15, "Patch b again"),
-                                  ("c.py", 3, "Patch c"), ("d.py", 3, "Patch d")):
+    for path, number, subject in (
+        ("a.py", 10, "Patch a"),
+        ("b.py", 5, "Patch b"),
+        ("b.py", 15, "Patch b again"),
+        ("c.py", 3, "Patch c"),
+        ("d.py", 3, "Patch d"),
+    ):
         target = work / "speculators" / path
         target.write_text(replace_line(number, f"line {number} patched")(target.read_text()))
         git(work, "commit", "-qam", subject + HEADER)
@@ -239,22 +263,40 @@ def test_forecast_covers_every_patch_when_the_first_conflicts(series_of_four):
     wheels, patches, work, extra = series_of_four
     before = snapshot(patches)
     d_text = extra["speculators/d.py"]("")
-    new = make_wheel(wheels, "2.0", {**extra, "speculators/a.py": replace_line(10, "line 10 upstream"),
-                                     "speculators/b.py": replace_line(15, "line 15 upstream")})
+    new = make_wheel(
+        wheels,
+        "2.0",
+        {
+            **extra,
+            "speculators/a.py": replace_line(10, "line 10 upstream"),
+            "speculators/b.py": replace_line(15, "line 15 upstream"),
+        },
+    )
     new = rebuild_without(  # upstream 2.0 deleted c.py and renamed d.py
-        new, {"speculators/c.py": None, "speculators/d.py": "speculators/d_new.py"}, d_text)
+        new, {"speculators/c.py": None, "speculators/d.py": "speculators/d_new.py"}, d_text
+    )
     proc, report = rebase(patches, work, "--onto-artifact", str(new), "--json")
     assert proc.returncode == 1, proc.stderr  # exit codes unchanged: a conflict is 1
     names = read_series(patches)
     assert [p["name"] for p in report["patches"]] == names  # every patch of the series is listed
     assert [p["status"] for p in report["patches"]] == ["conflict", "pending", "pending", "pending", "pending"]
     assert [p["forecast"]["status"] for p in report["patches"]] == [
-        "conflict", "clean", "conflict", "target-deleted", "target-renamed"]
+        "conflict",
+        "clean",
+        "conflict",
+        "target-deleted",
+        "target-renamed",
+    ]
     assert report["summary"] == "2 conflict, 1 target deleted, 1 target renamed, 1 clean"
     deleted = report["patches"][3]["forecast"]
-    assert deleted["moved"] == [{"path": "speculators/c.py", "to": None, "meaning":
-                                 "upstream removed the module ours/c_rewrite.py replaces: "
-                                 "the patch (and any redirect to our module) must move or go"}]
+    assert deleted["moved"] == [
+        {
+            "path": "speculators/c.py",
+            "to": None,
+            "meaning": "upstream removed the module ours/c_rewrite.py replaces: "
+            "the patch (and any redirect to our module) must move or go",
+        }
+    ]
     assert deleted["hunks"] == {"speculators/c.py": "deleted upstream"}  # not "0 hunks"
     renamed = report["patches"][4]["forecast"]
     assert renamed["moved"][0]["to"] == "speculators/d_new.py"

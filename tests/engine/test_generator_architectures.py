@@ -1,7 +1,5 @@
 """Qwen3, Qwen3-MoE (built-in aux outputs) and Mixtral (our taps adapter) against transformers."""
 
-import pytest
-
 from helpers.reference import NUM_LAYERS, TOLERANCE, hf_layer_outputs, max_abs_error, random_prompts
 
 LAYERS = list(range(NUM_LAYERS))
@@ -22,9 +20,14 @@ def check(model_dir, builtin: bool, record=None, name="", **options):
         assert info["builtin_ids"] == [] and info["tap_ids"] == list(range(1, NUM_LAYERS + 1))
     worst = max_abs_error(results, hf_layer_outputs(model_dir, prompts), LAYERS)
     if record is not None:
-        record(name, info["model_class"], "built-in" if builtin else "taps",
-               "engine (CPU, fp32, eager and compiled)" if name == "mixtral" else "engine (CPU, fp32)",
-               worst, TOLERANCE)
+        record(
+            name,
+            info["model_class"],
+            "built-in" if builtin else "taps",
+            "engine (CPU, fp32, eager and compiled)" if name == "mixtral" else "engine (CPU, fp32)",
+            worst,
+            TOLERANCE,
+        )
     assert worst < TOLERANCE
     return info
 
@@ -37,15 +40,15 @@ def test_qwen3_builtin(tiny_model, record_architecture):
 
 def test_qwen3_moe_builtin(tiny_model, record_architecture):
     """Qwen3-MoE through vLLM's built-in aux outputs equals transformers within 1e-5."""
-    info = check(tiny_model("qwen3_moe"), builtin=True, record=record_architecture, name="qwen3_moe",
-                 enforce_eager=True)
+    info = check(
+        tiny_model("qwen3_moe"), builtin=True, record=record_architecture, name="qwen3_moe", enforce_eager=True
+    )
     assert info["model_class"] == "Qwen3MoeForCausalLM"
 
 
 def test_mixtral_adapter_eager(tiny_model, record_architecture):
     """Mixtral (no SupportsEagle3) through our taps adapter equals transformers within 1e-5."""
-    info = check(tiny_model("mixtral"), builtin=False, record=record_architecture, name="mixtral",
-                 enforce_eager=True)
+    info = check(tiny_model("mixtral"), builtin=False, record=record_architecture, name="mixtral", enforce_eager=True)
     assert info["model_class"] == "MixtralForCausalLM"
 
 

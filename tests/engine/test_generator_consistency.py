@@ -18,8 +18,9 @@ def run(model_dir, prompts, **options):
 
 
 def largest_difference(a, b) -> float:
-    return max((x - y).abs().max().item() for ra, rb in zip(a, b)
-               for x, y in zip(ra["hidden_states"], rb["hidden_states"]))
+    return max(
+        (x - y).abs().max().item() for ra, rb in zip(a, b) for x, y in zip(ra["hidden_states"], rb["hidden_states"])
+    )
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +35,7 @@ def chunked_async(model_dir, prompts):
 
 def test_async_on_and_off_are_bit_identical(model_dir, prompts, chunked_async):
     """Async scheduling on vs off, same batches: bit-identical states."""
-    sync, engine = run(model_dir, prompts, enforce_eager=True, max_num_batched_tokens=128,
-                       async_scheduling=False)
+    sync, engine = run(model_dir, prompts, enforce_eager=True, max_num_batched_tokens=128, async_scheduling=False)
     assert not engine.async_scheduling and engine.depth == 1
     for a, b in zip(chunked_async, sync):
         assert all(torch.equal(x, y) for x, y in zip(a["hidden_states"], b["hidden_states"]))
@@ -43,8 +43,7 @@ def test_async_on_and_off_are_bit_identical(model_dir, prompts, chunked_async):
 
 def test_multiprocess_unchunked_equals_uniprocess_chunked(model_dir, prompts, chunked_async):
     """Multiprocess executor without chunking agrees with uniprocess chunked within 1e-5."""
-    unchunked, engine = run(model_dir, prompts, enforce_eager=True, max_num_batched_tokens=4096,
-                            executor="mp")
+    unchunked, engine = run(model_dir, prompts, enforce_eager=True, max_num_batched_tokens=4096, executor="mp")
     assert type(engine.executor).__name__ == "CaptureMultiprocExecutor"
     assert largest_difference(chunked_async, unchunked) < TOLERANCE
 

@@ -76,8 +76,14 @@ def test_a_step_is_two_rpcs_as_in_vllm(generator, prompts, results):
 def test_every_layer_matches_transformers(results, reference, generator, record_architecture):
     """fp32 states of layers 0..n-1 equal transformers' layer outputs within 1e-5."""
     worst = max_abs_error(results, reference, ALL_LAYERS)
-    record_architecture("llama", generator.engine.capture_info[0]["model_class"], "built-in",
-                        "engine (CPU, fp32; eager, compiled, TP=2, mp)", worst, TOLERANCE)
+    record_architecture(
+        "llama",
+        generator.engine.capture_info[0]["model_class"],
+        "built-in",
+        "engine (CPU, fp32; eager, compiled, TP=2, mp)",
+        worst,
+        TOLERANCE,
+    )
     assert worst < TOLERANCE
 
 

@@ -7,7 +7,8 @@ import sys
 
 from helpers.reference import NUM_LAYERS
 
-CHILD = """
+CHILD = (
+    """
 import json, resource, sys, torch
 from speculators_v016.generator import VllmHiddenStatesGenerator
 
@@ -27,19 +28,27 @@ if __name__ == "__main__":
         rows += item["hidden_states"][0].shape[0]
     print(json.dumps({"n": at_n, "n4": peak(), "rows": rows}))
     gen.shutdown()
-""" % NUM_LAYERS
+"""
+    % NUM_LAYERS
+)
 
 
 def test_peak_rss_after_4n_more_prompts_stays_within_10_percent(tiny_model):
     """Peak RSS after streaming 4N more prompts is <= 1.1x the peak after N (states never pile up)."""
     n, length = 48, 500
-    proc = subprocess.run([sys.executable, "-c", CHILD, tiny_model("llama"), str(n), str(length)],
-                          capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, tiny_model("llama"), str(n), str(length)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     peak = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
     assert peak["rows"] == 5 * n * length
     streamed_mib = 4 * n * length * NUM_LAYERS * 128 * 4 / 2**20
-    print(f"peak RSS {peak['n']:,.0f} MiB after {n} prompts, {peak['n4']:,.0f} MiB after {4 * n} more "
-          f"({streamed_mib:,.0f} MiB of states streamed through)")
+    print(
+        f"peak RSS {peak['n']:,.0f} MiB after {n} prompts, {peak['n4']:,.0f} MiB after {4 * n} more "
+        f"({streamed_mib:,.0f} MiB of states streamed through)"
+    )
     assert peak["n4"] <= 1.1 * peak["n"]

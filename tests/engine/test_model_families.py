@@ -21,24 +21,47 @@ from speculators_v016.worker.aux_outputs import find_decoder_stack
 
 LAYERS = 4
 LENGTHS = [40, 200, 3, 90]
-ENGINE = dict(layer_ids=list(range(LAYERS)), max_model_len=512, dtype="float32", enforce_eager=True,
-              max_num_batched_tokens=128, max_num_seqs=3)
-SOFTCAP_NOTE = ("attention logit soft-capping: vLLM's CPU attention and transformers differ by this much "
-                "(8.6e-6 with soft-capping off)")
+ENGINE = dict(
+    layer_ids=list(range(LAYERS)),
+    max_model_len=512,
+    dtype="float32",
+    enforce_eager=True,
+    max_num_batched_tokens=128,
+    max_num_seqs=3,
+)
+SOFTCAP_NOTE = (
+    "attention logit soft-capping: vLLM's CPU attention and transformers differ by this much "
+    "(8.6e-6 with soft-capping off)"
+)
 FUSED, WHOLE = "sum: hidden_states + residual (fused add-norm)", "whole: hidden_states"
 PARALLEL = "hidden_states alone (residual passed along, not added)"
 
 # arch -> (aux source, tolerance, why not 1e-5)
 FAMILIES = {
-    "cohere": ("taps", 1e-5, "Command-R: parallel block (attention and MLP from one LayerNorm); its residual "
-                             "argument is passed along, not added: proven at start-up, taps read hidden_states"),
-    "cohere2": ("taps", 1e-5, "Command-R7B / Command-A: parallel block; sliding-window layers with RoPE, "
-                              "global layers without"),
+    "cohere": (
+        "taps",
+        1e-5,
+        "Command-R: parallel block (attention and MLP from one LayerNorm); its residual "
+        "argument is passed along, not added: proven at start-up, taps read hidden_states",
+    ),
+    "cohere2": (
+        "taps",
+        1e-5,
+        "Command-R7B / Command-A: parallel block; sliding-window layers with RoPE, global layers without",
+    ),
     "gpt_neox": ("taps", 1e-5, "parallel residual; decoder held as gpt_neox.layers + final_layer_norm"),
-    "llama4": ("built-in", 1e-5, "text model, dense layers only (vLLM's CPU MoE asserts on Llama 4's router "
-                                 "weight applied to the input); chunked attention (128), NoPE layer, qk norm"),
-    "ernie4_5_moe": ("taps", 1e-5, "dense first layer, then MoE with a shared expert; expert-score correction "
-                                   "bias zero (vLLM 0.16's CPU routing drops it; its GPU routing applies it)"),
+    "llama4": (
+        "built-in",
+        1e-5,
+        "text model, dense layers only (vLLM's CPU MoE asserts on Llama 4's router "
+        "weight applied to the input); chunked attention (128), NoPE layer, qk norm",
+    ),
+    "ernie4_5_moe": (
+        "taps",
+        1e-5,
+        "dense first layer, then MoE with a shared expert; expert-score correction "
+        "bias zero (vLLM 0.16's CPU routing drops it; its GPU routing applies it)",
+    ),
     "deepseek_v3": ("taps", 1e-5, "VLLM_MLA_DISABLE=1; q rotary made exact on CPU (speculators_v016.worker.cpu_rope)"),
     "deepseek_v2": ("taps", 1e-5, "V2-Lite-like (no q LoRA); VLLM_MLA_DISABLE=1; q rotary made exact on CPU"),
     "qwen2_moe": ("taps", 1e-5, ""),
@@ -50,8 +73,10 @@ FAMILIES = {
 }
 
 
-NO_LOGIT_CHECK = {arch: "the final norm is not an RMSNorm; use `check` with transformers"
-                  for arch in ("cohere", "cohere2", "gpt_neox")}
+NO_LOGIT_CHECK = {
+    arch: "the final norm is not an RMSNorm; use `check` with transformers"
+    for arch in ("cohere", "cohere2", "gpt_neox")
+}
 
 # how the stream reaches each tapped layer and the final norm, where it is not a fused add-norm
 STREAMS = {
@@ -78,6 +103,7 @@ def vllm_layer_outputs(gen, prompt: list[int]) -> list[torch.Tensor]:
             hidden, residual = out if isinstance(out, tuple) else (out, None)
             stream = hidden if residual is None else hidden + residual
             seen.setdefault(index, stream[: len(prompt)].clone())  # the prefill, not the decode step after it
+
         return keep
 
     handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
@@ -93,7 +119,6 @@ def vllm_layer_outputs(gen, prompt: list[int]) -> list[torch.Tensor]:
 def test_family_matches_transformers(arch, family_model, record_architecture):
     """Every layer equals transformers (family tolerance) and replays exactly; the last gives vLLM's logits."""
     from speculators_v016.generator import VllmHiddenStatesGenerator
-
     from speculators_v016.run.logit_check import LogitChecker
 
     source, tolerance, note = FAMILIES[arch]
@@ -123,11 +148,17 @@ def test_family_matches_transformers(arch, family_model, record_architecture):
         error = max((r["hidden_states"][layer] - ref[layer]).abs().max().item() for r, ref in zip(results, reference))
         size = max(ref[layer].abs().max().item() for ref in reference)
         worst, scale, relative = max(worst, error), max(scale, size), max(relative, error / max(1.0, size))
-    record_architecture(arch, info["model_class"], source, "engine (CPU, fp32)", worst, tolerance,
-                        f"relative {relative:.1e} (largest value {scale:.1f}); {note}".rstrip("; "))
+    record_architecture(
+        arch,
+        info["model_class"],
+        source,
+        "engine (CPU, fp32)",
+        worst,
+        tolerance,
+        f"relative {relative:.1e} (largest value {scale:.1f}); {note}".rstrip("; "),
+    )
     assert relative < tolerance
-    replay = replay_layers(model_dir, [dict(enumerate(r["hidden_states"])) for r in results[:2]], [1, 2, 3],
-                           tolerance)
+    replay = replay_layers(model_dir, [dict(enumerate(r["hidden_states"])) for r in results[:2]], [1, 2, 3], tolerance)
     assert replay.ok and len(replay.rows) == 3, replay.lines()
     if arch.startswith("deepseek"):
         assert info["cpu_rope_native"] == LAYERS  # every attention's rotary made exact
@@ -148,8 +179,13 @@ def test_vllm_cpu_rotary_misreads_3d_query():
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
     with set_current_vllm_config(VllmConfig()):
-        rope = get_rope(32, max_position=512, is_neox_style=False,
-                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, dtype=torch.float32)
+        rope = get_rope(
+            32,
+            max_position=512,
+            is_neox_style=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            dtype=torch.float32,
+        )
     positions = torch.arange(9)
     q = torch.randn(9, 4, 64, generator=torch.Generator().manual_seed(0))
     q_pe, k_pe = q[..., 32:], torch.randn(9, 1, 32, generator=torch.Generator().manual_seed(1))

@@ -18,8 +18,14 @@ from helpers.cli import conversations, invoke, write_jsonl
 from helpers.reference import hf_layer_outputs, random_prompts
 
 LAYERS = 4
-ENGINE = dict(layer_ids=list(range(LAYERS)), max_model_len=512, dtype="bfloat16", enforce_eager=True,
-              max_num_batched_tokens=128, max_num_seqs=3)
+ENGINE = dict(
+    layer_ids=list(range(LAYERS)),
+    max_model_len=512,
+    dtype="bfloat16",
+    enforce_eager=True,
+    max_num_batched_tokens=128,
+    max_num_seqs=3,
+)
 BF16_TOLERANCE = 5e-2  # states vs the fp32 twin; measured 2.2e-2 (max |state| 2.6), the same unquantized in bf16
 
 
@@ -31,8 +37,10 @@ def _cpu_int4_kernel() -> bool:
 
 
 HAS_INT4_KERNEL = _cpu_int4_kernel()
-needs_int4_kernel = pytest.mark.skipif(not HAS_INT4_KERNEL, reason="this vLLM CPU build has no cpu_gemm_wna16 "
-                                       "(AVX2 build): see test_awq_int4_is_refused_without_the_kernel")
+needs_int4_kernel = pytest.mark.skipif(
+    not HAS_INT4_KERNEL,
+    reason="this vLLM CPU build has no cpu_gemm_wna16 (AVX2 build): see test_awq_int4_is_refused_without_the_kernel",
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +52,21 @@ def awq(tmp_path_factory):
 
 def run_cli(quantized: str, tmp_path, out):
     """The real command on the INT4 model: 4 conversations, layers 1 and 3, bf16."""
-    return invoke("--target-model-path", quantized, "--train-data-path",
-                  write_jsonl(tmp_path / "chats.jsonl", conversations(4)), "--output-dir", out,
-                  "--seq-length", 128, "--token-freq-path", "", "--layer-ids", "1 3",
-                  env={"SPECULATORS_DATA_GEN_DTYPE": "bfloat16"})
+    return invoke(
+        "--target-model-path",
+        quantized,
+        "--train-data-path",
+        write_jsonl(tmp_path / "chats.jsonl", conversations(4)),
+        "--output-dir",
+        out,
+        "--seq-length",
+        128,
+        "--token-freq-path",
+        "",
+        "--layer-ids",
+        "1 3",
+        env={"SPECULATORS_DATA_GEN_DTYPE": "bfloat16"},
+    )
 
 
 def run(model_dir, **options):
@@ -79,15 +98,24 @@ def test_awq_int4_dense_target(awq, record_architecture):
     _, unquantized, twin_logprobs, _, _, _ = run(twin)
     reference = hf_layer_outputs(twin, prompts)
     worst = max((s[j].float() - r[j]).abs().max().item() for s, r in zip(builtin, reference) for j in range(LAYERS))
-    bf16_alone = max((s[j].float() - r[j]).abs().max().item()
-                     for s, r in zip(unquantized, reference) for j in range(LAYERS))
+    bf16_alone = max(
+        (s[j].float() - r[j]).abs().max().item() for s, r in zip(unquantized, reference) for j in range(LAYERS)
+    )
     logits_gap = max((a - b).abs().max().item() for a, b in zip(logprobs, twin_logprobs))
-    print(f"AWQ vs fp32 twin {worst:.2e}; unquantized twin in bf16 {bf16_alone:.2e}; "
-          f"prompt logprobs AWQ vs twin (both vLLM bf16) {logits_gap:.2e}")
-    record_architecture("llama AWQ INT4 (W4A16)", "LlamaForCausalLM", "built-in and taps (bit-identical)",
-                        "engine (CPU, bf16: cpu_awq)", worst, BF16_TOLERANCE,
-                        f"vs transformers on the dequantized twin (fp32); the twin unquantized in vLLM bf16: "
-                        f"{bf16_alone:.1e}, so the gap is bf16 activations (W4A16), not the 4-bit weights")
+    print(
+        f"AWQ vs fp32 twin {worst:.2e}; unquantized twin in bf16 {bf16_alone:.2e}; "
+        f"prompt logprobs AWQ vs twin (both vLLM bf16) {logits_gap:.2e}"
+    )
+    record_architecture(
+        "llama AWQ INT4 (W4A16)",
+        "LlamaForCausalLM",
+        "built-in and taps (bit-identical)",
+        "engine (CPU, bf16: cpu_awq)",
+        worst,
+        BF16_TOLERANCE,
+        f"vs transformers on the dequantized twin (fp32); the twin unquantized in vLLM bf16: "
+        f"{bf16_alone:.1e}, so the gap is bf16 activations (W4A16), not the 4-bit weights",
+    )
     assert worst < BF16_TOLERANCE and worst <= 2 * bf16_alone
     assert logits_gap < 5e-2
 
@@ -101,7 +129,10 @@ def test_data_config_records_the_quantization(awq, tmp_path):
     recorded = json.loads((out / "data_config.json").read_text())["speculators_v016"]["target_quantization"]
     assert recorded["vllm_method"] == "cpu_awq"
     assert {k: recorded["checkpoint"][k] for k in ("quant_method", "bits", "group_size")} == {
-        "quant_method": "awq", "bits": 4, "group_size": 32}
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": 32,
+    }
     assert "logit check: ok (4 samples" in result.output
 
 
@@ -137,6 +168,7 @@ def test_w4a8_twin_holds_what_the_codes_stand_for(tmp_path):
     name = "model.layers.1.mlp.experts.3.down_proj.weight"
     codes, scales = q[name], q[name.replace(".weight", ".weight_scale")]
     assert codes.dtype == torch.int8 and int(codes.min()) >= -8 and int(codes.max()) <= 7
-    assert torch.equal(codes.float().view(codes.shape[0], -1, 32) * scales.float()[..., None],
-                       t[name].view(codes.shape[0], -1, 32))
+    assert torch.equal(
+        codes.float().view(codes.shape[0], -1, 32) * scales.float()[..., None], t[name].view(codes.shape[0], -1, 32)
+    )
     assert torch.equal(q["model.layers.1.self_attn.q_proj.weight"], t["model.layers.1.self_attn.q_proj.weight"])

@@ -37,9 +37,12 @@ def test_a_wrong_tap_formula_is_refused_on_a_parallel_block(tiny_model, monkeypa
     from speculators_v016.generator import VllmHiddenStatesGenerator
 
     monkeypatch.setattr(aux_outputs, "tap_locations", lambda conv: (("arg", 1), ("arg", 2)))
-    with pytest.raises(StreamProofError, match=r"aux id 2 \(tap\) at layer 2 \(CohereDecoderLayer\): recorded max "
-                                               r"abs difference [0-9.e+-]+ from the proven stream \(hidden_states "
-                                               r"alone \(residual passed along, not added\)\)"):
+    with pytest.raises(
+        StreamProofError,
+        match=r"aux id 2 \(tap\) at layer 2 \(CohereDecoderLayer\): recorded max "
+        r"abs difference [0-9.e+-]+ from the proven stream \(hidden_states "
+        r"alone \(residual passed along, not added\)\)",
+    ):
         VllmHiddenStatesGenerator(tiny_model("cohere", 8), layer_ids=[1, 3], **ENGINE)
 
 
@@ -48,8 +51,11 @@ def test_a_wrong_tap_formula_is_refused_on_a_fused_add_norm(tiny_model, monkeypa
     from speculators_v016.generator import VllmHiddenStatesGenerator
 
     monkeypatch.setattr(aux_outputs, "tap_locations", lambda conv: conv.slots[:1])
-    with pytest.raises(StreamProofError, match=r"aux id 3 \(tap\) at layer 3 \(MixtralDecoderLayer\): recorded max "
-                                               r"abs difference .* \(sum: hidden_states \+ residual"):
+    with pytest.raises(
+        StreamProofError,
+        match=r"aux id 3 \(tap\) at layer 3 \(MixtralDecoderLayer\): recorded max "
+        r"abs difference .* \(sum: hidden_states \+ residual",
+    ):
         VllmHiddenStatesGenerator(tiny_model("mixtral", 8), layer_ids=[2], **ENGINE)
 
 

@@ -8,8 +8,14 @@ import torch
 from helpers.reference import NUM_LAYERS, TOLERANCE, random_prompts
 
 LENGTHS = [50, 260, 9, 133]
-ENGINE = dict(layer_ids=list(range(NUM_LAYERS)), max_model_len=512, dtype="float32", enforce_eager=True,
-              max_num_batched_tokens=128, max_num_seqs=4)
+ENGINE = dict(
+    layer_ids=list(range(NUM_LAYERS)),
+    max_model_len=512,
+    dtype="float32",
+    enforce_eager=True,
+    max_num_batched_tokens=128,
+    max_num_seqs=4,
+)
 
 
 @pytest.fixture
@@ -40,6 +46,7 @@ def test_tp2_equals_tp1(tiny_model, two_cpu_workers):
         tp1 = gen.generate(prompts)
         worker = gen.engine.executor.driver_worker.worker  # uniprocess: the worker lives here
     assert worker._speculators_closed and worker._speculators_ring is None  # engine close released the capture
-    worst = max((a - b).abs().max().item() for x, y in zip(tp1, tp2)
-                for a, b in zip(x["hidden_states"], y["hidden_states"]))
+    worst = max(
+        (a - b).abs().max().item() for x, y in zip(tp1, tp2) for a, b in zip(x["hidden_states"], y["hidden_states"])
+    )
     assert worst < TOLERANCE

@@ -67,8 +67,9 @@ class StandInRunner:
         self.repeats = repeats
         self.model_memory_usage = 0
         gen = torch.Generator(device="cuda").manual_seed(0)
-        self.weights = [torch.randn(HIDDEN, HIDDEN, device="cuda", generator=gen).to(DTYPE) / HIDDEN**0.5
-                        for _ in range(LAYERS)]
+        self.weights = [
+            torch.randn(HIDDEN, HIDDEN, device="cuda", generator=gen).to(DTYPE) / HIDDEN**0.5 for _ in range(LAYERS)
+        ]
         self.static_input = torch.zeros(TOKENS, HIDDEN, device="cuda", dtype=DTYPE)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -98,8 +99,11 @@ class StandInRunner:
         self.graph.replay()
         self.execute_model_state = SimpleNamespace(aux_hidden_states=self.static_aux)
         cut = sorted({0, rows // 3, (2 * rows) // 3, rows})
-        self.input_batch = SimpleNamespace(num_reqs=len(cut) - 1, req_ids=[f"r{i}" for i in range(len(cut) - 1)],
-                                           num_computed_tokens_cpu=np.zeros(len(cut) - 1, dtype=np.int64))
+        self.input_batch = SimpleNamespace(
+            num_reqs=len(cut) - 1,
+            req_ids=[f"r{i}" for i in range(len(cut) - 1)],
+            num_computed_tokens_cpu=np.zeros(len(cut) - 1, dtype=np.int64),
+        )
         self.query_start_loc = SimpleNamespace(np=np.array(cut, dtype=np.int32))
 
 
@@ -147,6 +151,7 @@ def save_figures(name: str, figures: dict) -> None:
 
 # -- copy checks: a synchronization before each call --------------------------------------------
 
+
 def run_steps(runner, worker, ring, rows_plan=STEP_ROWS):
     """Drive the steps, synchronizing before each call; return inputs, captured rows, host times, copy seconds."""
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -190,8 +195,10 @@ def check_and_report(label, runner, inputs, captured, host, gpu, rows_plan=STEP_
     full = [i for i, rows in enumerate(rows_plan) if rows == TOKENS][1:]  # 448 MiB steps, after the first
     host_ms = statistics.median(host[i] for i in full) * 1000
     rate = STEP_BYTES / statistics.median(gpu[i] for i in full) / GIB
-    print(f"\n{label}: {STEP_BYTES / 2**20:.0f} MiB steps, {len(rows_plan)} of {len(rows_plan)} exact: host time "
-          f"per capture call {host_ms:.2f} ms (max {max(host[i] for i in full) * 1000:.2f}), copy {rate:.1f} GiB/s")
+    print(
+        f"\n{label}: {STEP_BYTES / 2**20:.0f} MiB steps, {len(rows_plan)} of {len(rows_plan)} exact: host time "
+        f"per capture call {host_ms:.2f} ms (max {max(host[i] for i in full) * 1000:.2f}), copy {rate:.1f} GiB/s"
+    )
     return host_ms, rate
 
 
@@ -245,14 +252,19 @@ def test_staging_is_accounted_and_falls_back_when_it_does_not_fit(runner):
         print(f"\nfallback: {info}")
         assert info["copy_path"] == "direct" and not info["staging"]["staged"]
         assert "more than 25% of the" in info["staging"]["reason"]
-        check_and_report("ring (local, direct by fallback)", runner, *run_steps(runner, tight, ring, STEP_ROWS[:4]),
-                         rows_plan=STEP_ROWS[:4])
+        check_and_report(
+            "ring (local, direct by fallback)",
+            runner,
+            *run_steps(runner, tight, ring, STEP_ROWS[:4]),
+            rows_plan=STEP_ROWS[:4],
+        )
         tight.speculators_capture_close()
     finally:
         ring.close()
 
 
 # -- release -------------------------------------------------------------------------------------
+
 
 def test_two_capture_setups_in_one_process_release_their_registration(runner):
     """Set up, capture, close, twice (and re-attach, and drop a worker): the registration is gone each time."""
@@ -264,8 +276,9 @@ def test_two_capture_setups_in_one_process_release_their_registration(runner):
         worker = attach(runner, ring, "auto")  # round 2: maybe the addresses round 1 registered
         assert torch.cuda.memory_allocated() - allocated == 2 * STEP_BYTES  # the staging buffers
         assert buffer.is_pinned()  # the check sees a live registration
-        check_and_report(f"set-up {round_ + 1}", runner, *run_steps(runner, worker, ring, STEP_ROWS[:3]),
-                         rows_plan=STEP_ROWS[:3])
+        check_and_report(
+            f"set-up {round_ + 1}", runner, *run_steps(runner, worker, ring, STEP_ROWS[:3]), rows_plan=STEP_ROWS[:3]
+        )
         worker.speculators_capture_attach(LAYERS, True, ring.spec, "auto")  # re-attach: no 712
         assert buffer.is_pinned()
         held = torch.cuda.memory_allocated()
@@ -283,6 +296,7 @@ def test_two_capture_setups_in_one_process_release_their_registration(runner):
 
 
 # -- the real cadence ----------------------------------------------------------------------------
+
 
 def calibrate_repeats() -> int:
     """Matmuls per layer that make the 4-layer forward last about FORWARD_TARGET_S."""
@@ -356,6 +370,7 @@ def test_capture_at_the_real_cadence():
         for offset, mode in enumerate(CADENCE_MODES):
             worker = attach(runner, ring, "auto" if mode == "staged" else "off") if mode != "none" else None
             try:
+
                 def take(capture):
                     total = sum(capture.counts)
                     store[capture.step][:, :total].copy_(ring.slot(capture.slot)[:, :total])
@@ -366,34 +381,56 @@ def test_capture_at_the_real_cadence():
                     worker.speculators_capture_close()
             per_step = [starts[k].elapsed_time(starts[k + 1]) for k in timed]
             window = starts[timed[0]].elapsed_time(starts[timed[-1] + 1])  # ms, on the compute stream
-            row = {"mode": mode, "gpu_ms_per_step": window / TIMED_STEPS,
-                   "gpu_ms_median": statistics.median(per_step), "gpu_ms_max": max(per_step)}
+            row = {
+                "mode": mode,
+                "gpu_ms_per_step": window / TIMED_STEPS,
+                "gpu_ms_median": statistics.median(per_step),
+                "gpu_ms_max": max(per_step),
+            }
             row["retire_ms_median"] = statistics.median(host["retire"][k] * 1000 for k in timed)
             if mode != "none":
                 calls = sorted(host["call"][k] * 1000 for k in timed)
                 copy_out = statistics.median(host["copy_out"][k] * 1000 for k in timed)
                 exact = sum(
                     torch.equal(store[k][:, :rows].cuda(), expected[(k + offset) % NUM_INPUTS][:, :rows])
-                    for k, rows in enumerate(rows_plan) if consumed.get(k) == rows)
-                row.update(host_ms_median=statistics.median(calls), host_ms_p90=calls[int(0.9 * len(calls))],
-                           host_ms_max=calls[-1], copy_out_ms_median=copy_out, exact=exact, steps=len(rows_plan))
+                    for k, rows in enumerate(rows_plan)
+                    if consumed.get(k) == rows
+                )
+                row.update(
+                    host_ms_median=statistics.median(calls),
+                    host_ms_p90=calls[int(0.9 * len(calls))],
+                    host_ms_max=calls[-1],
+                    copy_out_ms_median=copy_out,
+                    exact=exact,
+                    steps=len(rows_plan),
+                )
             results.append(row)
     finally:
         ring.close()
     base = statistics.mean(r["gpu_ms_per_step"] for r in results if r["mode"] == "none")
-    print(f"\nreal cadence: {runner.repeats} matmuls per layer, {STEP_BYTES / 2**20:.0f} MiB steps, "
-          f"{TIMED_STEPS} timed steps per run after {len(WARMUP_ROWS)} mixed ones")
-    print("GPU: ms per step on the compute stream (mean over the window, median, max step); host: ms per step, "
-          "median (capture call: median, p90, max; retire: wait for step k-1; copy out: slot -> host memory)")
-    print(f"{'mode':8} {'GPU ms/step':>11} {'median':>7} {'max':>7} {'overhead':>9} {'retire':>7} "
-          f"{'call':>7} {'p90':>6} {'max':>6} {'copy out':>8} {'exact':>7}")
+    print(
+        f"\nreal cadence: {runner.repeats} matmuls per layer, {STEP_BYTES / 2**20:.0f} MiB steps, "
+        f"{TIMED_STEPS} timed steps per run after {len(WARMUP_ROWS)} mixed ones"
+    )
+    print(
+        "GPU: ms per step on the compute stream (mean over the window, median, max step); host: ms per step, "
+        "median (capture call: median, p90, max; retire: wait for step k-1; copy out: slot -> host memory)"
+    )
+    print(
+        f"{'mode':8} {'GPU ms/step':>11} {'median':>7} {'max':>7} {'overhead':>9} {'retire':>7} "
+        f"{'call':>7} {'p90':>6} {'max':>6} {'copy out':>8} {'exact':>7}"
+    )
     for r in results:
         r["overhead"] = r["gpu_ms_per_step"] / base - 1
-        line = (f"{r['mode']:8} {r['gpu_ms_per_step']:11.2f} {r['gpu_ms_median']:7.2f} {r['gpu_ms_max']:7.2f} "
-                f"{r['overhead']:+9.2%} {r['retire_ms_median']:7.2f}")
+        line = (
+            f"{r['mode']:8} {r['gpu_ms_per_step']:11.2f} {r['gpu_ms_median']:7.2f} {r['gpu_ms_max']:7.2f} "
+            f"{r['overhead']:+9.2%} {r['retire_ms_median']:7.2f}"
+        )
         if r["mode"] != "none":
-            line += (f" {r['host_ms_median']:7.2f} {r['host_ms_p90']:6.2f} {r['host_ms_max']:6.2f} "
-                     f"{r['copy_out_ms_median']:8.2f} {r['exact']:>3}/{r['steps']}")
+            line += (
+                f" {r['host_ms_median']:7.2f} {r['host_ms_p90']:6.2f} {r['host_ms_max']:6.2f} "
+                f"{r['copy_out_ms_median']:8.2f} {r['exact']:>3}/{r['steps']}"
+            )
         print(line)
     save_figures("cadence", {"repeats": runner.repeats, "runs": results})
     for r in results:

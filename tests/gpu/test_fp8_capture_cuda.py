@@ -34,13 +34,34 @@ from speculators_v016.engine.slot_ring import SlotRing
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 if torch.cuda.is_available():
-    from test_capture_cuda import (DTYPE, GIB, HIDDEN, LAYERS, NUM_INPUTS, STEP_BYTES, TIMED_STEPS, TOKENS,
-                                   WARMUP_ROWS, StandInRunner, StandInWorker, cadence_run, calibrate_repeats,
-                                   save_figures)
+    from test_capture_cuda import (
+        DTYPE,
+        GIB,
+        HIDDEN,
+        LAYERS,
+        NUM_INPUTS,
+        STEP_BYTES,
+        TIMED_STEPS,
+        TOKENS,
+        WARMUP_ROWS,
+        StandInRunner,
+        StandInWorker,
+        cadence_run,
+        calibrate_repeats,
+        save_figures,
+    )
 
 #: Each run's mode: (storage, staging); "none" captures nothing. Interleaved, so drift spreads over all.
-MODES = [("none", None), ("auto", "auto"), (fp8.NAME, "auto"), (fp8.NAME, "off"), ("auto", "off"),
-         ("none", None), (fp8.NAME, "auto"), ("auto", "auto")]
+MODES = [
+    ("none", None),
+    ("auto", "auto"),
+    (fp8.NAME, "auto"),
+    (fp8.NAME, "off"),
+    ("auto", "off"),
+    ("none", None),
+    (fp8.NAME, "auto"),
+    ("auto", "auto"),
+]
 MAX_ADDED_MS = 0.5
 
 
@@ -63,14 +84,19 @@ def edge_rows() -> dict[str, torch.Tensor]:
     ties = torch.zeros(64, 512)
     ties[:, 0] = 448  # scale 1: the rows' values are the codes' inputs
     mids = (grid[1:] + grid[:-1]) / 2  # halfway between two e4m3 values: round half to even
-    ties[:, 1: 1 + len(mids)] = mids
-    ties[32:, 1: 1 + len(mids)] *= -1
+    ties[:, 1 : 1 + len(mids)] = mids
+    ties[32:, 1 : 1 + len(mids)] *= -1
     special = torch.randn(8, 512, generator=gen)
     special[0] = 0
     special[1] = 3e-42  # float32 subnormals: amax/448 would underflow
     special[2, 7], special[3, 9], special[4, 1] = float("nan"), float("inf"), -float("inf")
-    return {"one 448 MiB-step layer, bf16": wide.to(torch.bfloat16), "wide, fp16": (wide[:1024] * 1e-3).half(),
-            "wide, fp32": wide[:1024], "rounding ties": ties, "zero, subnormal, NaN, Inf rows": special}
+    return {
+        "one 448 MiB-step layer, bf16": wide.to(torch.bfloat16),
+        "wide, fp16": (wide[:1024] * 1e-3).half(),
+        "wide, fp32": wide[:1024],
+        "rounding ties": ties,
+        "zero, subnormal, NaN, Inf rows": special,
+    }
 
 
 def nearest_e4m3(values: torch.Tensor) -> torch.Tensor:
@@ -113,8 +139,10 @@ def test_fp8_kernel_time_per_step():
     gen = torch.Generator(device="cuda").manual_seed(7)
     aux = [torch.randn(TOKENS, HIDDEN, device="cuda", generator=gen).to(DTYPE) for _ in range(LAYERS)]
     plain = torch.empty((LAYERS, TOKENS, HIDDEN), dtype=DTYPE, device="cuda")
-    stage = Fp8Buffers(torch.empty((LAYERS, TOKENS, HIDDEN), dtype=fp8.CODE_DTYPE, device="cuda"),
-                       torch.empty((LAYERS, TOKENS), dtype=fp8.SCALE_DTYPE, device="cuda"))
+    stage = Fp8Buffers(
+        torch.empty((LAYERS, TOKENS, HIDDEN), dtype=fp8.CODE_DTYPE, device="cuda"),
+        torch.empty((LAYERS, TOKENS), dtype=fp8.SCALE_DTYPE, device="cuda"),
+    )
     timings = {}
     runs = [("bf16 copy", plain, True), ("fp8 quantize, torch ops", stage, False)]
     try:
@@ -138,9 +166,14 @@ def test_fp8_kernel_time_per_step():
         end.synchronize()
         timings[label] = {"gpu_ms": start.elapsed_time(end) / 20, "host_ms": host}
     fp8.USE_TRITON = True
-    print(f"\n448 MiB step on the device: " + "; ".join(
-        f"{k} {v['gpu_ms']:.3f} ms GPU ({STEP_BYTES / GIB / (v['gpu_ms'] / 1000):.0f} GiB/s of bf16 states), "
-        f"{v['host_ms']:.3f} ms host to launch" for k, v in timings.items()))
+    print(
+        "\n448 MiB step on the device: "
+        + "; ".join(
+            f"{k} {v['gpu_ms']:.3f} ms GPU ({STEP_BYTES / GIB / (v['gpu_ms'] / 1000):.0f} GiB/s of bf16 states), "
+            f"{v['host_ms']:.3f} ms host to launch"
+            for k, v in timings.items()
+        )
+    )
     save_figures("fp8-kernel", timings)
     fastest = min(v["gpu_ms"] for k, v in timings.items() if k.startswith("fp8"))
     assert fastest <= MAX_ADDED_MS + timings["bf16 copy"]["gpu_ms"]
@@ -191,8 +224,12 @@ def test_fp8_capture_at_the_real_cadence():
     plain_store = torch.empty((2, LAYERS, TOKENS, HIDDEN), dtype=DTYPE)  # bf16 runs: copied out, not kept
     for store in (codes_store, scales_store, plain_store):
         store.view(torch.uint8).fill_(0xFF)  # NaN everywhere, and every page touched before the timed runs
-    rings = {storage: SlotRing.create(slots=3, num_ids=LAYERS, max_rows=TOKENS, hidden=HIDDEN, dtype=DTYPE,
-                                      shared=False, storage=storage) for storage in ("auto", fp8.NAME)}
+    rings = {
+        storage: SlotRing.create(
+            slots=3, num_ids=LAYERS, max_rows=TOKENS, hidden=HIDDEN, dtype=DTYPE, shared=False, storage=storage
+        )
+        for storage in ("auto", fp8.NAME)
+    }
     results = []
     try:
         for offset, (storage, staging) in enumerate(MODES):
@@ -200,18 +237,24 @@ def test_fp8_capture_at_the_real_cadence():
             store = (codes_store, scales_store) if storage == fp8.NAME else (plain_store, None)
             starts, calls, consumed = run_mode(runner, ring, storage, staging, inputs, offset, rows_plan, store)
             window = starts[timed[0]].elapsed_time(starts[timed[-1] + 1])  # ms, on the compute stream
-            row = {"storage": storage, "path": {"auto": "staged", "off": "direct", None: "-"}[staging],
-                   "gpu_ms_per_step": window / TIMED_STEPS}
+            row = {
+                "storage": storage,
+                "path": {"auto": "staged", "off": "direct", None: "-"}[staging],
+                "gpu_ms_per_step": window / TIMED_STEPS,
+            }
             if storage != "none":
                 host = sorted(calls[k] * 1000 for k in timed)
                 row.update(host_ms_median=statistics.median(host), host_ms_max=host[-1], steps=len(rows_plan))
             if storage == fp8.NAME:
                 row["exact"] = sum(
                     consumed.get(k) == rows
-                    and torch.equal(codes_store[k][:, :rows].view(torch.uint8),
-                                    reference[(k + offset) % NUM_INPUTS][0][:, :rows].view(torch.uint8))
+                    and torch.equal(
+                        codes_store[k][:, :rows].view(torch.uint8),
+                        reference[(k + offset) % NUM_INPUTS][0][:, :rows].view(torch.uint8),
+                    )
                     and torch.equal(scales_store[k][:, :rows], reference[(k + offset) % NUM_INPUTS][1][:, :rows])
-                    for k, rows in enumerate(rows_plan))
+                    for k, rows in enumerate(rows_plan)
+                )
             results.append(row)
     finally:
         for ring in rings.values():
@@ -219,14 +262,19 @@ def test_fp8_capture_at_the_real_cadence():
     base = {}
     for r in results:
         base.setdefault((r["storage"] if r["storage"] != fp8.NAME else "fp8", r["path"]), []).append(
-            r["gpu_ms_per_step"])
+            r["gpu_ms_per_step"]
+        )
     mean = {k: statistics.mean(v) for k, v in base.items()}
-    print(f"\nFP8 capture at the real cadence: {runner.repeats} matmuls per layer, {STEP_BYTES / 2**20:.0f} MiB "
-          f"steps (bf16 source), {TIMED_STEPS} timed steps per run after {len(WARMUP_ROWS)} mixed ones")
+    print(
+        f"\nFP8 capture at the real cadence: {runner.repeats} matmuls per layer, {STEP_BYTES / 2**20:.0f} MiB "
+        f"steps (bf16 source), {TIMED_STEPS} timed steps per run after {len(WARMUP_ROWS)} mixed ones"
+    )
     print(f"{'storage':9} {'path':7} {'GPU ms/step':>11} {'vs none':>8} {'host call ms':>12} {'max':>7} {'exact':>7}")
     for r in results:
-        line = (f"{r['storage']:9} {r['path']:7} {r['gpu_ms_per_step']:11.3f} "
-                f"{r['gpu_ms_per_step'] - mean['none', '-']:+8.3f}")
+        line = (
+            f"{r['storage']:9} {r['path']:7} {r['gpu_ms_per_step']:11.3f} "
+            f"{r['gpu_ms_per_step'] - mean['none', '-']:+8.3f}"
+        )
         if "host_ms_median" in r:
             line += f" {r['host_ms_median']:12.2f} {r['host_ms_max']:7.2f}"
         if "exact" in r:

@@ -9,12 +9,16 @@ import sys
 from pathlib import Path
 
 from speculators_v016.run.demo import corpus_lines
-from speculators_v016.testing.faults import VARIABLE as FAULT
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.sample_format import load_sample
+from speculators_v016.testing.faults import VARIABLE as FAULT
 
-CPU = {"SPECULATORS_DATA_GEN_DTYPE": "float32", "SPECULATORS_DATA_GEN_ENFORCE_EAGER": "1",
-       "SPECULATORS_DATA_GEN_NO_PROGRESS": "1", "SPECULATORS_DATA_GEN_NUM_PREPROCESSING_WORKERS": "1"}
+CPU = {
+    "SPECULATORS_DATA_GEN_DTYPE": "float32",
+    "SPECULATORS_DATA_GEN_ENFORCE_EAGER": "1",
+    "SPECULATORS_DATA_GEN_NO_PROGRESS": "1",
+    "SPECULATORS_DATA_GEN_NUM_PREPROCESSING_WORKERS": "1",
+}
 
 
 def conversations(count: int, seed: int = 0) -> list[dict]:
@@ -44,25 +48,47 @@ def invoke(*args, env=None) -> Result:
     """Run the real command in a fresh process, as a user would."""
     module = "speculators_v016.testing.faults" if FAULT in (env or {}) else "speculators_v016.run.cli"
     cmd = [sys.executable, "-m", module, *map(str, args)]
-    return Result(subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **CPU, **(env or {})},
-                                 timeout=600))
+    return Result(
+        subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **CPU, **(env or {})}, timeout=600)
+    )
 
 
 def generate(model_dir, data, out, *extra, env=None) -> Result:
     """A run of the real command as the fault tests make it: 256 tokens, no token-frequency file."""
-    return invoke("--target-model-path", model_dir, "--train-data-path", data, "--output-dir", out,
-                  "--seq-length", 256, "--token-freq-path", "", *extra, env=env)
+    return invoke(
+        "--target-model-path",
+        model_dir,
+        "--train-data-path",
+        data,
+        "--output-dir",
+        out,
+        "--seq-length",
+        256,
+        "--token-freq-path",
+        "",
+        *extra,
+        env=env,
+    )
 
 
 def load_all(folder: Path) -> dict[int, dict]:
     return {i: load_sample(folder / e.file) for i, e in Manifest(folder).entries().items()}
 
 
-
-
 # What third-party code prints during a run; none of it may reach the terminal.
-THIRD_PARTY = ["[Gloo]", "NUMA binding", "No CUDA runtime", "torch_dtype", "Map (num_proc", "logging_utils",
-               "[core.py", "[scheduler.py", "empty_cache", "Loading safetensors checkpoint", "Counting token"]
+THIRD_PARTY = [
+    "[Gloo]",
+    "NUMA binding",
+    "No CUDA runtime",
+    "torch_dtype",
+    "Map (num_proc",
+    "logging_utils",
+    "[core.py",
+    "[scheduler.py",
+    "empty_cache",
+    "Loading safetensors checkpoint",
+    "Counting token",
+]
 
 
 def assert_one_voice(output: str, log_dirs) -> Path:

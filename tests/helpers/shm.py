@@ -60,8 +60,12 @@ def private_shm():
 
 def start(code: str, *args, prefix=()) -> tuple[subprocess.Popen, list[str]]:
     """Run a helper script; return it once it printed ``ready`` (and the rest of that line)."""
-    proc = subprocess.Popen([*prefix, sys.executable, "-c", code, *map(str, args)], stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(
+        [*prefix, sys.executable, "-c", code, *map(str, args)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     line = proc.stdout.readline().split()
     assert line and line[0] == "ready", f"helper did not start: {line}"
     return proc, line[1:]

@@ -15,8 +15,13 @@ def rows(start, count, layers=2, hidden=3):
 
 
 def capture(step, parts):
-    return StepCapture(step, [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts],
-                       states=torch.cat([rows(s, n) for _, s, n in parts], dim=1))
+    return StepCapture(
+        step,
+        [p[0] for p in parts],
+        [p[1] for p in parts],
+        [p[2] for p in parts],
+        states=torch.cat([rows(s, n) for _, s, n in parts], dim=1),
+    )
 
 
 def test_chunks_are_stitched_in_order():

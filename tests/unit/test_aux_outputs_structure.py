@@ -98,6 +98,7 @@ def test_finds_the_decoder_inside_a_multimodal_wrapper():
 
 def test_finds_the_decoder_through_a_language_model_attribute():
     """A wrapper with only a language_model attribute (no getter) is handled too."""
+
     class Wrapper(nn.Module):
         def __init__(self):
             super().__init__()
@@ -111,9 +112,15 @@ def test_kimi_like_model_gets_exact_aux_outputs():
     kimi = KimiK25ForConditionalGeneration(5)
     info = install_aux_outputs(kimi, [1, 3, 5])
     fused = "sum: hidden_states + residual (fused add-norm)"
-    assert info == {"model_class": "DeepseekV3ForCausalLM", "decoder_class": "DeepseekV2Model",
-                    "decoder": "model.layers.norm", "num_layers": 5, "builtin_ids": [], "tap_ids": [1, 3, 5],
-                    "streams": {1: fused, 3: fused, 5: "sum: x + residual (fused add-norm)"}}
+    assert info == {
+        "model_class": "DeepseekV3ForCausalLM",
+        "decoder_class": "DeepseekV2Model",
+        "decoder": "model.layers.norm",
+        "num_layers": 5,
+        "builtin_ids": [],
+        "tap_ids": [1, 3, 5],
+        "streams": {1: fused, 3: fused, 5: "sum: x + residual (fused add-norm)"},
+    }
     ids, pos = torch.tensor([3, 5, 7]), torch.tensor([0, 1, 2])
     out, aux = kimi(ids, pos)
     want = reference(kimi.language_model.model, ids, pos)
@@ -127,6 +134,7 @@ def test_kimi_like_model_gets_exact_aux_outputs():
 
 def test_keyword_arguments_are_read_by_name():
     """A model that calls its layers with keywords is tapped from the right arguments."""
+
     class KeywordModel(DeepseekV2Model):
         def forward(self, input_ids, positions):
             hidden, residual = input_ids.float()[:, None].repeat(1, 4), None
@@ -144,6 +152,7 @@ def test_keyword_arguments_are_read_by_name():
 
 def test_model_without_decoder_layers_is_named():
     """A model with no recognisable decoder stack raises, naming its class."""
+
     class Mystery(nn.Module):
         def __init__(self):
             super().__init__()
@@ -216,6 +225,7 @@ def test_layers_taking_the_stream_whole_are_tapped():
 
 def test_a_parameter_name_does_not_decide_the_convention():
     """A residual-named parameter the model never passes does not make the tap add it."""
+
     class OddLayer(StreamLayer):
         def forward(self, positions, hidden_states, residual_in=None):
             return super().forward(positions, hidden_states)
@@ -284,8 +294,7 @@ def test_decoders_held_under_other_names_are_found_and_tapped():
     """transformer.h + ln_f (and gpt_neox.layers + final_layer_norm) are found; the proof checks the structure."""
     model = Gpt2LikeLM(3)
     info = install_aux_outputs(model, [1, 3])
-    assert info["decoder"] == "transformer.h.ln_f" and info["streams"] == {1: "whole: hidden_states",
-                                                                          3: "whole: input"}
+    assert info["decoder"] == "transformer.h.ln_f" and info["streams"] == {1: "whole: hidden_states", 3: "whole: input"}
     _, aux = model(IDS, POS)
     assert torch.equal(aux[1], model.transformer.h[2](POS, model.transformer.h[1](POS, aux[0])))
 
@@ -294,6 +303,9 @@ def test_two_candidate_decoders_are_refused():
     """Two places that could hold the decoder: refused, both named, rather than one picked."""
     model = DeepseekV3ForCausalLM(2)
     model.transformer = DeepseekV2Model(2)
-    with pytest.raises(UnsupportedModelError, match=r"found model.layers \+ model.norm, transformer.layers \+ "
-                                                    r"transformer.norm"):
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"found model.layers \+ model.norm, transformer.layers \+ "
+        r"transformer.norm",
+    ):
         find_decoder_stack(model)

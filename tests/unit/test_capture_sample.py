@@ -6,11 +6,10 @@ from concurrent.futures import Future
 
 import pytest
 import torch
+from test_ring_registration import Runner, Worker
 
 from speculators_v016.engine.executor import capture_executor
 from speculators_v016.engine.slot_ring import SlotRing
-
-from test_ring_registration import Runner, Worker
 
 vllm_outputs = pytest.importorskip("vllm.v1.outputs")
 
@@ -98,8 +97,11 @@ def fake_executor(name: str, aggregator=None):
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False, **options):
         self.calls.append((method, args, options))
-        reply = (f"sampled {args[2]}", f"capture before {args[0]}") if method == "speculators_capture_sample" \
+        reply = (
+            (f"sampled {args[2]}", f"capture before {args[0]}")
+            if method == "speculators_capture_sample"
             else f"capture before {args[0]}"
+        )
         return done([reply] if "unique_reply_rank" not in options else reply)
 
     def sample_tokens(self, grammar_output, non_block=False):

@@ -13,15 +13,18 @@ def invoke(argv, env=None):
     return CliRunner().invoke(cli, _join_multi_value(argv, "--layer-ids"), env=env or {})
 
 
-@pytest.mark.parametrize("option, value, message", [
-    ("--write-workers", "0", "Invalid value for '--write-workers': 0 is not in the range x>=1"),
-    ("--max-samples", "-2", "Invalid value for '--max-samples': -2 is not in the range x>=1"),
-    ("--seq-length", "-5", "Invalid value for '--seq-length': -5 is not in the range x>=1"),
-    ("--batch-size", "0", "Invalid value for '--batch-size'"),
-    ("--max-num-seqs", "0", "Invalid value for '--max-num-seqs'"),
-    ("--num-shards", "0", "Invalid value for '--num-shards'"),
-    ("--gpu-memory-utilization", "1.5", "Invalid value for '--gpu-memory-utilization'"),
-])
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("--write-workers", "0", "Invalid value for '--write-workers': 0 is not in the range x>=1"),
+        ("--max-samples", "-2", "Invalid value for '--max-samples': -2 is not in the range x>=1"),
+        ("--seq-length", "-5", "Invalid value for '--seq-length': -5 is not in the range x>=1"),
+        ("--batch-size", "0", "Invalid value for '--batch-size'"),
+        ("--max-num-seqs", "0", "Invalid value for '--max-num-seqs'"),
+        ("--num-shards", "0", "Invalid value for '--num-shards'"),
+        ("--gpu-memory-utilization", "1.5", "Invalid value for '--gpu-memory-utilization'"),
+    ],
+)
 def test_values_that_cannot_run_are_usage_errors(option, value, message):
     """--write-workers 0 (hangs), --max-samples -2 (drops rows), a negative --seq-length ...: exit 2, named."""
     result = invoke(RUN + [option, value])
@@ -43,9 +46,16 @@ def test_rank_that_is_not_a_number_is_a_usage_error():
     assert result.exit_code == 2 and "environment variable RANK='x'" in result.output, result.output
 
 
-@pytest.mark.parametrize("argv", [["--layer-ids"], ["--layer-ids", ""], ["--layer-ids", "--seed", "1"],
-                                  ["--layer-ids="], ["check", "--target-model-path", "m", "--train-data-path", "d",
-                                                     "--layer-ids", ""]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--layer-ids"],
+        ["--layer-ids", ""],
+        ["--layer-ids", "--seed", "1"],
+        ["--layer-ids="],
+        ["check", "--target-model-path", "m", "--train-data-path", "d", "--layer-ids", ""],
+    ],
+)
 def test_an_empty_layer_ids_value_is_refused(argv):
     """--layer-ids with no value (an empty $LAYERS) is refused, never the default layers."""
     result = invoke((RUN if argv[0] != "check" else []) + argv)
@@ -63,8 +73,12 @@ def test_a_negative_layer_id_gets_a_real_message(values):
 
 def test_layer_ids_are_joined_in_every_spelling():
     """`--layer-ids 2 16`, `--layer-ids=2 16` and negative values become one value; other options stay."""
-    assert _join_multi_value(["--layer-ids", "2", "16", "--seed", "1"], "--layer-ids") == \
-        ["--layer-ids", "2 16", "--seed", "1"]
+    assert _join_multi_value(["--layer-ids", "2", "16", "--seed", "1"], "--layer-ids") == [
+        "--layer-ids",
+        "2 16",
+        "--seed",
+        "1",
+    ]
     assert _join_multi_value(["--layer-ids=2", "16", "-q"], "--layer-ids") == ["--layer-ids", "2 16", "-q"]
     assert _join_multi_value(["--layer-ids", "-1", "-v"], "--layer-ids") == ["--layer-ids", "-1", "-v"]
     assert _join_multi_value(["--layer-ids"], "--layer-ids") == ["--layer-ids", ""]

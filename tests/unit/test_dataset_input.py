@@ -10,15 +10,20 @@ from speculators_v016.run.dataset import BadRowError, load_rows, prepare_samples
 
 
 def chat(i: int, words: int = 3) -> dict:
-    return {"conversations": [{"from": "human", "value": f"question {i} " + "word " * words},
-                              {"from": "gpt", "value": f"answer {i}"}]}
+    return {
+        "conversations": [
+            {"from": "human", "value": f"question {i} " + "word " * words},
+            {"from": "gpt", "value": f"answer {i}"},
+        ]
+    }
 
 
 def test_non_utf8_line_names_file_and_line_and_can_be_skipped(tmp_path):
     """A JSONL line that is not UTF-8: BadRowError naming file and line; --skip-bad-rows skips and counts it."""
     data = tmp_path / "chats.jsonl"
-    data.write_bytes(json.dumps(chat(0)).encode() + b"\n" + b'{"conversations": "caf\xe9"}\n'
-                     + json.dumps(chat(2)).encode() + b"\n")
+    data.write_bytes(
+        json.dumps(chat(0)).encode() + b"\n" + b'{"conversations": "caf\xe9"}\n' + json.dumps(chat(2)).encode() + b"\n"
+    )
     with pytest.raises(BadRowError, match=rf"{data}:2: not UTF-8 text \(byte 22 of the line is b'\\xe9'\)"):
         load_rows([str(data)], skip_bad_rows=False, hf_cache_dir=None)
     kind, rows, _, skipped = load_rows([str(data)], skip_bad_rows=True, hf_cache_dir=None)
@@ -28,13 +33,17 @@ def test_non_utf8_line_names_file_and_line_and_can_be_skipped(tmp_path):
 def test_non_utf8_element_of_a_json_array_is_a_bad_row(tmp_path):
     """In a .json array, the element holding bytes that are not UTF-8 is the bad row; the others are read."""
     data = tmp_path / "chats.json"
-    data.write_bytes(b"[" + json.dumps(chat(0)).encode() + b',\n {"conversations": [{"from": "human", "value": '
-                     b'"caf\xe9"}]},\n' + json.dumps(chat(2)).encode() + b"]")
+    data.write_bytes(
+        b"[" + json.dumps(chat(0)).encode() + b',\n {"conversations": [{"from": "human", "value": '
+        b'"caf\xe9"}]},\n' + json.dumps(chat(2)).encode() + b"]"
+    )
     with pytest.raises(BadRowError, match=rf"{data} row 1: not UTF-8 text"):
         load_rows([str(data)], skip_bad_rows=False, hf_cache_dir=None)
     _, rows, _, skipped = load_rows([str(data)], skip_bad_rows=True, hf_cache_dir=None)
-    assert [turns[0]["value"] for _, turns in rows] == [chat(0)["conversations"][0]["value"],
-                                                        chat(2)["conversations"][0]["value"]]
+    assert [turns[0]["value"] for _, turns in rows] == [
+        chat(0)["conversations"][0]["value"],
+        chat(2)["conversations"][0]["value"],
+    ]
     assert skipped == {"bad row": 1}
 
 
@@ -43,8 +52,10 @@ def test_json_array_rows_across_block_boundaries_read_exactly(tmp_path, monkeypa
     import speculators_v016.run.dataset as dataset
 
     monkeypatch.setattr(dataset, "_CHUNK", 7)
-    rows = [{"input_ids": [1, 22, 333, 4444], "loss_mask": [0, 1, 1, 1], "x": [True, None, -1.5e3, "\u00e9\\\""]},
-            {"input_ids": [5], "loss_mask": [1]}] * 5
+    rows = [
+        {"input_ids": [1, 22, 333, 4444], "loss_mask": [0, 1, 1, 1], "x": [True, None, -1.5e3, '\u00e9\\"']},
+        {"input_ids": [5], "loss_mask": [1]},
+    ] * 5
     data = tmp_path / "tok.json"
     data.write_text("\ufeff [\n" + ",\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n]\n")
     kind, read, _, skipped = load_rows([str(data)], skip_bad_rows=False, hf_cache_dir=None)
@@ -55,11 +66,14 @@ def test_json_array_rows_across_block_boundaries_read_exactly(tmp_path, monkeypa
         load_rows([str(data)], skip_bad_rows=True, hf_cache_dir=None)
 
 
-@pytest.mark.parametrize("given, message", [
-    ("folder", "is a folder; give .json or .jsonl files"),
-    ("notes.txt", "not a .json or .jsonl file"),
-    ("sharegtp", "no such file, and not a dataset name upstream knows (sharegpt, "),
-])
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ("folder", "is a folder; give .json or .jsonl files"),
+        ("notes.txt", "not a .json or .jsonl file"),
+        ("sharegtp", "no such file, and not a dataset name upstream knows (sharegpt, "),
+    ],
+)
 def test_folders_other_files_and_unknown_names_are_bad_input(tmp_path, given, message):
     """A folder, a file of another kind, or a misspelt dataset name: BadRowError naming it (exit 3)."""
     (tmp_path / "folder").mkdir()

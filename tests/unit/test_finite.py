@@ -15,9 +15,12 @@ def test_every_bit_pattern_of_small_floats_agrees_with_isfinite(dtype):
     width = torch.empty((), dtype=dtype).element_size() * 8
     ints = {8: torch.int8, 16: torch.int16}[width]
     patterns = torch.arange(-(1 << (width - 1)), 1 << (width - 1), dtype=torch.int32).to(ints).view(dtype)
-    expected = torch.isfinite(patterns.float()) if dtype in (torch.float8_e5m2, torch.float8_e4m3fn) \
+    expected = (
+        torch.isfinite(patterns.float())
+        if dtype in (torch.float8_e5m2, torch.float8_e4m3fn)
         else torch.isfinite(patterns)
-    got = torch.tensor([all_finite(patterns[i: i + 1]) for i in range(patterns.numel())])
+    )
+    got = torch.tensor([all_finite(patterns[i : i + 1]) for i in range(patterns.numel())])
     assert torch.equal(got, expected)
     assert not expected.all() and expected.any()
 
@@ -39,8 +42,9 @@ def test_a_non_finite_value_is_found_at_any_position(dtype, bad, monkeypatch):
 def test_extreme_finite_values_pass(dtype):
     """The largest and smallest normal and subnormal values, and -0.0, are finite."""
     info = torch.finfo(dtype)
-    values = torch.tensor([info.max, -info.max, info.tiny, -info.tiny, info.smallest_normal, 0.0, -0.0],
-                          dtype=torch.float64).to(dtype)
+    values = torch.tensor(
+        [info.max, -info.max, info.tiny, -info.tiny, info.smallest_normal, 0.0, -0.0], dtype=torch.float64
+    ).to(dtype)
     assert all_finite(values)
     assert all_finite(values[::2])  # a strided view is checked too
 

@@ -97,8 +97,9 @@ def test_quantize_into_slot_views_equals_quantize():
 @pytest.mark.parametrize("shared", [False, True], ids=["local", "shm"])
 def test_fp8_ring_slots_hold_codes_then_aligned_scales(shared):
     """An FP8 ring's slot is codes then 64-byte-aligned scales; a worker's mapping sees the engine's bytes."""
-    ring = SlotRing.create(slots=3, num_ids=2, max_rows=5, hidden=7, dtype=torch.bfloat16, shared=shared,
-                           storage="fp8_e4m3")
+    ring = SlotRing.create(
+        slots=3, num_ids=2, max_rows=5, hidden=7, dtype=torch.bfloat16, shared=shared, storage="fp8_e4m3"
+    )
     try:
         ring.buffer.zero_()  # a local ring is not zeroed at creation
         spec = ring.spec
@@ -130,8 +131,11 @@ class CpuRunner:
     def step(self, aux, counts):
         bounds = np.cumsum([0, *counts])
         self.execute_model_state = SimpleNamespace(aux_hidden_states=aux)
-        self.input_batch = SimpleNamespace(num_reqs=len(counts), req_ids=[f"r{i}" for i in range(len(counts))],
-                                           num_computed_tokens_cpu=np.zeros(len(counts), dtype=np.int64))
+        self.input_batch = SimpleNamespace(
+            num_reqs=len(counts),
+            req_ids=[f"r{i}" for i in range(len(counts))],
+            num_computed_tokens_cpu=np.zeros(len(counts), dtype=np.int64),
+        )
         self.query_start_loc = SimpleNamespace(np=bounds.astype(np.int32))
 
 
@@ -143,8 +147,13 @@ class Worker(CaptureWorkerExtension):
 @pytest.mark.parametrize("with_ring", [True, False], ids=["ring", "reply"])
 def test_cpu_capture_quantizes_the_scheduled_rows(with_ring):
     """The worker's capture stores quantize(rows) of the scheduled tokens only, in the slot or in the reply."""
-    ring = SlotRing.create(slots=3, num_ids=2, max_rows=64, hidden=256, dtype=torch.bfloat16, shared=False,
-                           storage="fp8_e4m3") if with_ring else None
+    ring = (
+        SlotRing.create(
+            slots=3, num_ids=2, max_rows=64, hidden=256, dtype=torch.bfloat16, shared=False, storage="fp8_e4m3"
+        )
+        if with_ring
+        else None
+    )
     if ring:
         ring.buffer.zero_()
     worker = Worker()
@@ -174,10 +183,11 @@ def test_capture_refuses_a_ring_of_other_storage():
 
 def fp8_capture(step, parts, rows):
     """A step of FP8 rows: ``parts`` are (request, start, count); ``rows`` [layers, positions, hidden] per request."""
-    pieces = [rows[r][:, s: s + n] for r, s, n in parts]
+    pieces = [rows[r][:, s : s + n] for r, s, n in parts]
     codes, scales = fp8.quantize(torch.cat(pieces, dim=1))
-    return StepCapture(step, [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts],
-                       states=codes, scales=scales)
+    return StepCapture(
+        step, [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts], states=codes, scales=scales
+    )
 
 
 def test_assembler_stitches_fp8_chunks_into_whole_prompt_quantization():
@@ -248,8 +258,9 @@ def test_fp8_staging_quantizes_as_its_device_step():
     """With FP8, staging buffers hold codes and scales: fill quantizes, drain copies both into the slot."""
     from speculators_v016.worker.staging import Fp8Buffers, StagingCopier, StagingPlan
 
-    ring = SlotRing.create(slots=3, num_ids=2, max_rows=40, hidden=256, dtype=torch.bfloat16, shared=False,
-                           storage="fp8_e4m3")
+    ring = SlotRing.create(
+        slots=3, num_ids=2, max_rows=40, hidden=256, dtype=torch.bfloat16, shared=False, storage="fp8_e4m3"
+    )
     plan = StagingPlan(True, 2, ring.spec.slot_bytes, "test")
     copier = StagingCopier(plan, (2, 40, 256), torch.bfloat16, torch.device("cpu"), NoStreams(), fp8=True)
     assert all(isinstance(b, Fp8Buffers) and b.codes.dtype == fp8.CODE_DTYPE for b in copier.buffers)
@@ -282,4 +293,6 @@ def test_run_checks_see_fp8_layers():
     assert not may_be_degenerate(ids, [good])
     assert may_be_degenerate(ids, [good, zero]) and may_be_degenerate(ids, [repeated])
     assert degenerate_layers(ids, [good, zero, repeated]) == [
-        (1, "every value is 0"), (2, "all 6 positions hold the same row, though the tokens differ")]
+        (1, "every value is 0"),
+        (2, "all 6 positions hold the same row, though the tokens differ"),
+    ]

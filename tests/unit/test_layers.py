@@ -30,13 +30,16 @@ def test_request_order_is_kept():
     assert plan.capture_order == (1, 0, 2)
 
 
-@pytest.mark.parametrize("ids, message", [
-    ([8], "out of range"),
-    ([-1], "out of range"),
-    ([1, 1], "more than once"),
-    ([], "empty"),
-    ([1.5], "integers"),
-])
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        ([8], "out of range"),
+        ([-1], "out of range"),
+        ([1, 1], "more than once"),
+        ([], "empty"),
+        ([1.5], "integers"),
+    ],
+)
 def test_invalid_ids_are_refused(ids, message):
     """Out-of-range, duplicate, empty and non-integer ids raise LayerIdError."""
     with pytest.raises(LayerIdError, match=message):

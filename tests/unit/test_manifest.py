@@ -39,12 +39,15 @@ def test_a_torn_last_line_is_ignored_and_cut_off(tmp_path):
     assert (tmp_path / NAME).read_bytes() == line(0) + line(1)
 
 
-@pytest.mark.parametrize("bad, message", [
-    (b"garbage\n", ":2: not a manifest entry"),
-    (b"\xff\xfe{}\n", ":2: not a manifest entry of this tool (UnicodeDecodeError"),
-    (b'{"index": -1, "file": "x", "bytes": 1, "sha256": "s", "tokens": 1}\n', ":2: not a manifest entry"),
-    (b'{"index": 1}\n', ":2: not a manifest entry"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (b"garbage\n", ":2: not a manifest entry"),
+        (b"\xff\xfe{}\n", ":2: not a manifest entry of this tool (UnicodeDecodeError"),
+        (b'{"index": -1, "file": "x", "bytes": 1, "sha256": "s", "tokens": 1}\n', ":2: not a manifest entry"),
+        (b'{"index": 1}\n', ":2: not a manifest entry"),
+    ],
+)
 def test_a_bad_line_that_is_not_the_last_is_named(tmp_path, bad, message):
     """Garbage, non-UTF-8 bytes or a wrong entry before the last line: ManifestError naming path and line."""
     (tmp_path / NAME).write_bytes(line(0) + bad + line(3))

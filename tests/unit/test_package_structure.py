@@ -19,8 +19,11 @@ def _imports(path: Path) -> set[str]:
 
 
 def _graph() -> dict[str, set[str]]:
-    graph = {"speculators_v016." + ".".join(p.relative_to(ROOT).with_suffix("").parts): _imports(p)
-             for p in ROOT.rglob("*.py") if p.stem != "__init__"}
+    graph = {
+        "speculators_v016." + ".".join(p.relative_to(ROOT).with_suffix("").parts): _imports(p)
+        for p in ROOT.rglob("*.py")
+        if p.stem != "__init__"
+    }
     return {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
 
 

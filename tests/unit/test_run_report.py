@@ -15,13 +15,16 @@ from speculators_v016.store import verify as verify_module
 from speculators_v016.store.manifest import ManifestError
 
 
-@pytest.mark.parametrize("exc, code", [
-    (OSError(errno.ENOSPC, "No space left on device", "/out/logs"), 6),
-    (OSError(errno.EDQUOT, "Disk quota exceeded"), 6),
-    (ManifestError("/out/manifest.jsonl:2: not a manifest entry"), 4),
-    (SelfCheckError("self-check failed"), 7),
-    (RuntimeError("engine died"), 5),
-])
+@pytest.mark.parametrize(
+    "exc, code",
+    [
+        (OSError(errno.ENOSPC, "No space left on device", "/out/logs"), 6),
+        (OSError(errno.EDQUOT, "Disk quota exceeded"), 6),
+        (ManifestError("/out/manifest.jsonl:2: not a manifest entry"), 4),
+        (SelfCheckError("self-check failed"), 7),
+        (RuntimeError("engine died"), 5),
+    ],
+)
 def test_exit_codes_by_kind(exc, code):
     """A full disk anywhere is 6, a manifest we did not write 4, a failed self-check 7, the rest 5."""
     assert exit_code(exc) == code
@@ -38,6 +41,7 @@ def opts():
 
 def test_a_failure_with_a_full_log_keeps_its_exit_code_and_one_message(monkeypatch, capsys):
     """The traceback cannot go to the full log: the exit code stays the error's, one message, no traceback."""
+
     def fail(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", "/out/data_3.safetensors")
 

@@ -1,7 +1,6 @@
 """Sample files: streamed safetensors written from the tensors' memory, read back exactly."""
 
 import hashlib
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +12,11 @@ from speculators_v016.store.sample_format import FORMAT_TAG, encode_parts, load_
 
 def sample(dtype, length=7, hidden=5, layers=3):
     gen = torch.Generator().manual_seed(3)
-    return {"input_ids": torch.arange(length), "loss_mask": torch.tensor([0, 1] * (length // 2) + [1]),
-            "hidden_states": [torch.randn(length, hidden, generator=gen).to(dtype) for _ in range(layers)]}
+    return {
+        "input_ids": torch.arange(length),
+        "loss_mask": torch.tensor([0, 1] * (length // 2) + [1]),
+        "hidden_states": [torch.randn(length, hidden, generator=gen).to(dtype) for _ in range(layers)],
+    }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -72,7 +74,7 @@ def test_fp8_safetensors_holds_codes_scales_and_says_so(tmp_path):
     data = fp8_sample()
     write_atomic(tmp_path, "data_0.safetensors", encode_parts(data, "safetensors", [2, 4, 7]))
     raw = (tmp_path / "data_0.safetensors").read_bytes()
-    header = json.loads(raw[8: 8 + struct.unpack("<Q", raw[:8])[0]])
+    header = json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])
     assert header["hidden_states.1"]["dtype"] == "F8_E4M3" and header["hidden_states.1"]["shape"] == [7, 16]
     assert header["hidden_states_scale.1"]["dtype"] == "F32" and header["hidden_states_scale.1"]["shape"] == [7]
     with safe_open(str(tmp_path / "data_0.safetensors"), "pt") as fh:
@@ -84,7 +86,9 @@ def test_fp8_safetensors_holds_codes_scales_and_says_so(tmp_path):
     half = load_sample(tmp_path / "data_0.safetensors", dequantize_to=torch.bfloat16)
     kept = load_sample(tmp_path / "data_0.safetensors", dequantize_to=None)
     for j, h in enumerate(data["hidden_states"]):
-        assert plain["hidden_states"][j].dtype == torch.float32 and torch.equal(plain["hidden_states"][j], h.dequantize())
+        assert plain["hidden_states"][j].dtype == torch.float32 and torch.equal(
+            plain["hidden_states"][j], h.dequantize()
+        )
         assert half["hidden_states"][j].dtype == torch.bfloat16
         assert isinstance(kept["hidden_states"][j], Fp8States)
         assert torch.equal(kept["hidden_states"][j].codes.view(torch.uint8), h.codes.view(torch.uint8))
@@ -108,11 +112,17 @@ def test_fp8_file_without_its_scales_is_refused(tmp_path):
     codes = {f"hidden_states.{j}": h.codes for j, h in enumerate(data["hidden_states"])}
     base = {"input_ids": data["input_ids"], "loss_mask": data["loss_mask"]}
     write_atomic(tmp_path, "data_1.safetensors", safetensors_parts({**base, **codes}, {}))
-    with pytest.raises(ValueError, match=r"data_1.safetensors: FP8 file with 2 hidden_states .* and 0 "
-                                         r"hidden_states_scale"):
+    with pytest.raises(
+        ValueError,
+        match=r"data_1.safetensors: FP8 file with 2 hidden_states .* and 0 "
+        r"hidden_states_scale",
+    ):
         load_sample(tmp_path / "data_1.safetensors")
     short = {"hidden_states_scale.0": torch.ones(6), "hidden_states_scale.1": torch.ones(7)}
     write_atomic(tmp_path, "data_2.safetensors", safetensors_parts({**base, **codes, **short}, {}))
-    with pytest.raises(ValueError, match=r"data_2.safetensors: hidden_states_scale.0 is \(6,\) torch.float32, "
-                                         r"expected \[7\] float32"):
+    with pytest.raises(
+        ValueError,
+        match=r"data_2.safetensors: hidden_states_scale.0 is \(6,\) torch.float32, "
+        r"expected \[7\] float32",
+    ):
         load_sample(tmp_path / "data_2.safetensors")

@@ -82,13 +82,21 @@ time.sleep(600)
 
 def test_children_older_than_the_record_are_not_the_runs(shm):
     """A child that existed before the engine started is not the engine's: what it maps later is not recorded."""
-    older = subprocess.Popen([sys.executable, "-c", LATER, os.path.join(shm, "psm_older_child")],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    older = subprocess.Popen(
+        [sys.executable, "-c", LATER, os.path.join(shm, "psm_older_child")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert older.stdout.readline().strip() == "ready"
         record = RunRecord.open(shm)
-        newer = subprocess.Popen([sys.executable, "-c", LATER, os.path.join(shm, "psm_engine_worker")],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        newer = subprocess.Popen(
+            [sys.executable, "-c", LATER, os.path.join(shm, "psm_engine_worker")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert newer.stdout.readline().strip() == "ready"
             for child in (older, newer):
@@ -208,8 +216,13 @@ def test_segments_held_in_another_pid_namespace_are_kept(shm):
     run, _ = start(RUN, shm)  # a live run of ours in "another container"
 
     def reclaim_there():
-        out = subprocess.run([*prefix, sys.executable, "-c", RECLAIM, shm], capture_output=True, text=True,
-                             env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+        out = subprocess.run(
+            [*prefix, sys.executable, "-c", RECLAIM, shm],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 

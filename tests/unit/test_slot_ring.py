@@ -21,8 +21,9 @@ def shm():
 
 
 def make_ring(shm, **kw):
-    return SlotRing.create(slots=2, num_ids=2, max_rows=8, hidden=4, dtype=torch.float32, shared=True,
-                           directory=shm, **kw)
+    return SlotRing.create(
+        slots=2, num_ids=2, max_rows=8, hidden=4, dtype=torch.float32, shared=True, directory=shm, **kw
+    )
 
 
 def test_small_dev_shm_is_refused_with_the_bytes_needed(monkeypatch):
@@ -94,8 +95,13 @@ def test_a_replaced_ring_is_refused_and_left_alone(shm, how):
             data[:64] = original[:64]
             data[16:32] = bytes(16)
         open(path, "wb").write(bytes(data))
-    expected = {"same-size": "identity token", "other-size": "bytes", "same-header-other-token": "identity token",
-                "symlink": "symbolic link", "folder": "cannot be opened"}[how]
+    expected = {
+        "same-size": "identity token",
+        "other-size": "bytes",
+        "same-header-other-token": "identity token",
+        "symlink": "symbolic link",
+        "folder": "cannot be opened",
+    }[how]
     with pytest.raises(RingIdentityError, match=expected):
         SlotRing.attach(ring.spec)
     ring.close()  # the owner unlinks only the file it created

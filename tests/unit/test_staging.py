@@ -101,7 +101,7 @@ def check_order(log: list[tuple], buffers: int) -> None:
         if buffer in drained_by_buffer:
             assert log[i] == ("wait", "compute", drained_by_buffer[buffer]), (step, log[i])
             i += 1
-        fill, staged, wait, drain, drained = log[i:i + 5]
+        fill, staged, wait, drain, drained = log[i : i + 5]
         assert fill == ("fill", "compute", buffer), (step, fill)
         assert staged[:2] == ("record", "compute"), (step, staged)
         assert wait == ("wait", "copy", staged[2]), (step, wait)
@@ -154,8 +154,9 @@ def test_plan_falls_back_when_the_device_lacks_free_memory():
 def test_copier_refuses_a_plan_that_does_not_stage():
     """A fallback plan never builds staging buffers."""
     with pytest.raises(ValueError, match="staging was not planned: too big"):
-        StagingCopier(StagingPlan(False, 2, 1, "too big"), (1, 1, 1), torch.float32, torch.device("cpu"),
-                      streams=FakeStreams())
+        StagingCopier(
+            StagingPlan(False, 2, 1, "too big"), (1, 1, 1), torch.float32, torch.device("cpu"), streams=FakeStreams()
+        )
 
 
 def test_copier_orders_fill_drain_and_buffer_reuse_by_events():

@@ -129,9 +129,11 @@ def test_fused_add_norm_in_place_is_proven_and_tapped_exactly():
     model = CausalLM(FusedLayer)
     want = streams(model)
     info = install(model, [1, 2, 4])
-    assert info["streams"] == {1: "sum: hidden_states + residual (fused add-norm)",
-                               2: "sum: hidden_states + residual (fused add-norm)",
-                               4: "sum: x + residual (fused add-norm)"}
+    assert info["streams"] == {
+        1: "sum: hidden_states + residual (fused add-norm)",
+        2: "sum: hidden_states + residual (fused add-norm)",
+        4: "sum: x + residual (fused add-norm)",
+    }
     _, aux = model(IDS, POS)
     assert all(torch.equal(a, want[k]) for a, k in zip(aux, [1, 2, 4]))
 
@@ -141,31 +143,40 @@ def test_parallel_block_stream_is_hidden_states_alone():
     model = CausalLM(ParallelLayer, LayerNormPassingResiduals())
     want = streams(model)
     info = install(model, [2, 3, 4])
-    assert info["streams"] == {2: "hidden_states alone (residual passed along, not added)",
-                               3: "hidden_states alone (residual passed along, not added)",
-                               4: "hidden_states alone (residuals passed along, not added)"}
+    assert info["streams"] == {
+        2: "hidden_states alone (residual passed along, not added)",
+        3: "hidden_states alone (residual passed along, not added)",
+        4: "hidden_states alone (residuals passed along, not added)",
+    }
     _, aux = model(IDS, POS)
     assert all(torch.equal(a, want[k]) for a, k in zip(aux, [2, 3, 4]))
     # what a guess from the parameter names (hidden_states + residual) would have recorded: far off
     with torch.no_grad():
-        layer_input = model.model.layers[1].forward(POS, model.model.layers[0].forward(POS, model.model.embed(IDS),
-                                                                                         None)[0], None)
+        layer_input = model.model.layers[1].forward(
+            POS, model.model.layers[0].forward(POS, model.model.embed(IDS), None)[0], None
+        )
     assert (layer_input[0] + layer_input[1] - want[2]).abs().max() > 0.1
 
 
 def test_a_wrong_tap_formula_is_refused_parallel_block(monkeypatch):
     """Injected: taps add the residual on a parallel block (the old name-based guess) -> refused, named."""
     monkeypatch.setattr(aux_outputs, "tap_locations", lambda conv: (("arg", 1), ("arg", 2)))
-    with pytest.raises(StreamProofError, match=r"aux id 2 \(tap\) at layer 2 \(ParallelLayer\): recorded max abs "
-                                               r"difference [0-9.e+-]+ from the proven stream \(hidden_states alone"):
+    with pytest.raises(
+        StreamProofError,
+        match=r"aux id 2 \(tap\) at layer 2 \(ParallelLayer\): recorded max abs "
+        r"difference [0-9.e+-]+ from the proven stream \(hidden_states alone",
+    ):
         install(CausalLM(ParallelLayer, LayerNormPassingResiduals()), [2])
 
 
 def test_a_wrong_tap_formula_is_refused_fused_add_norm(monkeypatch):
     """Injected: taps drop the residual of a fused add-norm layer -> refused, named."""
     monkeypatch.setattr(aux_outputs, "tap_locations", lambda conv: conv.slots[:1])
-    with pytest.raises(StreamProofError, match=r"aux id 3 \(tap\) at layer 3 \(FusedLayer\): recorded max abs "
-                                               r"difference .* \(sum: hidden_states \+ residual"):
+    with pytest.raises(
+        StreamProofError,
+        match=r"aux id 3 \(tap\) at layer 3 \(FusedLayer\): recorded max abs "
+        r"difference .* \(sum: hidden_states \+ residual",
+    ):
         install(CausalLM(FusedLayer), [3])
 
 
@@ -178,8 +189,11 @@ class ScaledResidualLayer(FusedLayer):
 
 def test_an_unknown_combination_is_refused():
     """A layer whose outputs depend on neither h+r, h nor r alone is refused, with what was seen."""
-    with pytest.raises(StreamProofError, match=r"layer 2 \(ScaledResidualLayer\): no known combination of its "
-                                               r"arguments \['hidden_states', 'residual'\] reproduces its outputs"):
+    with pytest.raises(
+        StreamProofError,
+        match=r"layer 2 \(ScaledResidualLayer\): no known combination of its "
+        r"arguments \['hidden_states', 'residual'\] reproduces its outputs",
+    ):
         install(CausalLM(ScaledResidualLayer), [2])
 
 
@@ -302,6 +316,7 @@ def test_vllm_builtin_aux_outputs_are_checked_too():
 
 def test_a_forward_that_fails_is_refused_with_its_error():
     """If the check forward itself raises, the capture is refused and the error is named."""
+
     def no_kv_cache():
         raise RuntimeError("no KV cache")
 

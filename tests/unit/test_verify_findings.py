@@ -16,10 +16,17 @@ LAYERS, HIDDEN = [2, 4, 7], 8
 
 
 def config(count=3, shard=(0, 1)) -> dict:
-    return {"model": {"hidden_size": HIDDEN},
-            "speculators_v016": {"format": "safetensors", "layers": {"layer_ids": LAYERS}, "dtype": "float32",
-                                 "shard": {"index": shard[0], "count": shard[1], "samples": count},
-                                 "dataset_samples": count, "start_idx": 0}}
+    return {
+        "model": {"hidden_size": HIDDEN},
+        "speculators_v016": {
+            "format": "safetensors",
+            "layers": {"layer_ids": LAYERS},
+            "dtype": "float32",
+            "shard": {"index": shard[0], "count": shard[1], "samples": count},
+            "dataset_samples": count,
+            "start_idx": 0,
+        },
+    }
 
 
 def states(length: int, seed: int) -> list[torch.Tensor]:
@@ -34,8 +41,11 @@ def make_folder(folder, count=3, make_states=states, shard=(0, 1), indices=None)
     manifest = Manifest(folder)
     for i in indices if indices is not None else range(count):
         length = 5 + i
-        sample = {"input_ids": torch.arange(10, 10 + length), "loss_mask": torch.ones(length, dtype=torch.long),
-                  "hidden_states": make_states(length, i)}
+        sample = {
+            "input_ids": torch.arange(10, 10 + length),
+            "loss_mask": torch.ones(length, dtype=torch.long),
+            "hidden_states": make_states(length, i),
+        }
         name = sample_name(i, "safetensors")
         size, sha = write_atomic(folder, name, encode_parts(sample, "safetensors", LAYERS))
         manifest.append(Entry(i, name, size, sha, length))
@@ -55,12 +65,14 @@ def test_all_zero_states_are_named_by_sample_and_layer(tmp_path):
     assert not report.ok
     for i in range(3):
         for j, layer in enumerate(LAYERS):
-            assert f"data_{i}.safetensors: hidden_states[{j}] (layer {layer}): every value is 0" in \
-                "\n".join(report.problems)
+            assert f"data_{i}.safetensors: hidden_states[{j}] (layer {layer}): every value is 0" in "\n".join(
+                report.problems
+            )
 
 
 def test_one_zero_layer_and_one_repeated_row_are_named(tmp_path):
     """A single all-zero layer, or one row repeated at every position, is named with its sample and layer."""
+
     def broken(length, i):
         out = states(length, i)
         if i == 1:
@@ -72,16 +84,20 @@ def test_one_zero_layer_and_one_repeated_row_are_named(tmp_path):
     report = verify(make_folder(tmp_path / "out", make_states=broken))
     assert len(report.problems) == 2, report.problems
     assert "data_1.safetensors: hidden_states[2] (layer 7): every value is 0" in report.problems[0]
-    assert ("data_2.safetensors: hidden_states[0] (layer 2): all 7 positions hold the same row, though the tokens "
-            "differ") in report.problems[1]
+    assert (
+        "data_2.safetensors: hidden_states[0] (layer 2): all 7 positions hold the same row, though the tokens differ"
+    ) in report.problems[1]
 
 
 def test_identical_rows_for_identical_tokens_are_not_flagged(tmp_path):
     """One token repeated may give one row repeated (no positional encoding): not a finding."""
     out = tmp_path / "out"
     make_folder(out, count=1, make_states=lambda length, i: [torch.ones(length, HIDDEN) for _ in LAYERS])
-    sample = {"input_ids": torch.full((5,), 3), "loss_mask": torch.ones(5, dtype=torch.long),
-              "hidden_states": [torch.ones(5, HIDDEN) for _ in LAYERS]}
+    sample = {
+        "input_ids": torch.full((5,), 3),
+        "loss_mask": torch.ones(5, dtype=torch.long),
+        "hidden_states": [torch.ones(5, HIDDEN) for _ in LAYERS],
+    }
     size, sha = write_atomic(out, "data_0.safetensors", encode_parts(sample, "safetensors", LAYERS))
     Manifest(out).compact({0: Entry(0, "data_0.safetensors", size, sha, 5)})
     assert verify(out).ok, verify(out).problems
@@ -114,6 +130,7 @@ def _config_without(field):
             node = node[key]
         del node[last]
         (out / "data_config.json").write_text(json.dumps(data))
+
     return edit
 
 
@@ -123,18 +140,21 @@ def _format(out):
     (out / "data_config.json").write_text(json.dumps(data))
 
 
-@pytest.mark.parametrize("break_it, finding", [
-    (_garbage_line, "manifest.jsonl:2: not a manifest entry of this tool"),
-    (_non_utf8, "manifest.jsonl:1: not a manifest entry of this tool (UnicodeDecodeError"),
-    (_manifest_folder, "manifest.jsonl: cannot be read"),
-    (_config(b"{not json"), "data_config.json: not valid JSON"),
-    (_config(b"\xff\xfe"), "data_config.json: not valid JSON"),
-    (_config(b"[1, 2]"), "data_config.json: no speculators_v016 section"),
-    (_config_without("model.hidden_size"), "data_config.json: no field model.hidden_size"),
-    (_config_without("speculators_v016.layers"), "data_config.json: no field speculators_v016.layers.layer_ids"),
-    (_config_without("speculators_v016.shard"), "data_config.json: no field speculators_v016.shard.index"),
-    (_format, "data_config.json: unknown sample format 'npz'"),
-])
+@pytest.mark.parametrize(
+    "break_it, finding",
+    [
+        (_garbage_line, "manifest.jsonl:2: not a manifest entry of this tool"),
+        (_non_utf8, "manifest.jsonl:1: not a manifest entry of this tool (UnicodeDecodeError"),
+        (_manifest_folder, "manifest.jsonl: cannot be read"),
+        (_config(b"{not json"), "data_config.json: not valid JSON"),
+        (_config(b"\xff\xfe"), "data_config.json: not valid JSON"),
+        (_config(b"[1, 2]"), "data_config.json: no speculators_v016 section"),
+        (_config_without("model.hidden_size"), "data_config.json: no field model.hidden_size"),
+        (_config_without("speculators_v016.layers"), "data_config.json: no field speculators_v016.layers.layer_ids"),
+        (_config_without("speculators_v016.shard"), "data_config.json: no field speculators_v016.shard.index"),
+        (_format, "data_config.json: unknown sample format 'npz'"),
+    ],
+)
 def test_a_broken_folder_is_a_finding_naming_the_file(tmp_path, break_it, finding):
     """Garbage or non-UTF-8 manifest lines, a manifest folder, a bad or incomplete config, an unknown format."""
     out = make_folder(tmp_path / "out")
@@ -152,8 +172,11 @@ def test_shard_folders_beside_an_unsharded_run_are_a_finding(tmp_path):
     assert verify(out).ok
     make_folder(out)  # an unsharded run beside them
     report = verify(out)
-    assert any("holds shard folders and an unsharded run's files (data_0.safetensors, data_1.safetensors, "
-               "data_2.safetensors" in p for p in report.problems), report.problems
+    assert any(
+        "holds shard folders and an unsharded run's files (data_0.safetensors, data_1.safetensors, "
+        "data_2.safetensors" in p
+        for p in report.problems
+    ), report.problems
     for name in ("data_config.json", NAME, *(f"data_{i}.safetensors" for i in range(3))):
         (out / name).unlink()
     shutil.rmtree(out / "shard-00001-of-00002")

@@ -14,22 +14,41 @@ HIDDEN, LAYERS = 32, 2
 
 def fp8_states(length, seed):
     gen = torch.Generator().manual_seed(seed)
-    return [Fp8States(*fp8.quantize(torch.randn(length, HIDDEN, generator=gen).to(torch.bfloat16)))
-            for _ in range(LAYERS)]
+    return [
+        Fp8States(*fp8.quantize(torch.randn(length, HIDDEN, generator=gen).to(torch.bfloat16))) for _ in range(LAYERS)
+    ]
 
 
 def write_folder(folder, samples, storage="fp8_e4m3"):
     """A folder as a run leaves it: the real writer, a manifest and data_config.json."""
     folder.mkdir()
-    run_config.save(folder, {"model": {"hidden_size": HIDDEN}, "speculators_v016": {
-        "format": "safetensors", "layers": {"layer_ids": [1, 3]}, "dtype": "bfloat16",
-        "hidden_states_dtype": storage, "start_idx": 0, "dataset_samples": len(samples),
-        "shard": {"index": 0, "count": 1, "samples": len(samples)}, "fingerprint": {}}})
+    run_config.save(
+        folder,
+        {
+            "model": {"hidden_size": HIDDEN},
+            "speculators_v016": {
+                "format": "safetensors",
+                "layers": {"layer_ids": [1, 3]},
+                "dtype": "bfloat16",
+                "hidden_states_dtype": storage,
+                "start_idx": 0,
+                "dataset_samples": len(samples),
+                "shard": {"index": 0, "count": 1, "samples": len(samples)},
+                "fingerprint": {},
+            },
+        },
+    )
     writer = SampleWriter(folder, "safetensors", [1, 3], workers=1)
     for index, states in enumerate(samples):
         length = states[0].shape[0]
-        writer.put(index, {"input_ids": torch.arange(length), "loss_mask": torch.ones(length, dtype=torch.long),
-                           "hidden_states": states})
+        writer.put(
+            index,
+            {
+                "input_ids": torch.arange(length),
+                "loss_mask": torch.ones(length, dtype=torch.long),
+                "hidden_states": states,
+            },
+        )
     writer.close()
     return folder
 
@@ -69,9 +88,13 @@ def test_storage_must_match_data_config(tmp_path):
     folder = write_folder(tmp_path / "fp8-as-auto", [fp8_states(5, 0)], storage="auto")
     assert verify(folder).problems == [
         f"{folder}/data_0.safetensors: hidden_states[{j}] is FP8 codes and scales, data_config.json says "
-        "hidden_states_dtype auto" for j in range(LAYERS)]
+        "hidden_states_dtype auto"
+        for j in range(LAYERS)
+    ]
     plain = [[torch.zeros(5, HIDDEN, dtype=torch.bfloat16)] * LAYERS]
     folder = write_folder(tmp_path / "auto-as-fp8", plain)
     assert verify(folder).problems == [
         f"{folder}/data_0.safetensors: hidden_states[{j}] is torch.bfloat16, data_config.json says "
-        "hidden_states_dtype fp8_e4m3" for j in range(LAYERS)]
+        "hidden_states_dtype fp8_e4m3"
+        for j in range(LAYERS)
+    ]

@@ -22,10 +22,12 @@ def test_zoo_table_matches_the_installed_vllm():
     fresh = json.loads(data)
     added = sorted(set(fresh["classes"]) - set(committed["classes"]))
     dropped = sorted(set(committed["classes"]) - set(fresh["classes"]))
-    changed = sorted(k for k in set(fresh["classes"]) & set(committed["classes"])
-                     if fresh["classes"][k] != committed["classes"][k])
-    assert (added, dropped, changed) == ([], [], []), f"run tools/vllm_zoo.py: added {added}, dropped {dropped}, " \
-                                                      f"changed {changed}"
+    changed = sorted(
+        k for k in set(fresh["classes"]) & set(committed["classes"]) if fresh["classes"][k] != committed["classes"][k]
+    )
+    assert (added, dropped, changed) == ([], [], []), (
+        f"run tools/vllm_zoo.py: added {added}, dropped {dropped}, changed {changed}"
+    )
     assert fresh["vllm"] == committed["vllm"] == "0.16.0"
     assert data == vllm_zoo.TABLE_JSON.read_text() and markdown == vllm_zoo.TABLE_MD.read_text()
 
@@ -45,8 +47,11 @@ def test_the_table_knows_the_names_the_capture_uses():
     """The decoder, layer-list and final-norm names the table judges by are the capture's own."""
     from speculators_v016.worker import aux_outputs
 
-    assert (vllm_zoo.DECODER_NAMES, vllm_zoo.LAYERS_NAMES, vllm_zoo.NORM_NAMES) == \
-        (aux_outputs.DECODER_NAMES, aux_outputs.LAYERS_NAMES, aux_outputs.NORM_NAMES)
+    assert (vllm_zoo.DECODER_NAMES, vllm_zoo.LAYERS_NAMES, vllm_zoo.NORM_NAMES) == (
+        aux_outputs.DECODER_NAMES,
+        aux_outputs.LAYERS_NAMES,
+        aux_outputs.NORM_NAMES,
+    )
 
 
 def test_tested_rows_name_families_the_engine_tests_run():

@@ -16,9 +16,11 @@ from speculators_v016.store.writer import SampleWriter
 
 
 def sample(index, tokens=6, hidden=4, layers=2):
-    return {"input_ids": torch.arange(tokens) + index, "loss_mask": torch.ones(tokens, dtype=torch.long),
-            "hidden_states": [torch.full((tokens, hidden), float(index + j), dtype=torch.bfloat16)
-                              for j in range(layers)]}
+    return {
+        "input_ids": torch.arange(tokens) + index,
+        "loss_mask": torch.ones(tokens, dtype=torch.long),
+        "hidden_states": [torch.full((tokens, hidden), float(index + j), dtype=torch.bfloat16) for j in range(layers)],
+    }
 
 
 def test_every_sample_is_written_listed_and_hashed(tmp_path):
@@ -120,8 +122,14 @@ def test_workers_run_on_the_cpus_given(tmp_path):
     """Writer threads take the CPU set they are given, not the pin of the thread that made them."""
     seen = set()
     cpus = sorted(os.sched_getaffinity(0))
-    writer = SampleWriter(tmp_path, "safetensors", [1, 2], workers=2, cpus=cpus[:1],
-                          reject=lambda s: seen.add(frozenset(os.sched_getaffinity(0))))
+    writer = SampleWriter(
+        tmp_path,
+        "safetensors",
+        [1, 2],
+        workers=2,
+        cpus=cpus[:1],
+        reject=lambda s: seen.add(frozenset(os.sched_getaffinity(0))),
+    )
     for i in range(4):
         writer.put(i, sample(i))
     writer.close()
@@ -141,8 +149,13 @@ def test_workers_run_below_the_engine_and_drop_written_pages(tmp_path, monkeypat
         return real(fd, offset, length, advice)
 
     monkeypatch.setattr(os, "posix_fadvise", advise)
-    writer = SampleWriter(tmp_path, "safetensors", [1, 2], workers=2,
-                          reject=lambda s: seen.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    writer = SampleWriter(
+        tmp_path,
+        "safetensors",
+        [1, 2],
+        workers=2,
+        reject=lambda s: seen.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())),
+    )
     for i in range(4):
         writer.put(i, sample(i))
     writer.close()
@@ -154,6 +167,7 @@ def test_workers_run_below_the_engine_and_drop_written_pages(tmp_path, monkeypat
 
 def test_a_refused_cache_drop_is_not_a_write_error(tmp_path, monkeypatch):
     """posix_fadvise failing (advice only) leaves the sample written and listed."""
+
     def refuse(*args):
         raise OSError(errno.EINVAL, "not supported here")
 

@@ -15,8 +15,7 @@ def bench_model(where: Path, hidden: int = 512, layers: int = 8, **overrides) ->
 
     where = Path(where)
     if not (where / "config.json").exists():
-        fields = dict(intermediate_size=4 * hidden, num_attention_heads=hidden // 64,
-                      num_key_value_heads=hidden // 128)
+        fields = dict(intermediate_size=4 * hidden, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128)
         build_tiny_model(where, "llama", num_layers=layers, hidden_size=hidden, **{**fields, **overrides})
     return where
 
@@ -31,8 +30,11 @@ def prompts(count: int, length: int, vocab: int = 400, seed: int = 0) -> list[li
 def engine_env(code_from: str | None = None) -> dict:
     """The environment of a measured engine process: every mode gets the same CPU KV cache (vLLM's
     default is half the RAM), quiet vLLM logs, and ``code_from``'s speculators_v016 first on the path."""
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-           "VLLM_LOGGING_LEVEL": "WARNING"}
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
     if code_from:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(code_from).resolve()), env.get("PYTHONPATH")]))
     return env
@@ -44,8 +46,9 @@ def child(script: str, args: dict, code_from: str | None = None) -> dict:
     ``code_from``: a checkout whose ``speculators_v016`` the child imports instead of this one's
     (e.g. the previous release, for before/after figures in one run).
     """
-    proc = subprocess.run([sys.executable, script, json.dumps(args)], capture_output=True, text=True,
-                          env=engine_env(code_from))
+    proc = subprocess.run(
+        [sys.executable, script, json.dumps(args)], capture_output=True, text=True, env=engine_env(code_from)
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{script} {args} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

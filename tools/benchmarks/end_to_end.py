@@ -39,8 +39,9 @@ from common import bench_model, child, engine_env  # noqa: E402
 SEQ = 1024
 SHAPES = {
     "base": dict(hidden=512, layers=8),
-    "wide": dict(hidden=7168, layers=4, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
-                 head_dim=64),
+    "wide": dict(
+        hidden=7168, layers=4, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=64
+    ),
 }
 
 
@@ -50,8 +51,10 @@ def conversations(path: Path, count: int) -> Path:
     rng, lines = random.Random(0), corpus_lines()
     with path.open("w") as fh:
         for _ in range(count):
-            turns = [{"from": "human", "value": " ".join(rng.sample(lines, 3))},
-                     {"from": "gpt", "value": " ".join(rng.sample(lines, 8))}]
+            turns = [
+                {"from": "human", "value": " ".join(rng.sample(lines, 3))},
+                {"from": "gpt", "value": " ".join(rng.sample(lines, 8))},
+            ]
             fh.write(json.dumps({"conversations": turns}) + "\n")
     return path
 
@@ -59,30 +62,56 @@ def conversations(path: Path, count: int) -> Path:
 def generator_alone(args: dict) -> dict:
     from transformers import AutoTokenizer
 
-    from speculators_v016.run.dataset import prepare_samples
     from speculators_v016.generator import VllmHiddenStatesGenerator
+    from speculators_v016.run.dataset import prepare_samples
 
     samples = prepare_samples([args["data"]], AutoTokenizer.from_pretrained(args["model"]), SEQ, num_proc=1)
-    gen = VllmHiddenStatesGenerator(args["model"], max_model_len=SEQ + 1, dtype="float32",
-                                    enforce_eager=args["eager"], max_num_batched_tokens=args["batched_tokens"])
+    gen = VllmHiddenStatesGenerator(
+        args["model"],
+        max_model_len=SEQ + 1,
+        dtype="float32",
+        enforce_eager=args["eager"],
+        max_num_batched_tokens=args["batched_tokens"],
+    )
     gen.generate(samples.input_ids[:4])
     start = time.perf_counter()
     for _ in gen.stream(samples.input_ids):
         pass
     seconds = time.perf_counter() - start
     tokens = sum(map(len, samples.input_ids))
-    return {"samples_per_s": len(samples) / seconds, "tokens_per_s": tokens / seconds, "tokens": tokens,
-            "seconds": seconds, "samples": len(samples)}
+    return {
+        "samples_per_s": len(samples) / seconds,
+        "tokens_per_s": tokens / seconds,
+        "tokens": tokens,
+        "seconds": seconds,
+        "samples": len(samples),
+    }
 
 
-def end_to_end(model: str, data: Path, eager: bool, batched_tokens: int | None, code_from: str | None = None
-               ) -> dict:
+def end_to_end(model: str, data: Path, eager: bool, batched_tokens: int | None, code_from: str | None = None) -> dict:
     """The CLI's generation phase, as its summary reports it (``code_from``: another checkout's code)."""
     with tempfile.TemporaryDirectory() as tmp:
         # speculators_v016.cli (not .run.cli): the path older checkouts (--before) have too
-        cmd = [sys.executable, "-m", "speculators_v016.cli", "--target-model-path", model, "--train-data-path",
-               str(data), "--output-dir", f"{tmp}/out", "--seq-length", str(SEQ), "--dtype", "float32",
-               "--token-freq-path", "", "--no-progress", "--num-preprocessing-workers", "1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "speculators_v016.cli",
+            "--target-model-path",
+            model,
+            "--train-data-path",
+            str(data),
+            "--output-dir",
+            f"{tmp}/out",
+            "--seq-length",
+            str(SEQ),
+            "--dtype",
+            "float32",
+            "--token-freq-path",
+            "",
+            "--no-progress",
+            "--num-preprocessing-workers",
+            "1",
+        ]
         cmd += ["--enforce-eager"] if eager else []
         cmd += ["--max-num-batched-tokens", str(batched_tokens)] if batched_tokens else []
         # cwd: `python -m` puts the working folder first on sys.path, ahead of code_from's PYTHONPATH
@@ -91,15 +120,22 @@ def end_to_end(model: str, data: Path, eager: bool, batched_tokens: int | None, 
             raise RuntimeError(proc.stderr[-3000:])
     written = int(re.search(r"written:\s+(\d+) samples", proc.stdout).group(1))
     tokens, seconds = re.search(r"tokens:\s+(\d+) in ([\d.]+) s of generation", proc.stdout).groups()
-    return {"samples_per_s": written / float(seconds), "tokens_per_s": int(tokens) / float(seconds),
-            "tokens": int(tokens), "seconds": float(seconds), "samples": written}
+    return {
+        "samples_per_s": written / float(seconds),
+        "tokens_per_s": int(tokens) / float(seconds),
+        "tokens": int(tokens),
+        "seconds": float(seconds),
+        "samples": written,
+    }
 
 
 def steady(long: dict, short: dict) -> dict:
     """The rate between a short and a long run of the same first prompts: what both pay once cancels."""
     seconds = long["seconds"] - short["seconds"]
-    return {"samples_per_s": (long["samples"] - short["samples"]) / seconds,
-            "tokens_per_s": (long["tokens"] - short["tokens"]) / seconds}
+    return {
+        "samples_per_s": (long["samples"] - short["samples"]) / seconds,
+        "tokens_per_s": (long["tokens"] - short["tokens"]) / seconds,
+    }
 
 
 def main() -> None:
@@ -109,11 +145,20 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="base")
     ap.add_argument("--batched-tokens", type=int, default=None, help="max_num_batched_tokens (default: the engine's)")
-    ap.add_argument("--steady", type=int, default=None, metavar="SMALL",
-                    help="also run on the first SMALL conversations and print the steady rate (long - short)")
+    ap.add_argument(
+        "--steady",
+        type=int,
+        default=None,
+        metavar="SMALL",
+        help="also run on the first SMALL conversations and print the steady rate (long - short)",
+    )
     ap.add_argument("--model-dir", default=None, help="default: /tmp/speculators-v016-bench/<shape>")
-    ap.add_argument("--before", default=None, metavar="CHECKOUT",
-                    help="also run the CLI with the speculators_v016 of this checkout, interleaved")
+    ap.add_argument(
+        "--before",
+        default=None,
+        metavar="CHECKOUT",
+        help="also run the CLI with the speculators_v016 of this checkout, interleaved",
+    )
     opts = ap.parse_args()
     shape = dict(SHAPES[opts.shape])
     where = Path(opts.model_dir or f"/tmp/speculators-v016-bench/{opts.shape}")
@@ -135,29 +180,44 @@ def main() -> None:
         if opts.steady:
             for key in [k for k in runs if not k.startswith("short ")]:
                 runs[f"steady {key}"] = [steady(a, b) for a, b in zip(runs[key], runs[f"short {key}"])]
-    med = {k: {m: statistics.median(r[m] for r in v) for m in ("samples_per_s", "tokens_per_s")}
-           for k, v in runs.items()}
-    print(f"{opts.shape} model ({SHAPES[opts.shape]}), {opts.samples} conversations, seq length {SEQ}, "
-          f"{'eager' if opts.eager else 'compiled'}, max_num_batched_tokens {opts.batched_tokens or 'default'}, "
-          f"{opts.rounds} round(s), medians")
+    med = {
+        k: {m: statistics.median(r[m] for r in v) for m in ("samples_per_s", "tokens_per_s")} for k, v in runs.items()
+    }
+    print(
+        f"{opts.shape} model ({SHAPES[opts.shape]}), {opts.samples} conversations, seq length {SEQ}, "
+        f"{'eager' if opts.eager else 'compiled'}, max_num_batched_tokens {opts.batched_tokens or 'default'}, "
+        f"{opts.rounds} round(s), medians"
+    )
     for key, values in runs.items():
         rates = ", ".join(f"{r['tokens_per_s']:,.0f}" for r in values)
         print(f"  runs {key}: {rates} tokens/s")
-    for prefix, what in (("", f"{opts.samples} conversations"), ("short ", f"the first {opts.steady}"),
-                         ("steady ", f"steady: {opts.samples} minus the first {opts.steady}")):
+    for prefix, what in (
+        ("", f"{opts.samples} conversations"),
+        ("short ", f"the first {opts.steady}"),
+        ("steady ", f"steady: {opts.samples} minus the first {opts.steady}"),
+    ):
         if f"{prefix}cli" not in med:
             continue
         print(f"  {what}:")
-        for key, label in (("cli", "speculators-data-gen (written)"), ("before", "  the same, before"),
-                           ("gen", "generator alone (dropped)")):
+        for key, label in (
+            ("cli", "speculators-data-gen (written)"),
+            ("before", "  the same, before"),
+            ("gen", "generator alone (dropped)"),
+        ):
             if f"{prefix}{key}" in med:
-                print(f"    {label:32} {med[prefix + key]['samples_per_s']:8.1f} samples/s "
-                      f"{med[prefix + key]['tokens_per_s']:10,.0f} tokens/s")
-        print(f"    ratio end-to-end / generator   "
-              f"{med[prefix + 'cli']['tokens_per_s'] / med[prefix + 'gen']['tokens_per_s']:.2f}x")
+                print(
+                    f"    {label:32} {med[prefix + key]['samples_per_s']:8.1f} samples/s "
+                    f"{med[prefix + key]['tokens_per_s']:10,.0f} tokens/s"
+                )
+        print(
+            f"    ratio end-to-end / generator   "
+            f"{med[prefix + 'cli']['tokens_per_s'] / med[prefix + 'gen']['tokens_per_s']:.2f}x"
+        )
         if f"{prefix}before" in med:
-            print(f"    ratio end-to-end after / before "
-                  f"{med[prefix + 'cli']['tokens_per_s'] / med[prefix + 'before']['tokens_per_s']:.2f}x")
+            print(
+                f"    ratio end-to-end after / before "
+                f"{med[prefix + 'cli']['tokens_per_s'] / med[prefix + 'before']['tokens_per_s']:.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -62,8 +62,14 @@ def measure(args: dict) -> dict:
     model, batch = args["model"], prompts(args["prompts"], args["length"], vocab=args["vocab"])
     runs = {}
     for storage in ("auto", "fp8_e4m3"):
-        with VllmHiddenStatesGenerator(model, layer_ids=LAYERS, dtype="bfloat16", enforce_eager=True,
-                                       max_model_len=args["length"] + 1, hidden_states_dtype=storage) as gen:
+        with VllmHiddenStatesGenerator(
+            model,
+            layer_ids=LAYERS,
+            dtype="bfloat16",
+            enforce_eager=True,
+            max_model_len=args["length"] + 1,
+            hidden_states_dtype=storage,
+        ) as gen:
             engine = gen.engine
             out = {}
             for index, ids, states in engine.stream(enumerate(batch), prompt_logprobs=lambda _: True):
@@ -77,13 +83,28 @@ def measure(args: dict) -> dict:
         sigmas beyond the tolerance, whether it passed)."""
         checker.result = LogitCheckResult(tolerance=TOLERANCE[torch.bfloat16])
         top = checker.add(0, ids, [last], theirs)
-        return top, checker.result.worst_sigmas if checker.result.fp8 else checker.result.worst_ratio, \
-            checker.last_passed
+        return (
+            top,
+            checker.result.worst_sigmas if checker.result.fp8 else checker.result.worst_ratio,
+            checker.last_passed,
+        )
 
     checker.last = 0
-    res = {"bf16_max": 0.0, "bf16_worst": 0.0, "fp8_max": 0.0, "fp8_worst": 0.0, "ratios": [], "passed": True,
-           "bf16_shift": float("inf"), "bf16_layer": float("inf"), "fp8_shift": float("inf"),
-           "fp8_layer": float("inf"), "faults_caught": True, "recon_max": 0.0, "logit_std": 0.0}
+    res = {
+        "bf16_max": 0.0,
+        "bf16_worst": 0.0,
+        "fp8_max": 0.0,
+        "fp8_worst": 0.0,
+        "ratios": [],
+        "passed": True,
+        "bf16_shift": float("inf"),
+        "bf16_layer": float("inf"),
+        "fp8_shift": float("inf"),
+        "fp8_layer": float("inf"),
+        "faults_caught": True,
+        "recon_max": 0.0,
+        "logit_std": 0.0,
+    }
     for index in sorted(runs["auto"]):
         ids, ref, theirs = runs["auto"][index]
         _, q, theirs_q = runs["fp8_e4m3"][index]
@@ -91,8 +112,11 @@ def measure(args: dict) -> dict:
             top, worst, passed = verdict(last[-1], ids, their)
             res[f"{key}_max"], res[f"{key}_worst"] = max(res[f"{key}_max"], top), max(res[f"{key}_worst"], worst)
             res["passed"] &= passed
-            shifted = (Fp8States(torch.roll(last[-1].codes, 1, 0), torch.roll(last[-1].scales, 1, 0))
-                       if key == "fp8" else torch.roll(last[-1], 1, 0))
+            shifted = (
+                Fp8States(torch.roll(last[-1].codes, 1, 0), torch.roll(last[-1].scales, 1, 0))
+                if key == "fp8"
+                else torch.roll(last[-1], 1, 0)
+            )
             for fault, states in (("shift", shifted), ("layer", last[-2])):
                 _, worst, passed = verdict(states, ids, their)
                 res[f"{key}_{fault}"] = min(res[f"{key}_{fault}"], worst)
@@ -119,38 +143,50 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--length", type=int, default=200)
     parser.add_argument("--head-scale", type=float, default=10.0)
-    parser.add_argument("--also", type=Path, action="append", default=[],
-                        help="another Llama folder to measure (e.g. the briefly trained target of fp8_training.py)")
+    parser.add_argument(
+        "--also",
+        type=Path,
+        action="append",
+        default=[],
+        help="another Llama folder to measure (e.g. the briefly trained target of fp8_training.py)",
+    )
     opts = parser.parse_args()
     base = bench_model(opts.work / "llama-256", hidden=256, layers=8)
-    models = {"random head": base,
-              f"head x{opts.head_scale:g}": scaled_head(base, opts.work / "llama-256-scaled", opts.head_scale)}
+    models = {
+        "random head": base,
+        f"head x{opts.head_scale:g}": scaled_head(base, opts.work / "llama-256-scaled", opts.head_scale),
+    }
     models.update({path.name: path for path in opts.also})
     vocab = json.loads((base / "config.json").read_text())["vocab_size"]
     rows = {}
     for name, path in models.items():
-        rows[name] = child(__file__, {"model": str(path), "prompts": opts.prompts, "length": opts.length,
-                                      "vocab": vocab})
+        rows[name] = child(
+            __file__, {"model": str(path), "prompts": opts.prompts, "length": opts.length, "vocab": vocab}
+        )
     from speculators_v016.run.logit_check import FP8_SIGMAS, LOGIT_ULPS
 
-    print(f"\nlogit check, bf16 engine, {opts.prompts} prompts x {opts.length} tokens: tolerance 5e-2 + "
-          f"{LOGIT_ULPS:g} ulps of the logits per position; FP8 also {FP8_SIGMAS:g} sigma of the e4m3 rounding")
+    print(
+        f"\nlogit check, bf16 engine, {opts.prompts} prompts x {opts.length} tokens: tolerance 5e-2 + "
+        f"{LOGIT_ULPS:g} ulps of the logits per position; FP8 also {FP8_SIGMAS:g} sigma of the e4m3 rounding"
+    )
     print(f"{'':<34}" + "".join(f"{n:>16}" for n in rows))
-    lines = [("logit std (mean over positions)", "logit_std", "{:.2f}"),
-             ("bf16: max |delta|", "bf16_max", "{:.1e}"),
-             ("bf16: max |delta| / tolerance", "bf16_worst", "{:.2f}"),
-             ("bf16 shift: min |d|/tolerance", "bf16_shift", "{:.1f}"),
-             ("bf16 layer n-2: min |d|/tolerance", "bf16_layer", "{:.1f}"),
-             ("FP8: max |delta|", "fp8_max", "{:.1e}"),
-             ("FP8: max |delta| / sigma", "sigma_max", "{:.2f}"),
-             ("FP8: 99.9th pct |delta| / sigma", "sigma_p999", "{:.2f}"),
-             ("FP8: max sigmas beyond the rest", "fp8_worst", "{:.2f}"),
-             ("FP8 shift: min sigmas beyond", "fp8_shift", "{:.1f}"),
-             ("FP8 layer n-2: min sigmas beyond", "fp8_layer", "{:.1f}"),
-             ("every valid sample passed", "passed", "{}"),
-             ("every fault failed", "faults_caught", "{}"),
-             ("states: max |err| / row amax", "recon_max", "{:.4f}"),
-             ("e4m3 bound", "bound", "{:.4f}")]
+    lines = [
+        ("logit std (mean over positions)", "logit_std", "{:.2f}"),
+        ("bf16: max |delta|", "bf16_max", "{:.1e}"),
+        ("bf16: max |delta| / tolerance", "bf16_worst", "{:.2f}"),
+        ("bf16 shift: min |d|/tolerance", "bf16_shift", "{:.1f}"),
+        ("bf16 layer n-2: min |d|/tolerance", "bf16_layer", "{:.1f}"),
+        ("FP8: max |delta|", "fp8_max", "{:.1e}"),
+        ("FP8: max |delta| / sigma", "sigma_max", "{:.2f}"),
+        ("FP8: 99.9th pct |delta| / sigma", "sigma_p999", "{:.2f}"),
+        ("FP8: max sigmas beyond the rest", "fp8_worst", "{:.2f}"),
+        ("FP8 shift: min sigmas beyond", "fp8_shift", "{:.1f}"),
+        ("FP8 layer n-2: min sigmas beyond", "fp8_layer", "{:.1f}"),
+        ("every valid sample passed", "passed", "{}"),
+        ("every fault failed", "faults_caught", "{}"),
+        ("states: max |err| / row amax", "recon_max", "{:.4f}"),
+        ("e4m3 bound", "bound", "{:.4f}"),
+    ]
     for label, key, fmt in lines:
         print(f"{label:<34}" + "".join(f"{fmt.format(r[key]):>16}" for r in rows.values()))
 

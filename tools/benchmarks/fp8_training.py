@@ -46,8 +46,15 @@ def conversations(count: int, seed: int = 0) -> list[dict]:
     from speculators_v016.run.demo import corpus_lines
 
     rng, lines = random.Random(seed), corpus_lines()
-    return [{"conversations": [{"from": "human", "value": rng.choice(lines)},
-                               {"from": "gpt", "value": " ".join(rng.sample(lines, 2))}]} for _ in range(count)]
+    return [
+        {
+            "conversations": [
+                {"from": "human", "value": rng.choice(lines)},
+                {"from": "gpt", "value": " ".join(rng.sample(lines, 2))},
+            ]
+        }
+        for _ in range(count)
+    ]
 
 
 def train_target(model: Path, chats: list[dict], steps: int) -> dict:
@@ -61,24 +68,30 @@ def train_target(model: Path, chats: list[dict], steps: int) -> dict:
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(model)
     lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    texts = [tok.apply_chat_template([{"role": "user" if t["from"] == "human" else "assistant",
-                                       "content": t["value"]} for t in c["conversations"]], tokenize=False)
-             for c in chats]
+    texts = [
+        tok.apply_chat_template(
+            [
+                {"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]}
+                for t in c["conversations"]
+            ],
+            tokenize=False,
+        )
+        for c in chats
+    ]
     stream = torch.tensor([i for t in texts for i in tok(t)["input_ids"]])
     opt = torch.optim.AdamW(lm.parameters(), lr=2e-3)
     length, batch, losses = 128, 8, []
     lm.train()
     for _ in range(steps):
         starts = torch.randint(0, len(stream) - length - 1, (batch,))
-        ids = torch.stack([stream[s: s + length] for s in starts])
+        ids = torch.stack([stream[s : s + length] for s in starts])
         loss = lm(input_ids=ids, labels=ids).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
     lm.save_pretrained(model)
-    info = {"steps": steps, "first_loss": losses[0], "last_loss": statistics.mean(losses[-10:]),
-            "tokens": len(stream)}
+    info = {"steps": steps, "first_loss": losses[0], "last_loss": statistics.mean(losses[-10:]), "tokens": len(stream)}
     marker.write_text(json.dumps(info))
     return info
 
@@ -86,10 +99,29 @@ def train_target(model: Path, chats: list[dict], steps: int) -> dict:
 def generate(model: Path, data: Path, out: Path, storage: str) -> None:
     if (out / "data_config.json").exists():
         return
-    cmd = [sys.executable, "-m", "speculators_v016.run.cli", "--target-model-path", str(model),
-           "--train-data-path", str(data), "--output-dir", str(out), "--seq-length", "512", "--dtype", "bfloat16",
-           "--enforce-eager", "--no-progress", "--token-freq-path", str(out.parent / "token_freq.pt"),
-           "--hidden-states-dtype", storage, "--num-preprocessing-workers", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "speculators_v016.run.cli",
+        "--target-model-path",
+        str(model),
+        "--train-data-path",
+        str(data),
+        "--output-dir",
+        str(out),
+        "--seq-length",
+        "512",
+        "--dtype",
+        "bfloat16",
+        "--enforce-eager",
+        "--no-progress",
+        "--token-freq-path",
+        str(out.parent / "token_freq.pt"),
+        "--hidden-states-dtype",
+        storage,
+        "--num-preprocessing-workers",
+        "1",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     output = proc.stdout + proc.stderr
     lines = [line for line in output.splitlines() if line.startswith(("logit check:", "verify:"))]
@@ -130,23 +162,27 @@ def reconstruction(work: Path) -> dict:
     sample = torch.cat(per_element)
     fp8_bytes = sum(e.bytes for e in Manifest(fp8_dir).entries().values())
     ref_bytes = sum(e.bytes for e in Manifest(ref_dir).entries().values())
-    return {"element_median": sample.median().item(), "element_max": amax_max,
-            "row_median": statistics.median(per_row), "row_max": max(per_row), "tokens": tokens,
-            "bytes_per_token": {"auto": ref_bytes / tokens, "fp8_e4m3": fp8_bytes / tokens}}
+    return {
+        "element_median": sample.median().item(),
+        "element_max": amax_max,
+        "row_median": statistics.median(per_row),
+        "row_max": max(per_row),
+        "tokens": tokens,
+        "bytes_per_token": {"auto": ref_bytes / tokens, "fp8_e4m3": fp8_bytes / tokens},
+    }
 
 
 def train_draft(args: dict) -> dict:
     """(child) Train the draft on one folder; evaluate on held-out sets; return the trainer's metrics."""
     import torch
-    from torch.utils.data import DataLoader
-    from transformers import AutoConfig, LlamaConfig
-
     from speculators import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from speculators.train.data import Eagle3SampleFileDataset, create_collate_fn
     from speculators.train.trainer import Trainer, TrainerConfig
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+    from torch.utils.data import DataLoader
+    from transformers import AutoConfig, LlamaConfig
 
     metrics: list[dict] = []
 
@@ -164,31 +200,55 @@ def train_draft(args: dict) -> dict:
     d2t, t2d = build_vocab_mappings_from_distribution(freq, args["draft_vocab"], target.vocab_size)
     torch.manual_seed(args["seed"])
     config = Eagle3SpeculatorConfig(
-        transformer_layer_config=LlamaConfig(hidden_size=target.hidden_size, intermediate_size=2 * target.hidden_size,
-                                             num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
-                                             vocab_size=target.vocab_size,
-                                             attn_implementation="simple_flex_attention"),
-        draft_vocab_size=args["draft_vocab"], eagle_aux_hidden_state_layer_ids=layers["eagle_aux_hidden_state_layer_ids"],
+        transformer_layer_config=LlamaConfig(
+            hidden_size=target.hidden_size,
+            intermediate_size=2 * target.hidden_size,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=1,
+            vocab_size=target.vocab_size,
+            attn_implementation="simple_flex_attention",
+        ),
+        draft_vocab_size=args["draft_vocab"],
+        eagle_aux_hidden_state_layer_ids=layers["eagle_aux_hidden_state_layer_ids"],
         speculators_config=SpeculatorsConfig(
-            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
+            algorithm="eagle3",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
             default_proposal_method="greedy",
-            verifier=VerifierConfig(name_or_path=model_dir, architectures=["LlamaForCausalLM"])))
+            verifier=VerifierConfig(name_or_path=model_dir, architectures=["LlamaForCausalLM"]),
+        ),
+    )
     model = Eagle3DraftModel(config, t2d=t2d, d2t=d2t)
     train_files, _ = split(folder)
     max_len = args["max_len"]
-    loader = DataLoader(Eagle3SampleFileDataset(max_len=max_len, file_list=train_files), batch_size=args["batch"],
-                        shuffle=True, generator=torch.Generator().manual_seed(args["seed"]),
-                        collate_fn=create_collate_fn(max_len))
-    evals = {name: DataLoader(Eagle3SampleFileDataset(max_len=max_len, file_list=split(Path(f))[1]), batch_size=1,
-                              collate_fn=create_collate_fn(max_len)) for name, f in args["held_out"].items()}
-    trainer = Trainer(model, TrainerConfig(lr=args["lr"], num_epochs=args["epochs"], save_path=args["save"],
-                                           local_rank="cpu", scheduler_type="none"), loader)
+    loader = DataLoader(
+        Eagle3SampleFileDataset(max_len=max_len, file_list=train_files),
+        batch_size=args["batch"],
+        shuffle=True,
+        generator=torch.Generator().manual_seed(args["seed"]),
+        collate_fn=create_collate_fn(max_len),
+    )
+    evals = {
+        name: DataLoader(
+            Eagle3SampleFileDataset(max_len=max_len, file_list=split(Path(f))[1]),
+            batch_size=1,
+            collate_fn=create_collate_fn(max_len),
+        )
+        for name, f in args["held_out"].items()
+    }
+    trainer = Trainer(
+        model,
+        TrainerConfig(
+            lr=args["lr"], num_epochs=args["epochs"], save_path=args["save"], local_rank="cpu", scheduler_type="none"
+        ),
+        loader,
+    )
     out: dict = {"train_steps": 0, "held_out": {}}
     for epoch in range(args["epochs"]):
         trainer.train_epoch(epoch)
     train = [m["train"] for m in metrics if "train" in m]
     out["train_steps"] = len(train)
-    tail = train[-len(loader):]  # the last epoch
+    tail = train[-len(loader) :]  # the last epoch
     out["train_loss_last_epoch"] = statistics.mean(m["loss"] for m in tail)
     out["train_loss_first_epoch"] = statistics.mean(m["loss"] for m in train[: len(loader)])
     for name, loader_ in evals.items():
@@ -201,8 +261,9 @@ def train_draft(args: dict) -> dict:
 
 def child(args: dict) -> dict:
     env = {**os.environ, "TORCHDYNAMO_DISABLE": "1"}
-    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(args)], capture_output=True, text=True,
-                          env=env)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(args)], capture_output=True, text=True, env=env
+    )
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-4000:])
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -238,21 +299,41 @@ def main() -> None:
         held = {"bf16 held-out": str(work / "data-auto")}
         if storage != "auto":
             held["own FP8 held-out"] = str(work / f"data-{storage}")
-        results[storage] = child({"model": str(model), "folder": str(work / f"data-{storage}"), "held_out": held,
-                                  "seed": opts.seed, "epochs": opts.epochs, "batch": opts.batch, "lr": 3e-4,
-                                  "max_len": opts.max_len, "draft_vocab": 256, "save": str(work / f"ckpt-{storage}")})
+        results[storage] = child(
+            {
+                "model": str(model),
+                "folder": str(work / f"data-{storage}"),
+                "held_out": held,
+                "seed": opts.seed,
+                "epochs": opts.epochs,
+                "batch": opts.batch,
+                "lr": 3e-4,
+                "max_len": opts.max_len,
+                "draft_vocab": 256,
+                "save": str(work / f"ckpt-{storage}"),
+            }
+        )
     print(json.dumps({"reconstruction": recon, "training": results}, indent=1))
     bpt = recon["bytes_per_token"]
-    print(f"\nFP8 vs bf16 storage, tiny Llama hidden {HIDDEN} x {LAYERS} layers (briefly trained), "
-          f"{recon['tokens']:,} tokens, draft trained {results['auto']['train_steps']} steps on CPU, same seed\n")
-    print(f"bytes per token (whole files): bf16 {bpt['auto']:.0f}, FP8 {bpt['fp8_e4m3']:.0f} "
-          f"({bpt['fp8_e4m3'] / bpt['auto']:.3f}x)")
-    print(f"reconstruction |deq - x| / row amax: median {recon['element_median']:.2e}, max {recon['element_max']:.2e}"
-          f" (bound 6.25e-02); per row ||deq - x|| / ||x||: median {recon['row_median']:.2e}, "
-          f"max {recon['row_max']:.2e}\n")
+    print(
+        f"\nFP8 vs bf16 storage, tiny Llama hidden {HIDDEN} x {LAYERS} layers (briefly trained), "
+        f"{recon['tokens']:,} tokens, draft trained {results['auto']['train_steps']} steps on CPU, same seed\n"
+    )
+    print(
+        f"bytes per token (whole files): bf16 {bpt['auto']:.0f}, FP8 {bpt['fp8_e4m3']:.0f} "
+        f"({bpt['fp8_e4m3'] / bpt['auto']:.3f}x)"
+    )
+    print(
+        f"reconstruction |deq - x| / row amax: median {recon['element_median']:.2e}, max {recon['element_max']:.2e}"
+        f" (bound 6.25e-02); per row ||deq - x|| / ||x||: median {recon['row_median']:.2e}, "
+        f"max {recon['row_max']:.2e}\n"
+    )
     keys = ["loss"] + [f"{k}_{i}" for k in ("full_acc", "cond_acc") for i in range(3)]
-    columns = [("bf16 data", results["auto"], "bf16 held-out"), ("FP8 data", results["fp8_e4m3"], "bf16 held-out"),
-               ("FP8 data, FP8 eval", results["fp8_e4m3"], "own FP8 held-out")]
+    columns = [
+        ("bf16 data", results["auto"], "bf16 held-out"),
+        ("FP8 data", results["fp8_e4m3"], "bf16 held-out"),
+        ("FP8 data, FP8 eval", results["fp8_e4m3"], "own FP8 held-out"),
+    ]
     print(f"{'draft trained on':<26}" + "".join(f"{c[0]:>20}" for c in columns))
     print(f"{'train loss, first epoch':<26}" + "".join(f"{c[1]['train_loss_first_epoch']:>20.4f}" for c in columns))
     print(f"{'train loss, last epoch':<26}" + "".join(f"{c[1]['train_loss_last_epoch']:>20.4f}" for c in columns))

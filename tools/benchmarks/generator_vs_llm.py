@@ -39,12 +39,24 @@ SHAPES = {
     # layers 1-3, as the CLI's default plan takes them: on this random, thin model the stream proof cannot
     # tell layer 0's output convention apart (one wrong candidate moves layer 1's outputs by 2.5%, under its
     # 5% margin), so a capture of layer 0 is refused: unproven, not guessed
-    "wide": dict(hidden=7168, layers=4, capture=[1, 2, 3], intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
-                 head_dim=64),
+    "wide": dict(
+        hidden=7168,
+        layers=4,
+        capture=[1, 2, 3],
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),
 }
-LABELS = {"async": "generator, async, stream()", "generate": "generator, async, generate()",
-          "sync": "generator, sync scheduling", "mp": "generator, multiprocess TP=1",
-          "tp2": "generator, multiprocess TP=2", "llm": "LLM.generate(max_tokens=1)"}
+LABELS = {
+    "async": "generator, async, stream()",
+    "generate": "generator, async, generate()",
+    "sync": "generator, sync scheduling",
+    "mp": "generator, multiprocess TP=1",
+    "tp2": "generator, multiprocess TP=2",
+    "llm": "LLM.generate(max_tokens=1)",
+}
 
 
 def measure(args: dict) -> dict:
@@ -53,8 +65,13 @@ def measure(args: dict) -> dict:
 
     batch = prompts(args["prompts"], args["length"])
     warm = prompts(4, args["length"], seed=1)
-    engine = dict(max_model_len=args["length"] + 8, dtype="float32", enforce_eager=args["eager"],
-                  max_num_seqs=args["max_num_seqs"], max_num_batched_tokens=args["batched_tokens"])
+    engine = dict(
+        max_model_len=args["length"] + 8,
+        dtype="float32",
+        enforce_eager=args["eager"],
+        max_num_seqs=args["max_num_seqs"],
+        max_num_batched_tokens=args["batched_tokens"],
+    )
     mode = args["mode"]
     if mode == "llm":
         from vllm import LLM, SamplingParams
@@ -71,9 +88,13 @@ def measure(args: dict) -> dict:
         if mode == "tp2":
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1" if (os.cpu_count() or 1) >= 2 else "0|0")
         gen = VllmHiddenStatesGenerator(
-            args["model"], layer_ids=args["layer_ids"], async_scheduling=mode != "sync",
-            executor="mp" if mode in ("mp", "tp2") else "uni", tensor_parallel_size=2 if mode == "tp2" else 1,
-            **engine)
+            args["model"],
+            layer_ids=args["layer_ids"],
+            async_scheduling=mode != "sync",
+            executor="mp" if mode in ("mp", "tp2") else "uni",
+            tensor_parallel_size=2 if mode == "tp2" else 1,
+            **engine,
+        )
         gen.generate(warm)
         start = time.perf_counter()
         if mode == "generate":
@@ -97,15 +118,25 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--rss", action="store_true", help="also peak RSS at N and 4N prompts")
     ap.add_argument("--model-dir", default=None, help="default: /tmp/speculators-v016-bench/<shape>")
-    ap.add_argument("--before", default=None, metavar="CHECKOUT",
-                    help="also run each generator mode with the speculators_v016 of this checkout, interleaved")
+    ap.add_argument(
+        "--before",
+        default=None,
+        metavar="CHECKOUT",
+        help="also run each generator mode with the speculators_v016 of this checkout, interleaved",
+    )
     opts = ap.parse_args()
     shape = dict(SHAPES[opts.shape])
     capture = shape.pop("capture")
     where = Path(opts.model_dir or f"/tmp/speculators-v016-bench/{opts.shape}")
     model = str(bench_model(where, shape.pop("hidden"), shape.pop("layers"), **shape))
-    base = dict(model=model, length=opts.length, eager=opts.eager, max_num_seqs=opts.max_num_seqs,
-                batched_tokens=opts.batched_tokens, layer_ids=capture)
+    base = dict(
+        model=model,
+        length=opts.length,
+        eager=opts.eager,
+        max_num_seqs=opts.max_num_seqs,
+        batched_tokens=opts.batched_tokens,
+        layer_ids=capture,
+    )
     runs = [(mode, None) for mode in opts.modes]
     if opts.before:
         runs += [(mode, opts.before) for mode in opts.modes if mode != "llm"]
@@ -117,9 +148,11 @@ def main() -> None:
             rates.setdefault(key, []).append(got["tokens_per_s"])
     med = {k: statistics.median(v) for k, v in rates.items()}
     shape_text = {k: v for k, v in SHAPES[opts.shape].items() if k != "capture"}
-    print(f"{opts.shape} model ({shape_text}), {opts.prompts} prompts x {opts.length} tokens, "
-          f"{'eager' if opts.eager else 'compiled'} engines, max_num_batched_tokens {opts.batched_tokens}, "
-          f"max_num_seqs {opts.max_num_seqs}, layers {base['layer_ids']}, {opts.rounds} round(s), medians")
+    print(
+        f"{opts.shape} model ({shape_text}), {opts.prompts} prompts x {opts.length} tokens, "
+        f"{'eager' if opts.eager else 'compiled'} engines, max_num_batched_tokens {opts.batched_tokens}, "
+        f"max_num_seqs {opts.max_num_seqs}, layers {base['layer_ids']}, {opts.rounds} round(s), medians"
+    )
     for key in rates:
         label = LABELS[key.split(" ")[0]] + (" [before]" if key.endswith("(before)") else "")
         print(f"  {label:39} {med[key]:10,.0f} tokens/s   (runs: {', '.join(f'{r:,.0f}' for r in rates[key])})")
@@ -130,8 +163,10 @@ def main() -> None:
     if opts.rss:
         n, n4 = opts.prompts, 4 * opts.prompts
         rss = {k: child(__file__, {**base, "mode": "async", "prompts": k})["peak_rss_mib"] for k in (n, n4)}
-        print(f"  peak RSS (generator, streamed) {rss[n]:,.0f} MiB at {n} prompts, {rss[n4]:,.0f} MiB at {n4}: "
-              f"{rss[n4] / rss[n]:.2f}x")
+        print(
+            f"  peak RSS (generator, streamed) {rss[n]:,.0f} MiB at {n} prompts, {rss[n4]:,.0f} MiB at {n4}: "
+            f"{rss[n4] / rss[n]:.2f}x"
+        )
 
 
 if __name__ == "__main__":

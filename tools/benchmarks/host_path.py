@@ -91,8 +91,9 @@ def steps(lengths: list[int]):
         yield step
 
 
-def through_writer(ring: SlotRing, lengths: list[int], folder: Path, workers: int, pool, fp8: bool = False,
-                   threads: str = "engine") -> dict:
+def through_writer(
+    ring: SlotRing, lengths: list[int], folder: Path, workers: int, pool, fp8: bool = False, threads: str = "engine"
+) -> dict:
     """Slots -> assembler -> writer -> durable files, as the pipeline runs them; bytes, seconds, CPU, copy time.
 
     The copies out of the slots run on the torch threads a GPU engine gives them
@@ -102,8 +103,12 @@ def through_writer(ring: SlotRing, lengths: list[int], folder: Path, workers: in
     """
     if CURRENT:
         writer = SampleWriter(folder, "safetensors", LAYER_IDS, workers=workers, reject=reject_non_finite(LAYER_IDS))
-        assembler = Assembler(tuple(range(LAYERS)), allocate=pool.take if pool else None, fp8=fp8,
-                              copy_threads=copy_threads("cuda") if threads == "engine" else None)
+        assembler = Assembler(
+            tuple(range(LAYERS)),
+            allocate=pool.take if pool else None,
+            fp8=fp8,
+            copy_threads=copy_threads("cuda") if threads == "engine" else None,
+        )
     else:
         writer = SampleWriter(folder, "safetensors", LAYER_IDS, workers=workers)
         assembler = Assembler(tuple(range(LAYERS)))
@@ -115,8 +120,9 @@ def through_writer(ring: SlotRing, lengths: list[int], folder: Path, workers: in
         for number, parts in enumerate(steps(lengths), 1):
             slot = ring.acquire()
             rows = sum(p[2] for p in parts)
-            capture = StepCapture(number, [f"r{i}" for i, _, _ in parts], [s for _, s, _ in parts],
-                                  [n for _, _, n in parts], slot=slot)
+            capture = StepCapture(
+                number, [f"r{i}" for i, _, _ in parts], [s for _, s, _ in parts], [n for _, _, n in parts], slot=slot
+            )
             assembler.expect(number, {f"r{i}": (s, n) for i, s, n in parts})
             began = time.perf_counter()
             capture.states = ring.slot(slot)[:, :rows]  # as CaptureEngine._retire does
@@ -127,8 +133,11 @@ def through_writer(ring: SlotRing, lengths: list[int], folder: Path, workers: in
             ring.release(slot)
             for index, states in assembler.pop_complete():
                 n = lengths[index]
-                sample = {"input_ids": torch.arange(n, dtype=torch.long), "hidden_states": states,
-                          "loss_mask": torch.ones(n, dtype=torch.long)}
+                sample = {
+                    "input_ids": torch.arange(n, dtype=torch.long),
+                    "hidden_states": states,
+                    "loss_mask": torch.ones(n, dtype=torch.long),
+                }
                 if not CURRENT:
                     if any(not torch.isfinite(h).all() for h in states):
                         raise RuntimeError("NaN in synthetic states")
@@ -141,15 +150,27 @@ def through_writer(ring: SlotRing, lengths: list[int], folder: Path, workers: in
     seconds = time.perf_counter() - start
     if (CURRENT and writer.take_rejected()) or writer.written != len(lengths):
         raise RuntimeError("the writer did not write every sample")
-    return {"bytes": writer.bytes, "seconds": seconds, "cpu": cpu_seconds() - cpu, "tokens": sum(lengths),
-            "copy_ms_per_step": 1e3 * copy * STEP / sum(lengths),
-            "commits": writer.commit.commits if CURRENT else len(lengths)}
+    return {
+        "bytes": writer.bytes,
+        "seconds": seconds,
+        "cpu": cpu_seconds() - cpu,
+        "tokens": sum(lengths),
+        "copy_ms_per_step": 1e3 * copy * STEP / sum(lengths),
+        "commits": writer.commit.commits if CURRENT else len(lengths),
+    }
 
 
 def make_ring(fp8: bool = False) -> SlotRing:
     """Two slots of random bf16 states (``fp8``: quantized into the slot, as a CPU worker's capture does)."""
-    ring = SlotRing.create(slots=2, num_ids=LAYERS, max_rows=STEP, hidden=HIDDEN, dtype=DTYPE, shared=False,
-                           storage=fp8_storage.NAME if fp8 else "auto")
+    ring = SlotRing.create(
+        slots=2,
+        num_ids=LAYERS,
+        max_rows=STEP,
+        hidden=HIDDEN,
+        dtype=DTYPE,
+        shared=False,
+        storage=fp8_storage.NAME if fp8 else "auto",
+    )
     for s in range(2):
         for j in range(LAYERS):
             if fp8:
@@ -161,8 +182,10 @@ def make_ring(fp8: bool = False) -> SlotRing:
 
 def before(checkout: str, lengths: list[int], folder: Path) -> dict:
     """:func:`through_writer` with ``checkout``'s speculators_v016 and its default workers, in a child process."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(checkout).resolve()),
-                                                                         os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(checkout).resolve()), os.environ.get("PYTHONPATH")])),
+    }
     args = json.dumps({"lengths": lengths, "folder": str(folder)})
     proc = subprocess.run([sys.executable, __file__, "--child", args], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -193,7 +216,7 @@ def raw_write(buffers: list[memoryview], folder: Path, streams: int) -> dict:
             with open(folder / f"raw_{i}", "wb", buffering=0) as fh:
                 view = data
                 while view:
-                    view = view[fh.write(view):]
+                    view = view[fh.write(view) :]
                 os.fsync(fh.fileno())
 
     start, cpu = time.perf_counter(), cpu_seconds()
@@ -225,8 +248,12 @@ def main() -> None:
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="folder on the disk to measure (a temp folder inside)")
     ap.add_argument("--fresh", action="store_true", help="also the default workers without the buffer pool")
     ap.add_argument("--fp8", action="store_true", help="also FP8 storage (codes + scales), default workers")
-    ap.add_argument("--before", default=None, metavar="CHECKOUT",
-                    help="also the writer of this checkout's speculators_v016 (default workers), in a child process")
+    ap.add_argument(
+        "--before",
+        default=None,
+        metavar="CHECKOUT",
+        help="also the writer of this checkout's speculators_v016 (default workers), in a child process",
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     opts = ap.parse_args()
     if opts.child:
@@ -245,32 +272,47 @@ def main() -> None:
     for n in lengths:  # the raw baselines write and hash the same number of bytes per file
         if offset + n * size > raw_bytes.size:
             offset = 0
-        buffers.append(memoryview(raw_bytes[offset: offset + n * size]))
+        buffers.append(memoryview(raw_bytes[offset : offset + n * size]))
         offset += n * size
     pool = BufferPool()
     runs: dict[str, list[dict]] = {}
     base = Path(tempfile.mkdtemp(prefix="host-path-", dir=opts.dir))
     try:
-        configs = [("raw write+fsync, 1 stream", lambda: raw_write(buffers, base, 1)),
-                   (f"raw write+fsync, {max(workers)} streams", lambda: raw_write(buffers, base, max(workers))),
-                   ("sha256 alone, 1 thread", lambda: sha_alone(buffers))]
-        configs += [(f"writer, {w} worker(s)", lambda w=w: through_writer(ring, lengths, base, w, pool))
-                    for w in workers]
+        configs = [
+            ("raw write+fsync, 1 stream", lambda: raw_write(buffers, base, 1)),
+            (f"raw write+fsync, {max(workers)} streams", lambda: raw_write(buffers, base, max(workers))),
+            ("sha256 alone, 1 thread", lambda: sha_alone(buffers)),
+        ]
+        configs += [
+            (f"writer, {w} worker(s)", lambda w=w: through_writer(ring, lengths, base, w, pool)) for w in workers
+        ]
         if opts.before:
             configs.append(("before: writer, its default workers", lambda: before(opts.before, lengths, base)))
         through_writer(ring, lengths[: len(lengths) // 2], base, max(workers), pool)  # warm the pool: a long run's
-        clear(base)                                                                   # steady state
+        clear(base)  # steady state
         if fp8_ring is not None:
-            configs.append((f"fp8: writer, {DEFAULT_WRITE_WORKERS} worker(s)",
-                            lambda: through_writer(fp8_ring, lengths, base, DEFAULT_WRITE_WORKERS, pool, fp8=True)))
+            configs.append(
+                (
+                    f"fp8: writer, {DEFAULT_WRITE_WORKERS} worker(s)",
+                    lambda: through_writer(fp8_ring, lengths, base, DEFAULT_WRITE_WORKERS, pool, fp8=True),
+                )
+            )
             through_writer(fp8_ring, lengths[: max(1, len(lengths) // 4)], base, DEFAULT_WRITE_WORKERS, pool, fp8=True)
             clear(base)
         if copy_threads("cuda") != torch.get_num_threads():
-            configs.append((f"writer, {DEFAULT_WRITE_WORKERS} worker(s), copy on {torch.get_num_threads()} threads",
-                            lambda: through_writer(ring, lengths, base, DEFAULT_WRITE_WORKERS, pool, threads="torch")))
+            configs.append(
+                (
+                    f"writer, {DEFAULT_WRITE_WORKERS} worker(s), copy on {torch.get_num_threads()} threads",
+                    lambda: through_writer(ring, lengths, base, DEFAULT_WRITE_WORKERS, pool, threads="torch"),
+                )
+            )
         if opts.fresh:
-            configs.append((f"writer, {DEFAULT_WRITE_WORKERS} worker(s), fresh memory",
-                            lambda: through_writer(ring, lengths, base, DEFAULT_WRITE_WORKERS, None)))
+            configs.append(
+                (
+                    f"writer, {DEFAULT_WRITE_WORKERS} worker(s), fresh memory",
+                    lambda: through_writer(ring, lengths, base, DEFAULT_WRITE_WORKERS, None),
+                )
+            )
         for _ in range(opts.rounds):
             for name, run in configs:
                 runs.setdefault(name, []).append(run())
@@ -282,9 +324,11 @@ def main() -> None:
             fp8_ring.close()
     rate = {k: statistics.median(r["bytes"] / r["seconds"] / 2**30 for r in v) for k, v in runs.items()}
     cores = {k: statistics.median(r["cpu"] / r["seconds"] for r in v) for k, v in runs.items()}
-    print(f"{len(lengths)} samples of 1536-2560 tokens x {LAYERS} layers x {HIDDEN} bf16 "
-          f"({total / 2**30:.2f} GiB) per measurement, steps of {STEP} tokens, folder on {opts.dir}, "
-          f"{os.cpu_count()} CPUs, {opts.rounds} round(s), medians")
+    print(
+        f"{len(lengths)} samples of 1536-2560 tokens x {LAYERS} layers x {HIDDEN} bf16 "
+        f"({total / 2**30:.2f} GiB) per measurement, steps of {STEP} tokens, folder on {opts.dir}, "
+        f"{os.cpu_count()} CPUs, {opts.rounds} round(s), medians"
+    )
     raw1 = rate["raw write+fsync, 1 stream"]
     for name in runs:
         extra = ""
@@ -292,11 +336,14 @@ def main() -> None:
             copy = statistics.median(r["copy_ms_per_step"] for r in runs[name])
             commits = statistics.median(r["commits"] for r in runs[name])
             per_token = statistics.median(r["bytes"] / r["tokens"] for r in runs[name])
-            source = statistics.median(r["tokens"] * LAYERS * HIDDEN * DTYPE.itemsize / r["seconds"] / 2**30
-                                       for r in runs[name])
-            extra = (f"  {rate[name] / raw1:.2f}x raw 1 stream; {per_token / 1024:.1f} KiB/token on disk, "
-                     f"{source:.2f} GiB/s of bf16 states; copy {copy:.0f} ms per step; "
-                     f"{commits:.0f} commits for {len(lengths)} samples")
+            source = statistics.median(
+                r["tokens"] * LAYERS * HIDDEN * DTYPE.itemsize / r["seconds"] / 2**30 for r in runs[name]
+            )
+            extra = (
+                f"  {rate[name] / raw1:.2f}x raw 1 stream; {per_token / 1024:.1f} KiB/token on disk, "
+                f"{source:.2f} GiB/s of bf16 states; copy {copy:.0f} ms per step; "
+                f"{commits:.0f} commits for {len(lengths)} samples"
+            )
         print(f"  {name:44} {rate[name]:6.2f} GiB/s  {cores[name]:4.2f} cores{extra}")
     print(f"  pool: {pool.allocated} blocks made, {pool.reused} reuses")
 

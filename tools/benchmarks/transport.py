@@ -55,8 +55,8 @@ def worker(to_worker, to_engine, ring_spec, max_rows: int) -> None:
     """The worker: answers each request with a tensor (a) or slot metadata (b, b+)."""
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
-    from speculators_v016.protocol import StepCapture
     from speculators_v016.engine.slot_ring import SlotRing
+    from speculators_v016.protocol import StepCapture
 
     requests_handle = to_worker.get()
     replies = MessageQueue(1, 1)
@@ -84,7 +84,7 @@ def copy_out(states: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
     for count in counts:
         for layer in range(states.shape[0]):
             dst = torch.empty((count, states.shape[2]), dtype=states.dtype)
-            dst.copy_(states[layer, offset: offset + count])
+            dst.copy_(states[layer, offset : offset + count])
             out.append(dst)
         offset += count
     return out
@@ -149,16 +149,25 @@ def main() -> None:
     proc.join(timeout=30)
     ring.close()
 
-    names = {"a": "(a) RPC return value", "b": "(b) slot ring", "b+": "(b+) ring + CPU worker copy",
-             "c": "(c) in-process copy"}
-    print(f"worker -> engine, GiB/s (median of {args.rounds} rounds of {args.steps} steps, 2 in flight; "
-          f"bf16, {LAYERS} layers x hidden {HIDDEN}; "
-          f"{torch.get_num_threads()} torch threads)")
+    names = {
+        "a": "(a) RPC return value",
+        "b": "(b) slot ring",
+        "b+": "(b+) ring + CPU worker copy",
+        "c": "(c) in-process copy",
+    }
+    print(
+        f"worker -> engine, GiB/s (median of {args.rounds} rounds of {args.steps} steps, 2 in flight; "
+        f"bf16, {LAYERS} layers x hidden {HIDDEN}; "
+        f"{torch.get_num_threads()} torch threads)"
+    )
     print(f"{'step':>8} " + " ".join(f"{names[m]:>28}" for m in modes) + "   (b)/(c)  (b)/(a)")
     for mib in args.sizes:
         rate = {m: mib / 1024 / statistics.median(seconds[(m, mib)]) for m in modes}
-        print(f"{mib:>4} MiB " + " ".join(f"{rate[m]:>28.2f}" for m in modes)
-              + f"   {rate['b'] / rate['c']:>6.2f}x  {rate['b'] / rate['a']:>6.1f}x")
+        print(
+            f"{mib:>4} MiB "
+            + " ".join(f"{rate[m]:>28.2f}" for m in modes)
+            + f"   {rate['b'] / rate['c']:>6.2f}x  {rate['b'] / rate['a']:>6.1f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -69,17 +69,25 @@ def _local_copy(pin: Pin) -> Path | None:
     if path.is_dir():
         path = path / pin.filename
     if not path.is_file():
-        raise ArtifactError(
-            f"{LOCAL_ARTIFACT_ENV}={given}: no upstream artifact {pin.filename} there"
-        )
+        raise ArtifactError(f"{LOCAL_ARTIFACT_ENV}={given}: no upstream artifact {pin.filename} there")
     return _verified(path, pin)
 
 
 def download(name: str, version: str | None, dest: Path) -> Path:
     """Download the wheel of ``name==version`` (None: the newest) with pip (honours pip's config)."""
     spec = name if version is None else f"{name}=={version}"
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-           "--only-binary=:all:", "--dest", str(dest), spec]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--dest",
+        str(dest),
+        spec,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(dest.glob("*.whl"))
     if proc.returncode != 0 or not wheels:

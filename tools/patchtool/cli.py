@@ -8,8 +8,16 @@ import tempfile
 from pathlib import Path
 
 from .artifact import ArtifactError, Pin
-from .worktree import (SeriesError, dep3_problems, export_series, has_unexported, mark_current, materialise,
-                       read_series, write_series)
+from .worktree import (
+    SeriesError,
+    dep3_problems,
+    export_series,
+    has_unexported,
+    mark_current,
+    materialise,
+    read_series,
+    write_series,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_WORK = ROOT / "build" / "work"
@@ -19,8 +27,10 @@ PATCHES = ROOT / "patches"
 def cmd_apply(args: argparse.Namespace) -> int:
     work = Path(args.work)
     if has_unexported(work) and not args.force:
-        print(f"{work} has edits or commits not exported yet: run 'refresh' first, "
-              "or pass --force to throw them away", file=sys.stderr)
+        print(
+            f"{work} has edits or commits not exported yet: run 'refresh' first, or pass --force to throw them away",
+            file=sys.stderr,
+        )
         return 1
     results = materialise(work, Path(args.patches))
     for r in results:
@@ -63,8 +73,9 @@ def check_series(patches: Path) -> list[str]:
             return [str(exc)]
         for name, data in export_series(work).items():
             if name not in listed:
-                problems.append(f"{name}: re-export names a patch the series does not have "
-                                "(subject and file name disagree)")
+                problems.append(
+                    f"{name}: re-export names a patch the series does not have (subject and file name disagree)"
+                )
             elif (patches / name).read_bytes() != data:
                 problems.append(f"{name}: stale (re-exporting it changes the file; run apply + refresh)")
     return problems
@@ -78,8 +89,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"FAIL {p}")
     if problems:
         return 1
-    print(f"ok: {len(read_series(patches))} patch(es) apply exactly to {pin.name} {pin.version}, "
-          "each has its DEP-3 header, none is stale")
+    print(
+        f"ok: {len(read_series(patches))} patch(es) apply exactly to {pin.name} {pin.version}, "
+        "each has its DEP-3 header, none is stale"
+    )
     return 0
 
 
@@ -99,12 +112,15 @@ def cmd_rebase(args: argparse.Namespace) -> int:
     else:
         sources = [s for s in (args.onto, args.onto_artifact, args.onto_path) if s]
         if len(sources) != 1:
-            print("error: give exactly one of --onto VERSION, --onto-artifact WHEEL, --onto-path DIR",
-                  file=sys.stderr)
+            print("error: give exactly one of --onto VERSION, --onto-artifact WHEEL, --onto-path DIR", file=sys.stderr)
             return 2
-        new = (rebase.source_from_index(args.onto) if args.onto else
-               rebase.source_from_wheel(Path(args.onto_artifact)) if args.onto_artifact else
-               rebase.source_from_path(Path(args.onto_path)))
+        new = (
+            rebase.source_from_index(args.onto)
+            if args.onto
+            else rebase.source_from_wheel(Path(args.onto_artifact))
+            if args.onto_artifact
+            else rebase.source_from_path(Path(args.onto_path))
+        )
         report = rebase.start(work, patches, new, args.dry_run)
     print(json.dumps(asdict(report) | {"result": report.result}, indent=2) if args.json else rebase.render(report))
     if report.finished and not args.keep:  # nothing waits in the work tree any more
@@ -126,8 +142,9 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="the series applies exactly, has headers, nothing stale")
     p.set_defaults(func=cmd_check)
     p = sub.add_parser("rebase", help="replay the series onto another upstream release and report")
-    p.add_argument("--onto", metavar="VERSION",
-                   help="an upstream release from the package index ('latest': the newest it serves)")
+    p.add_argument(
+        "--onto", metavar="VERSION", help="an upstream release from the package index ('latest': the newest it serves)"
+    )
     p.add_argument("--onto-artifact", metavar="WHEEL", help="a local upstream wheel")
     p.add_argument("--onto-path", metavar="DIR", help="an unpacked upstream tree or a source checkout")
     p.add_argument("--continue", dest="cont", action="store_true", help="carry on after resolving a conflict")

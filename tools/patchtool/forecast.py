@@ -61,15 +61,18 @@ def all_paths(patch: Path) -> set[str]:
 def meaning(path: str, moved_to: str | None, wrapped: dict[str, str]) -> str:
     """What an upstream deletion or rename means for us, in one sentence."""
     if path in wrapped:
-        what = f"upstream {'removed' if moved_to is None else f'moved to {moved_to}'} the module {wrapped[path]} replaces"
+        what = (
+            f"upstream {'removed' if moved_to is None else f'moved to {moved_to}'} the module {wrapped[path]} replaces"
+        )
         return f"{what}: the patch (and any redirect to our module) must move or go"
     if moved_to is None:
         return f"upstream removed {path}: the patch must move to where that code went, or go"
     return f"upstream renamed {path} to {moved_to}: the patch must follow it"
 
 
-def forecast(work: Path, patches: Path, wrapped: dict[str, str], new_ref: str = "new-upstream",
-             old_ref: str = "old-upstream") -> list[dict]:
+def forecast(
+    work: Path, patches: Path, wrapped: dict[str, str], new_ref: str = "new-upstream", old_ref: str = "old-upstream"
+) -> list[dict]:
     """One entry per patch of the series: name, status, files, hunks, targets moved upstream, notes."""
     moves = upstream_moves(work, old_ref, new_ref)
     scratch = Path(tempfile.mkdtemp(prefix="speculators-forecast-")) / "tree"
@@ -78,8 +81,7 @@ def forecast(work: Path, patches: Path, wrapped: dict[str, str], new_ref: str = 
     try:
         for name in read_series(patches):
             res = am(scratch, patches / name, three_way=True)
-            status = {"clean": "clean", "3way": "3way", "empty": "already-upstream",
-                      "conflict": "conflict"}[res.status]
+            status = {"clean": "clean", "3way": "3way", "empty": "already-upstream", "conflict": "conflict"}[res.status]
             entry = {"name": name, "status": status, "files": [], "hunks": {}, "moved": [], "notes": []}
             if status == "conflict":
                 entry["files"] = res.files
@@ -88,16 +90,18 @@ def forecast(work: Path, patches: Path, wrapped: dict[str, str], new_ref: str = 
             targets = touched_files(patches / name)
             for path in targets:
                 if path in moves:
-                    entry["moved"].append({"path": path, "to": moves[path],
-                                           "meaning": meaning(path, moves[path], wrapped)})
+                    entry["moved"].append(
+                        {"path": path, "to": moves[path], "meaning": meaning(path, moves[path], wrapped)}
+                    )
             if entry["moved"] and status != "already-upstream":
-                entry["status"] = "target-deleted" if any(m["to"] is None for m in entry["moved"]) \
-                    else "target-renamed"
+                entry["status"] = "target-deleted" if any(m["to"] is None for m in entry["moved"]) else "target-renamed"
             named = all_paths(patches / name)
             earlier = sorted({n for f in named for n in conflicted_files.get(f, [])})
             if earlier:
-                entry["notes"].append(f"touches files of {', '.join(earlier)}, which does not apply: this "
-                                      "forecast assumes that patch unresolved")
+                entry["notes"].append(
+                    f"touches files of {', '.join(earlier)}, which does not apply: this "
+                    "forecast assumes that patch unresolved"
+                )
             if entry["status"] in ("conflict", "target-deleted", "target-renamed"):
                 for path in named:
                     conflicted_files.setdefault(path, []).append(name)

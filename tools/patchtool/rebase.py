@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import zipfile
 from dataclasses import asdict, dataclass, field
@@ -88,7 +87,9 @@ def source_from_path(path: Path) -> Source:
     for candidate in (path / "src", path):
         if (candidate / "speculators" / "__init__.py").is_file():
             return Source(f"{path} (folder)", None, tree=candidate)
-    raise ArtifactError(f"--onto-path {path}: no speculators package in it (looked for speculators/ and src/speculators/)")
+    raise ArtifactError(
+        f"--onto-path {path}: no speculators package in it (looked for speculators/ and src/speculators/)"
+    )
 
 
 def _commit_tree(work: Path, source: Source, tag: str) -> None:
@@ -101,16 +102,25 @@ def _commit_tree(work: Path, source: Source, tag: str) -> None:
     if source.wheel is not None:
         unpack_wheel(source.wheel, work)
     else:
-        shutil.copytree(source.tree / "speculators", work / "speculators",
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        shutil.copytree(
+            source.tree / "speculators", work / "speculators", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+        )
         for name in ("LICENSE", "LICENSE.txt"):
             if (source.tree.parent / name).is_file() or (source.tree / name).is_file():
-                shutil.copy(next(p for p in (source.tree / name, source.tree.parent / name) if p.is_file()),
-                            work / "LICENSE")
+                shutil.copy(
+                    next(p for p in (source.tree / name, source.tree.parent / name) if p.is_file()), work / "LICENSE"
+                )
                 break
     git(work, "add", "-A")
-    git(work, "commit", "-q", "--allow-empty", "-m", f"Upstream {source.label}",
-        env={"GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z"})
+    git(
+        work,
+        "commit",
+        "-q",
+        "--allow-empty",
+        "-m",
+        f"Upstream {source.label}",
+        env={"GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z"},
+    )
     git(work, "tag", "-f", tag)
 
 
@@ -135,8 +145,12 @@ def _wrapped_table(patches: Path) -> dict[str, str]:
     table = patches / "wrapped-modules.json"
     if not table.exists():
         return {}
-    return {path: ours for ours, paths in json.loads(table.read_text()).items() if not ours.startswith("_")
-            for path in paths}
+    return {
+        path: ours
+        for ours, paths in json.loads(table.read_text()).items()
+        if not ours.startswith("_")
+        for path in paths
+    }
 
 
 def _wrapped(work: Path, patches: Path) -> list[dict]:
@@ -144,8 +158,13 @@ def _wrapped(work: Path, patches: Path) -> list[dict]:
     out = []
     for path, ours in _wrapped_table(patches).items():
         stat = git(work, "diff", "--stat", "old-upstream", "new-upstream", "--", path).strip()
-        state = ("deleted" if moves[path] is None else f"renamed to {moves[path]}") if path in moves else \
-            "changed" if stat else "unchanged"
+        state = (
+            ("deleted" if moves[path] is None else f"renamed to {moves[path]}")
+            if path in moves
+            else "changed"
+            if stat
+            else "unchanged"
+        )
         out.append({"ours": ours, "upstream": path, "changed": bool(stat), "diffstat": stat, "upstream_state": state})
     return out
 
@@ -154,8 +173,13 @@ def _conflict_detail(work: Path, res: PatchResult) -> dict:
     files = res.files
     hunks = conflict_hunks(work, files, upstream_moves(work, "old-upstream", "new-upstream"))
     shown = git(work, "am", "--show-current-patch=diff", check=False)
-    return {"files": files, "hunks": hunks, "work_tree": str(work), "current_patch": shown,
-            "detail": res.detail[-2000:]}
+    return {
+        "files": files,
+        "hunks": hunks,
+        "work_tree": str(work),
+        "current_patch": shown,
+        "detail": res.detail[-2000:],
+    }
 
 
 def _save_state(work: Path, state: dict) -> None:
@@ -184,14 +208,17 @@ def _replay(work: Path, patches: Path, state: dict) -> Report:
             state["report"] = asdict(report) | {"patches": report.patches[:-1]}
             state["conflicted"] = entry
             _save_state(work, state)
-            report.patches += [{"name": n, "status": "pending", "forecast": _forecast_of(report, n)}
-                               for n in names[state["next"] + 1:]]
+            report.patches += [
+                {"name": n, "status": "pending", "forecast": _forecast_of(report, n)}
+                for n in names[state["next"] + 1 :]
+            ]
             return report
         report.patches.append(entry)
         state["next"] += 1
         state["report"] = asdict(report)
-    report.range_diff = git(work, "range-diff", "--no-color", "old-upstream..old-series",
-                            "new-upstream..HEAD", check=False)
+    report.range_diff = git(
+        work, "range-diff", "--no-color", "old-upstream..old-series", "new-upstream..HEAD", check=False
+    )
     state["report"] = asdict(report)
     _save_state(work, state)
     return report
@@ -241,8 +268,13 @@ def _start(work: Path, patches: Path, old: Source, new: Source, dry_run: bool) -
     report.wrapped_modules = _wrapped(work, patches)
     report.forecast = forecast(work, patches, _wrapped_table(patches))
     report.summary = summary(report.forecast)
-    state = {"next": 0, "dry_run": dry_run, "report": asdict(report),
-             "new_pin": asdict(new.pin) if new.pin else None, "new_wheel": str(new.wheel or "")}
+    state = {
+        "next": 0,
+        "dry_run": dry_run,
+        "report": asdict(report),
+        "new_pin": asdict(new.pin) if new.pin else None,
+        "new_wheel": str(new.wheel or ""),
+    }
     report = _replay(work, patches, state)
     if any(p["status"] == "conflict" for p in report.patches):  # stopped: pending patches follow it
         return report
@@ -252,18 +284,26 @@ def _start(work: Path, patches: Path, old: Source, new: Source, dry_run: bool) -
 def resume(work: Path, patches: Path) -> Report:
     state = _load_state(work)
     if (work / ".git" / "rebase-apply").exists():
-        proc = subprocess.run(["git", "-C", str(work), "am", "--continue"], capture_output=True, text=True,
-                              env={**os.environ, "GIT_CONFIG_GLOBAL": os.devnull,
-                                   "GIT_COMMITTER_NAME": "speculators-v016",
-                                   "GIT_COMMITTER_EMAIL": "patches@speculators-v016.invalid"})
+        proc = subprocess.run(
+            ["git", "-C", str(work), "am", "--continue"],
+            capture_output=True,
+            text=True,
+            env={
+                **os.environ,
+                "GIT_CONFIG_GLOBAL": os.devnull,
+                "GIT_COMMITTER_NAME": "speculators-v016",
+                "GIT_COMMITTER_EMAIL": "patches@speculators-v016.invalid",
+            },
+        )
         if proc.returncode != 0:
-            raise SeriesError(f"git am --continue failed in {work}: resolve every file and 'git add' it:\n"
-                              f"{(proc.stdout + proc.stderr).strip()}")
+            raise SeriesError(
+                f"git am --continue failed in {work}: resolve every file and 'git add' it:\n"
+                f"{(proc.stdout + proc.stderr).strip()}"
+            )
     conflicted = state.pop("conflicted", None)
     report_state = state["report"]
     if conflicted:
-        report_state["patches"].append({"name": conflicted["name"], "status": "resolved",
-                                        "files": conflicted["files"]})
+        report_state["patches"].append({"name": conflicted["name"], "status": "resolved", "files": conflicted["files"]})
         state["next"] += 1
     state["report"] = report_state
     report = _replay(work, patches, state)

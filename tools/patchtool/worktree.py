@@ -26,15 +26,28 @@ BUILD_LEFTOVERS = ("*.egg-info/", "__pycache__/", "*.pyc", "/speculators_v016", 
 
 # A fixed identity and clock for the commits we make, so the tree is reproducible.
 _ENV = {
-    "GIT_AUTHOR_NAME": "speculators-v016", "GIT_AUTHOR_EMAIL": "patches@speculators-v016.invalid",
-    "GIT_COMMITTER_NAME": "speculators-v016", "GIT_COMMITTER_EMAIL": "patches@speculators-v016.invalid",
-    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z", "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_AUTHOR_NAME": "speculators-v016",
+    "GIT_AUTHOR_EMAIL": "patches@speculators-v016.invalid",
+    "GIT_COMMITTER_NAME": "speculators-v016",
+    "GIT_COMMITTER_EMAIL": "patches@speculators-v016.invalid",
+    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z",
+    "GIT_CONFIG_NOSYSTEM": "1",
 }
 # Flags that make format-patch output independent of the local git config.
 FORMAT_FLAGS = [
-    "--no-stat", "--zero-commit", "--full-index", "--no-signature", "--keep-subject",
-    "--no-encode-email-headers", "--find-renames", "--diff-algorithm=myers", "-U3",
-    "--src-prefix=a/", "--dst-prefix=b/", "--no-notes", "--no-binary",
+    "--no-stat",
+    "--zero-commit",
+    "--full-index",
+    "--no-signature",
+    "--keep-subject",
+    "--no-encode-email-headers",
+    "--find-renames",
+    "--diff-algorithm=myers",
+    "-U3",
+    "--src-prefix=a/",
+    "--dst-prefix=b/",
+    "--no-notes",
+    "--no-binary",
 ]
 
 
@@ -80,8 +93,14 @@ def init_pristine(work: Path, wheel: Path, pin: Pin) -> None:
     (work / ".git" / "info" / "exclude").write_text("\n".join(BUILD_LEFTOVERS) + "\n")
     git(work, "add", "-A")
     date = {"GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z"}
-    git(work, "commit", "-q", "-m", f"Upstream {pin.name} {pin.version} ({pin.filename})\n\n"
-        f"sha256: {pin.sha256}", env=date)
+    git(
+        work,
+        "commit",
+        "-q",
+        "-m",
+        f"Upstream {pin.name} {pin.version} ({pin.filename})\n\nsha256: {pin.sha256}",
+        env=date,
+    )
     git(work, "tag", UPSTREAM_TAG)
 
 
@@ -99,8 +118,12 @@ def am(work: Path, patch: Path, three_way: bool) -> PatchResult:
     args = ["am", "--keep", "--keep-cr", "--committer-date-is-author-date"]
     if three_way:
         args.append("--3way")
-    proc = subprocess.run(["git", "-C", str(work), *args, str(patch)], capture_output=True, text=True,
-                          env={**os.environ, **_ENV, "GIT_CONFIG_GLOBAL": os.devnull})
+    proc = subprocess.run(
+        ["git", "-C", str(work), *args, str(patch)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **_ENV, "GIT_CONFIG_GLOBAL": os.devnull},
+    )
     out = proc.stdout + proc.stderr
     if proc.returncode == 0:
         if git(work, "rev-parse", "HEAD").strip() == head:  # merged to nothing: already upstream
@@ -136,9 +159,11 @@ def materialise(work: Path, patches: Path, *, three_way: bool = True) -> list[Pa
     results = apply_series(work, patches, three_way=three_way)
     bad = [r for r in results if r.status == "conflict"]
     if bad:
-        raise SeriesError(f"patch {bad[0].name} does not apply to {pin.name} {pin.version} "
-                          f"(files: {', '.join(bad[0].files) or '?'}); the am session waits in {work}\n"
-                          f"{bad[0].detail}")
+        raise SeriesError(
+            f"patch {bad[0].name} does not apply to {pin.name} {pin.version} "
+            f"(files: {', '.join(bad[0].files) or '?'}); the am session waits in {work}\n"
+            f"{bad[0].detail}"
+        )
     mark_current(work, patches)
     return results
 
@@ -157,8 +182,7 @@ def _stamp(work: Path) -> list[str]:
 def is_current(work: Path, patches: Path) -> bool:
     """``work`` holds exactly the series in ``patches``, with nothing added since."""
     stamp = _stamp(work)
-    return (len(stamp) == 2 and stamp[0] == series_fingerprint(patches)
-            and not has_unexported(work))
+    return len(stamp) == 2 and stamp[0] == series_fingerprint(patches) and not has_unexported(work)
 
 
 def has_unexported(work: Path) -> bool:
@@ -204,5 +228,6 @@ def write_series(patches: Path, exported: dict[str, bytes]) -> list[str]:
 def dep3_problems(name: str, text: str) -> list[str]:
     """Missing DEP-3 fields in the message part of a patch."""
     message = text.split("\n---\n", 1)[0]
-    return [f"{name}: no DEP-3 '{f}:' field" for f in DEP3_FIELDS
-            if not re.search(rf"^{re.escape(f)}: \S", message, re.M)]
+    return [
+        f"{name}: no DEP-3 '{f}:' field" for f in DEP3_FIELDS if not re.search(rf"^{re.escape(f)}: \S", message, re.M)
+    ]
