@@ -43,10 +43,14 @@ ARCHITECTURE_RESULTS: dict[str, dict] = {}
 
 @pytest.fixture
 def record_architecture():
-    """record(name, model_class, aux_source, tested, max_abs_error, tolerance, note) for the README table."""
+    """record(name, model_class, aux_source, tested, max_abs_error, tolerance, note, dtype) for the README table.
 
-    def record(name, model_class, aux_source, tested, max_abs_error=None, tolerance=None, note=""):
-        ARCHITECTURE_RESULTS[name] = dict(
+    A float32 result is the family's row; another dtype's is kept beside it (``name@dtype``) for its column.
+    """
+
+    def record(name, model_class, aux_source, tested, max_abs_error=None, tolerance=None, note="", dtype="float32"):
+        key = name if dtype == "float32" else f"{name}@{dtype}"
+        ARCHITECTURE_RESULTS[key] = dict(
             name=name,
             model_class=model_class,
             aux_source=aux_source,
@@ -54,6 +58,7 @@ def record_architecture():
             max_abs_error=max_abs_error,
             tolerance=tolerance,
             note=note,
+            dtype=dtype,
         )
 
     return record

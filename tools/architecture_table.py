@@ -77,28 +77,39 @@ NOT_RUN = {
         "transformers 4.57 has no implementation (remote code only), so no tiny model and no "
         "reference here; fused add-norm layers: the start-up stream proof decides",
     ),
-    "GPT-OSS": (
-        "GptOssForCausalLM",
-        "built-in",
-        "not compared",
-        "ran on the CPU engine in bf16 only (its attention-sink kernel refuses fp32 there), so no "
-        "exact reference; real checkpoints are MXFP4 (GPU kernels)",
-    ),
+}
+
+
+#: Families run in bfloat16 only, and why not in float32.
+NOTES_BF16_ONLY = {
+    "gpt_oss": "its attention-sink kernel refuses fp32 on vLLM's CPU backend; real checkpoints are MXFP4 (GPU kernels)",
+    "qwen2": "the CLI's default-dtype tests run it end to end",
 }
 
 
 def rows(results: dict) -> list[str]:
+    """One row per family: its float32 result, and beside it its bfloat16 result (``name@bfloat16``)."""
     lines = [
-        "| architecture | vLLM class | aux source | run | max abs error vs transformers | tolerance | note |",
-        "|---|---|---|---|---|---|---|",
+        "| architecture | vLLM class | aux source | run | max abs error vs transformers (fp32) | tolerance "
+        "| bf16: row error vs transformers fp32 | note |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for name in sorted(results, key=str.lower):
-        r = results[name]
+    bf16 = {r["name"]: r for r in results.values() if r.get("dtype") == "bfloat16"}
+    fp32 = {key: r for key, r in results.items() if r.get("dtype", "float32") == "float32"}
+    for name in sorted(set(fp32) | set(bf16), key=str.lower):
+        r = fp32.get(name)
+        low = bf16.get(name)
+        low_cell = low["note"] if low else "-"
+        if r is None:  # run in bf16 only
+            lines.append(_row(name, f"`{low['model_class']}`", low["aux_source"], low["tested"], "-", "-", low_cell,
+                              NOTES_BF16_ONLY.get(name, "")))  # fmt: skip
+            continue
         err = f"{r['max_abs_error']:.1e}" if r["max_abs_error"] is not None else "-"
         tol = f"{r['tolerance']:.0e}" if r["tolerance"] is not None else "-"
-        lines.append(_row(name, f"`{r['model_class']}`", r["aux_source"], r["tested"], err, tol, r["note"]))
+        run = r["tested"] + (" and bf16" if low else "")
+        lines.append(_row(name, f"`{r['model_class']}`", r["aux_source"], run, err, tol, low_cell, r["note"]))
     for name, (cls, source, how, why) in sorted(NOT_RUN.items()):
-        lines.append(_row(name, f"`{cls}`", source, how, "-", "-", why))
+        lines.append(_row(name, f"`{cls}`", source, how, "-", "-", "-", why))
     return lines
 
 

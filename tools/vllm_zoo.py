@@ -63,6 +63,7 @@ TESTED = {
     "gpt_neox.GPTNeoXLayer": "gpt_neox (test_model_families)",
     "llama4.Llama4DecoderLayer": "llama4 (dense layers; test_model_families)",
     "ernie45_moe.Ernie4_5_MoeDecoderLayer": "ernie4_5_moe (test_model_families)",
+    "exaone4.Exaone4DecoderLayer": "exaone4 (test_model_families; its final norm takes the stream alone)",
 }
 
 #: Decoder layers found by the capture that vLLM's CPU backend cannot run here: class -> what was tried.

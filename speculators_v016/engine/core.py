@@ -28,6 +28,7 @@ from typing import Any
 from loguru import logger
 
 from speculators_v016.engine.assembly import Allocate, Assembler, AttributionError, copy_threads, expected_rows
+from speculators_v016.engine.cpu_attention import attention_overrides
 from speculators_v016.engine.executor import capture_executor, executor_kind
 from speculators_v016.engine.shm_records import RunRecord, reclaim_and_log
 from speculators_v016.engine.slot_ring import SlotRing
@@ -149,6 +150,7 @@ class CaptureEngine:
                     "hidden_states_dtype": s.hidden_states_dtype,
                 }
             },
+            **attention_overrides(s.dtype, s.extra_engine_args),
             **s.extra_engine_args,
         )
         config = args.create_engine_config()

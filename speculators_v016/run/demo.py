@@ -1,6 +1,6 @@
 """``speculators-data-gen demo``: the whole pipeline, offline, on a tiny model.
 
-Builds a random-weight Llama (8 layers, hidden 128, fp32) with a locally
+Builds a random-weight Llama (8 layers, hidden 128) with a locally
 trained tokenizer and chat template, takes the sample conversations shipped
 in this package (written for it), generates hidden states with the installed
 vLLM 0.16, verifies the folder, and shows what a sample holds.
@@ -42,9 +42,8 @@ def run_demo(where: Path, fmt: str, console) -> int:
         console.echo(f"building a tiny random Llama in {model} ...")
         build_tiny_model(model, "llama", corpus=DEFAULT_CORPUS + corpus_lines())
     data = where / f"data-{fmt}"
-    engine = EngineSettings(
-        model=str(model), max_model_len=SEQ_LENGTH + 1, dtype="float32", enforce_eager=True, max_num_seqs=8
-    )
+    # the CLI's own dtype (auto: bfloat16 on CPU), as users run it; eager: a compiled start costs a minute
+    engine = EngineSettings(model=str(model), max_model_len=SEQ_LENGTH + 1, enforce_eager=True, max_num_seqs=8)
     opts = RunOptions(
         engine=engine,
         train_data_path=[str(bundled_conversations())],

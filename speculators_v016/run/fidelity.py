@@ -98,13 +98,15 @@ class CheckReport:
     logits_ok: bool
     layers: list[LayerError] = field(default_factory=list)  # empty: transformers not run
     replay: ReplayReport | None = None
+    stream_margins: list[str] = field(default_factory=list)  # the start-up stream proof, per consumer
 
     @property
     def ok(self) -> bool:
         return self.logits_ok and all(e.ok for e in self.layers) and (self.replay is None or self.replay.ok)
 
     def lines(self) -> list[str]:
-        out = [f"logit check: {self.logit_line}"]
+        out = [f"stream proof: {line}" for line in self.stream_margins]
+        out.append(f"logit check: {self.logit_line}")
         if self.layers:
             out.append(f"{self.samples} samples, engine dtype {self.engine_dtype}, reference transformers float32")
             out.append(f"{'layer':>6} {'max abs err':>12} {'relative':>10} {'tolerance':>10}  result")
@@ -157,9 +159,10 @@ def check(
             if checker.active:
                 checker.add(index, results[index]["input_ids"], states, engine.prompt_logprobs.pop(index))
         engine_dtype = str(engine.dtype).removeprefix("torch.")
+        margins = list(engine.capture_info[0].get("stream_margins", {}).values())
     by_layer = [dict(zip(captured.layer_ids, r["hidden_states"])) for r in results]
     logits_ok = checker.result.ok or (bool(checker.result.unavailable) and with_transformers)
-    report = CheckReport(len(prompts), engine_dtype, checker.result.line(), logits_ok)
+    report = CheckReport(len(prompts), engine_dtype, checker.result.line(), logits_ok, stream_margins=margins)
     report.replay = replay_layers(
         model, by_layer, list(plan.layer_ids), RELATIVE_TOLERANCE.get(engine_dtype, 5e-2), settings.trust_remote_code
     )

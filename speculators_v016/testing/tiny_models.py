@@ -195,6 +195,9 @@ ARCHITECTURES = {
     ),
     # MiniMax-Text-01: lightning (linear) attention layers and softmax attention layers, MoE MLPs.
     "minimax": ("MiniMaxConfig", {"head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2, "block_size": 16}),
+    # EXAONE 4: post-norm blocks (norms after attention and MLP, added to the stream); a layer returns the
+    # stream and an intermediate, and the final norm takes the stream alone. Sliding-window and global layers.
+    "exaone4": ("Exaone4Config", {"head_dim": 32, "sliding_window": 64, "sliding_window_pattern": 2}),
     # ERNIE 4.5 MoE: dense first layer, then MoE with shared experts.
     "ernie4_5_moe": (
         "Ernie4_5_MoeConfig",

@@ -195,4 +195,5 @@ def install_aux_outputs(model: nn.Module, vllm_ids: Sequence[int], mode: str = "
         "builtin_ids": list(builtin_ids),
         "tap_ids": list(tap_ids),
         "streams": {k: conventions[k].kind for k in ids},
+        "stream_margins": {k: conventions[k].margin_line() for k in ids},
     }

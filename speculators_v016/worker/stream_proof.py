@@ -13,20 +13,33 @@ convention of each consumer from its behaviour:
 
 1. **Structure** (real forward): every decoder layer runs once, in order, then
    the final norm; each consumer receives exactly the tensors its predecessor
-   returned (nothing changes the stream between layers); the model's output is
-   the final norm's output.
+   returned, or the first of them (EXAONE 4's post-norm blocks return the
+   stream and an intermediate, and its final norm takes the stream alone);
+   nothing changes the stream between layers; the model's output is the final
+   norm's output.
 2. **Sufficiency** (per consumer, its real call with crafted inputs): the stream
    is what the consumer's outputs depend on. Its ``[tokens, hidden]`` tensor
-   arguments (``a``, ``b``) are replaced by random values on a grid coarse
-   enough that ``a + b`` is exact in every float dtype; the consumer is run
-   with ``(a, b)``, then with each candidate stream ``a + b``, ``a``, ``b`` in
-   the first place and zeros in the second. The right candidate reproduces
-   every output (the final norm: its normed output, the only one used)
-   exactly, since the consumer then computes on identical values; a wrong one
-   changes them at the scale of the stream. Exactly one candidate must
-   reproduce the outputs (within :data:`SAME`) while the others differ by at
-   least :data:`DIFFERENT`; otherwise the convention is not established and the
-   run is refused. A consumer with one such argument takes the stream whole.
+   arguments (``a``, ``b``) are replaced by random values ``k/64 x 2^p`` (``|k|
+   <= 64``) with ONE power of two ``p`` for both, so ``a + b`` (at most 8
+   significant bits) is exact in bfloat16, float16 and float32 alike (checked:
+   :func:`_exact_sum`); the consumer is run with ``(a, b)``, then with each
+   candidate stream ``a + b``, ``a``, ``b`` in the first place and zeros in the
+   second. The right candidate hands the consumer the very values it adds
+   itself, whatever precision its kernel adds in (vLLM's fused add-norm adds in
+   float32; a candidate computed in bfloat16 with each argument on its own scale
+   was rounded and missed by 1.6e-3), so it reproduces every output (the final
+   norm: its normed output, the only one used) exactly on every kernel we know;
+   a wrong one changes them at the scale of the stream (~0.7 relative, since
+   ``a`` and ``b`` have one scale). The thresholds come from the consumer's
+   output dtype (:func:`thresholds`): the right candidate within
+   :data:`SAME_ULPS` units in the last place (relative to the outputs' norm),
+   room for a kernel that rounds its last step differently; every wrong one at
+   least :data:`DIFFERENT_FACTOR` times that, and never under
+   :data:`DIFFERENT_FLOOR`. Exactly one candidate must pass while the others are
+   past the second threshold; otherwise the convention is not established and
+   the run is refused. The margin each consumer showed (nearest wrong candidate
+   over the right one's tolerance) is kept in the convention and reported. A
+   consumer with one such argument takes the stream whole.
 3. **Recording** (:func:`verify_aux`, after the taps are installed): on a
    second forward, every aux output (ours and vLLM's built-in) equals the
    proven stream of that forward bit for bit.
@@ -42,6 +55,7 @@ calls (tensor-parallel layers communicate inside their forward).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,10 +63,15 @@ from typing import Any
 import torch
 from torch import nn
 
-#: A crafted candidate reproduces the outputs: relative difference at most this (exact on one device).
-SAME = 1e-3
-#: A wrong candidate changes them: relative difference at least this.
-DIFFERENT = 5e-2
+#: The right candidate reproduces the consumer's outputs within this many units in the last place of
+#: their dtype (relative Frobenius distance <= SAME_ULPS x eps): 0 on every kernel met so far, since
+#: the crafted sum is exact; the room is for a kernel that rounds its last step differently.
+SAME_ULPS = 4
+#: Every wrong candidate must change the outputs by at least this many times the right one's tolerance...
+DIFFERENT_FACTOR = 8
+#: ... and by at least this (relative): with one scale for both arguments a wrong candidate moves the
+#: outputs by ~0.7 (a norm of a against a norm of a + b, for b of a's size).
+DIFFERENT_FLOOR = 5e-2
 #: Token count of the check forward: small, and unlike any model dimension.
 CHECK_TOKENS = 13
 
@@ -85,6 +104,24 @@ class StreamConvention:
     slots: tuple[Location, ...]
     kind: str
     evidence: tuple[tuple[str, float], ...] = ()  # candidate -> relative difference of the outputs
+    same: float = 0.0  # the tolerance the right candidate met (from the outputs' dtype)
+    different: float = 0.0  # the distance every wrong candidate had to exceed
+
+    @property
+    def margin(self) -> float | None:
+        """Nearest wrong candidate's distance over the right one's tolerance (None: nothing was compared)."""
+        errors = sorted(err for _, err in self.evidence)
+        return errors[1] / self.same if len(errors) > 1 and self.same > 0 else None
+
+    def margin_line(self) -> str:
+        """One line for the log and ``check``: the right candidate, the nearest wrong one, the thresholds."""
+        if self.margin is None:
+            return f"{self.consumer}: {self.kind} (one stream-shaped argument: nothing to tell apart)"
+        right, wrong = sorted(err for _, err in self.evidence)[:2]
+        return (
+            f"{self.consumer}: {self.kind.split(' (')[0]}: right {right:.2g} (tolerance {self.same:.2g}), "
+            f"nearest wrong {wrong:.2g} (threshold {self.different:.2g}), margin {self.margin:.3g}x"
+        )
 
     def describe(self) -> dict:
         return {
@@ -92,6 +129,8 @@ class StreamConvention:
             "class": self.class_name,
             "kind": self.kind,
             "evidence": {k: float(f"{v:.3g}") for k, v in self.evidence},
+            "same": self.same,
+            "different": self.different,
         }
 
 
@@ -207,12 +246,39 @@ def _relative(got: list, want: list) -> float:
     return worst
 
 
-def _crafted(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Random values k/64 (|k| <= 64) times a power of two near ``like``'s scale: sums of two are exact."""
-    scale = like.float().pow(2).mean().sqrt().item()
-    power = 2.0 ** round(torch.log2(torch.tensor(max(scale, 2.0**-20))).item())
-    grid = torch.randint(-64, 65, tuple(like.shape), generator=generator).float() / 64
-    return (grid * power).to(device=like.device, dtype=like.dtype)
+def thresholds(outputs: Sequence[torch.Tensor | None]) -> tuple[float, float]:
+    """(same, different) for a consumer whose outputs are ``outputs``: from the least precise of their dtypes.
+
+    ``same`` = :data:`SAME_ULPS` x eps (bfloat16 3.1e-2, float16 3.9e-3, float32 4.8e-7): a relative
+    Frobenius distance that every element off by up to that many units in the last place stays
+    within; ``different`` = max(:data:`DIFFERENT_FACTOR` x same, :data:`DIFFERENT_FLOOR`).
+    """
+    eps = max((torch.finfo(t.dtype).eps for t in outputs if t is not None and t.is_floating_point()), default=0.0)
+    if eps == 0.0:
+        raise StreamProofError(_message(["the consumer returned no floating-point output to compare"]))
+    same = SAME_ULPS * eps
+    return same, max(DIFFERENT_FACTOR * same, DIFFERENT_FLOOR)
+
+
+def _crafted(likes: Sequence[torch.Tensor], generator: torch.Generator) -> list[torch.Tensor]:
+    """Random values k/64 (|k| <= 64) times ONE power of two near the largest of ``likes``' scales.
+
+    One power for all arguments: a sum of two is then (k1 + k2)/64 x 2^p with |k1 + k2| <= 128, at most
+    8 significant bits, exact in bfloat16 (8), float16 (11) and float32 (24). The power stays within
+    [2^-8, 2^12], where float16 neither underflows nor overflows.
+    """
+    scale = max(like.float().pow(2).mean().sqrt().item() for like in likes)
+    power = 2.0 ** min(max(round(math.log2(max(scale, 2.0**-8))), -8), 12)
+    out = []
+    for like in likes:
+        grid = torch.randint(-64, 65, tuple(like.shape), generator=generator).to(torch.float64) / 64
+        out.append((grid * power).to(device=like.device, dtype=like.dtype))
+    return out
+
+
+def _exact_sum(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Is ``a + b`` computed in their dtype the exact sum (what a kernel adding in float32 gets)?"""
+    return bool(torch.equal((a + b).double(), a.double() + b.double()))
 
 
 def _outputs(module: nn.Module, call: _Call, slots: list[Location], keep: slice, first, second) -> list:
@@ -313,7 +379,8 @@ def prove_streams(
         handed = [t for t in _tensors(before.output) if t is None or tuple(t.shape) == shape]
         got = [read(call.args, call.kwargs, w) for w in _locations(call, shape)]
         handed_tensors = [t for t in handed if t is not None]
-        if len(got) != len(handed_tensors) or not all(torch.equal(a, b) for a, b in zip(got, handed_tensors)):
+        # all of them, or (a post-norm block's last layer, EXAONE 4) the first ones: never another tensor
+        if not got or len(got) > len(handed_tensors) or not all(torch.equal(a, b) for a, b in zip(got, handed_tensors)):
             findings.add(
                 consumer,
                 module,
@@ -342,41 +409,48 @@ def prove_streams(
                     f"[{shape[0]}, {shape[1]}] (expected 1 or 2): {_describe(call.args)}",
                 )
                 continue
-            a, b = (_crafted(read(call.args, call.kwargs, w), generator) for w in slots)
+            a, b = _crafted([read(call.args, call.kwargs, w) for w in slots], generator)
+            if not _exact_sum(a, b):  # cannot happen on the grid above; refuse rather than judge on rounding
+                findings.add(consumer, module, f"the crafted stream a + b is not exact in {a.dtype}")
+                continue
             keep = slice(0, 1) if k == n else slice(None)  # the final norm: only its normed output is used
 
             reference = _outputs(module, call, slots, keep, a, b)
+            same_at, different_at = thresholds(reference)
             evidence = tuple(
                 (cand, _relative(_outputs(module, call, slots, keep, fn(a, b), torch.zeros_like(a)), reference))
                 for cand, fn in CANDIDATES.items()
             )
             arg_names = (_param_name(module, slots[0]), _param_name(module, slots[1]))
-            same = [c for c, err in evidence if err <= SAME]
-            unclear = [c for c, err in evidence if SAME < err < DIFFERENT]
+            same = [c for c, err in evidence if err <= same_at]
+            unclear = [c for c, err in evidence if same_at < err < different_at]
             seen = ", ".join(f"{_kind(c, arg_names).split(' (')[0]}: {err:.2g}" for c, err in evidence)
+            bounds = f" (right within {same_at:.2g}, wrong beyond {different_at:.2g}, outputs {reference[0].dtype})"
             if len(same) == 1 and not unclear:
+                kept = tuple(slots) if same[0] == "a + b" else ((slots[0],) if same[0] == "a" else (slots[1],))
                 conventions[k] = StreamConvention(
-                    consumer, type(module).__name__, tuple(slots), _kind(same[0], arg_names), evidence
+                    consumer,
+                    type(module).__name__,
+                    kept,
+                    _kind(same[0], arg_names),
+                    evidence,
+                    same_at,
+                    different_at,
                 )
-                if same[0] != "a + b":
-                    keep_at = slots[0] if same[0] == "a" else slots[1]
-                    conventions[k] = StreamConvention(
-                        consumer, type(module).__name__, (keep_at,), _kind(same[0], arg_names), evidence
-                    )
             elif not same:
                 findings.add(
                     consumer,
                     module,
                     f"no known combination of its arguments {list(arg_names)} "
                     f"reproduces its outputs; relative change of its outputs when the stream is taken "
-                    f"as {seen}",
+                    f"as {seen}{bounds}",
                 )
             else:
                 findings.add(
                     consumer,
                     module,
-                    "the stream cannot be told apart on the check input: "
-                    f"relative change of its outputs when taken as {seen}",
+                    f"the stream cannot be told apart on the check input: relative change of its outputs when "
+                    f"taken as {seen}{bounds}",
                 )
     if findings:
         raise StreamProofError(_message(findings))

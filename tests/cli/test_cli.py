@@ -42,12 +42,13 @@ def reference_run(tmp_path_factory, model_dir, data_file):
 
 
 def test_demo_runs_and_verifies(tmp_path):
-    """`speculators-data-gen demo` builds a model, generates, verifies, and explains the files."""
+    """`speculators-data-gen demo` builds a model, generates in the CLI's default dtype (bf16), verifies, explains."""
     result = invoke("demo", "--dir", tmp_path)
     assert result.exit_code == 0, result.output
-    assert "verify:     ok (20 samples)" in result.output
+    assert "verify:     ok (20 samples)" in result.output and "logit check: ok" in result.output
     assert "eagle_aux_hidden_state_layer_ids = [3, 5, 6]" in result.output
-    assert_one_voice(result.output, [tmp_path / "logs"])
+    assert "torch.bfloat16" in result.output  # what a sample holds: the dtype users run
+    assert_one_voice(result.output, [tmp_path / "logs"], dtype="bfloat16")
 
 
 def test_reference_run_is_complete_and_exact(reference_run, model_dir):

@@ -70,6 +70,11 @@ FAMILIES = {
     "olmo2": ("taps", 1e-5, "layers take the residual stream as one tensor (no residual argument)"),
     "gemma3": ("taps", 1e-5, "text model; sandwich norms, embeddings scaled by sqrt(hidden)"),
     "gemma2": ("taps", 2e-3, SOFTCAP_NOTE),
+    "exaone4": (
+        "taps",
+        1e-5,
+        "post-norm blocks; a layer hands on the stream and an intermediate, the final norm takes the stream alone",
+    ),
 }
 
 
@@ -84,6 +89,7 @@ STREAMS = {
     "cohere2": (PARALLEL, "hidden_states alone (residuals passed along, not added)"),
     "gpt_neox": (WHOLE, "whole: input"),
     "olmo2": (WHOLE, "whole: x"),
+    "exaone4": (PARALLEL, "whole: x"),
 }
 
 

@@ -91,11 +91,11 @@ THIRD_PARTY = [
 ]
 
 
-def assert_one_voice(output: str, log_dirs) -> Path:
+def assert_one_voice(output: str, log_dirs, dtype: str = "float32") -> Path:
     """Terminal: our start line, progress, summary and log path only; the log: vLLM's lines. Returns the log."""
     for line in THIRD_PARTY:
         assert line not in output, f"{line!r} reached the terminal:\n{output[-3000:]}"
-    assert re.search(r"layers \[[\d, ]+\] \(vLLM aux ids \[[\d, ]+\]\), float32, TP 1, uni executor", output)
+    assert re.search(rf"layers \[[\d, ]+\] \(vLLM aux ids \[[\d, ]+\]\), {dtype}, TP 1, uni executor", output)
     assert re.search(r"\d+/\d+ samples: .*tok/s", output), output[-2000:]  # the progress bar
     assert "written:" in output and "verify:" in output
     logs = sorted(p for d in log_dirs for p in Path(d).glob("*.log"))

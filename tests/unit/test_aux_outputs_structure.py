@@ -112,6 +112,8 @@ def test_kimi_like_model_gets_exact_aux_outputs():
     kimi = KimiK25ForConditionalGeneration(5)
     info = install_aux_outputs(kimi, [1, 3, 5])
     fused = "sum: hidden_states + residual (fused add-norm)"
+    margins = info.pop("stream_margins")
+    assert sorted(margins) == [1, 3, 5] and all("right 0 (tolerance 4.8e-07)" in m for m in margins.values())
     assert info == {
         "model_class": "DeepseekV3ForCausalLM",
         "decoder_class": "DeepseekV2Model",

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from speculators_v016.worker import aux_outputs
+from speculators_v016.worker import aux_outputs, stream_proof
 from speculators_v016.worker.aux_outputs import install_aux_outputs
 from speculators_v016.worker.stream_proof import CheckForward, StreamProofError, UnsupportedModelError
 
@@ -324,3 +324,132 @@ def test_a_forward_that_fails_is_refused_with_its_error():
     check = CheckForward(no_kv_cache, contextlib.nullcontext, len(IDS))
     with pytest.raises(StreamProofError, match=r"the model's forward on 5 check tokens failed: RuntimeError: no KV"):
         install_aux_outputs(model, [1], check=check)
+
+
+# -- every dtype vLLM runs: exact crafted sums, thresholds from the outputs' dtype --------------------------
+
+
+def ulp(x: torch.Tensor) -> torch.Tensor:
+    """One unit in the last place of each element of ``x`` (in its dtype)."""
+    eps = torch.finfo(x.dtype).eps
+    return torch.exp2(torch.floor(torch.log2(x.float().abs().clamp_min(torch.finfo(x.dtype).tiny)))) * eps
+
+
+class Float32AddNorm(nn.Module):
+    """Like vLLM's fused add-RMSNorm kernels: adds in float32, rounds residual and output to the input dtype."""
+
+    def __init__(self, noise_ulps: float = 0.0):
+        super().__init__()
+        self.noise_ulps, self.calls = noise_ulps, 0
+
+    def forward(self, x, residual=None):
+        total = x.float() if residual is None else x.float() + residual.float()
+        out = rms(total).to(x.dtype)
+        if self.noise_ulps:  # a kernel that rounds its last step differently on every call
+            self.calls += 1
+            signs = torch.randint(-1, 2, out.shape, generator=torch.Generator().manual_seed(self.calls))
+            out = (out.float() + self.noise_ulps * signs * ulp(out)).to(x.dtype)
+        if residual is None:
+            return out
+        residual.copy_(total.to(residual.dtype))
+        x.copy_(out)
+        return x, residual
+
+
+class SmallOutputLayer(FusedLayer):
+    """A fused add-norm layer whose output (hidden_states) is 2^-7 of the residual's scale, or 2^7 of it."""
+
+    def __init__(self, seed, factor=2.0**-7):
+        super().__init__(seed)
+        self.norm1, self.norm2, self.factor = Float32AddNorm(), Float32AddNorm(), factor
+
+    def forward(self, positions, hidden_states, residual):
+        hidden_states, residual = super().forward(positions, hidden_states, residual)
+        return hidden_states * self.factor, residual
+
+
+def in_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("factor", [2.0**-7, 2.0**7], ids=["small-output", "large-output"])
+def test_arguments_of_very_different_scales_are_proven_in_every_dtype(dtype, factor):
+    """A float32-adding fused add-norm with arguments 2^7 apart in scale: proven exactly (right at 0) in each dtype."""
+    model = in_dtype(CausalLM(lambda seed: SmallOutputLayer(seed, factor), Float32AddNorm()), dtype)
+    info = install(model, [1, 2, 4])
+    assert set(info["streams"].values()) == {"sum: hidden_states + residual (fused add-norm)",
+                                             "sum: x + residual (fused add-norm)"}  # fmt: skip
+    for line in info["stream_margins"].values():
+        assert ": right 0 (" in line and float(line.rsplit("margin ", 1)[1].rstrip("x")) >= 8, line
+
+
+def test_crafted_arguments_share_one_power_of_two():
+    """The crafted pair has one scale whatever the real arguments' scales, and its sum is exact in bf16."""
+    generator = torch.Generator().manual_seed(0)
+    a, b = stream_proof._crafted([torch.full((5, 8), 2.0**-6, dtype=torch.bfloat16),
+                                  torch.full((5, 8), 2.0**3, dtype=torch.bfloat16)], generator)  # fmt: skip
+    assert a.abs().max() <= 2.0**3 and b.abs().max() <= 2.0**3 and a.abs().max() >= 2.0**1
+    assert stream_proof._exact_sum(a, b)
+
+
+def test_a_crafted_sum_that_is_not_exact_is_refused(monkeypatch):
+    """Injected: each argument on its own power of two (the old crafting) -> the sum rounds in bf16 -> refused."""
+
+    def own_scales(likes, generator):
+        out = []
+        for like in likes:
+            power = 2.0 ** round(torch.log2(like.float().pow(2).mean().sqrt()).item())
+            grid = torch.randint(-64, 65, tuple(like.shape), generator=generator).float() / 64
+            out.append((grid * power).to(like.dtype))
+        return out
+
+    monkeypatch.setattr(stream_proof, "_crafted", own_scales)
+    model = in_dtype(CausalLM(SmallOutputLayer, Float32AddNorm()), torch.bfloat16)
+    with pytest.raises(StreamProofError, match=r"layer 2 \(SmallOutputLayer\): the crafted stream a \+ b is not "
+                                               r"exact in torch.bfloat16"):  # fmt: skip
+        install(model, [2])
+
+
+def test_thresholds_come_from_the_outputs_dtype():
+    """Right within 4 ulps of the outputs' dtype, wrong beyond 8x that (at least 5e-2); the least precise wins."""
+    t = {d: stream_proof.thresholds([torch.zeros(2, dtype=d)]) for d in (torch.bfloat16, torch.float16, torch.float32)}
+    assert t[torch.bfloat16] == (4 * 2.0**-7, 8 * 4 * 2.0**-7)
+    assert t[torch.float16] == (4 * 2.0**-10, 5e-2)
+    assert t[torch.float32] == (4 * 2.0**-23, 5e-2)
+    assert stream_proof.thresholds([torch.zeros(2), torch.zeros(2, dtype=torch.bfloat16)]) == t[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype,noise", [(torch.bfloat16, 2), (torch.float16, 2), (torch.float32, 2)], ids=str)
+def test_a_consumer_off_by_a_few_ulps_is_proven(dtype, noise):
+    """A final norm whose outputs move by up to 2 ulps on every call (another kernel's rounding) still passes."""
+    model = in_dtype(CausalLM(SmallOutputLayer, Float32AddNorm(noise_ulps=noise)), dtype)
+    info = install(model, [4])
+    assert info["streams"] == {4: "sum: x + residual (fused add-norm)"}
+    assert ": right 0 (" not in info["stream_margins"][4]  # the noise was seen, and tolerated
+
+
+def test_a_consumer_far_noisier_than_its_dtype_is_refused():
+    """A final norm 24 ulps of bf16 off on every call cannot tell the candidates apart within bounds: refused."""
+    model = in_dtype(CausalLM(SmallOutputLayer, Float32AddNorm(noise_ulps=24)), torch.bfloat16)
+    with pytest.raises(
+        StreamProofError,
+        match=r"final norm \(Float32AddNorm\): (the stream cannot be told apart|"
+        r"no known combination).*right within 0.031, wrong beyond 0.25",
+    ):
+        install(model, [4])
+
+
+class DoubledResidualNorm(Float32AddNorm):
+    """Reads the wrong stream: x + 2 * residual."""
+
+    def forward(self, x, residual=None):
+        return super().forward(x, None if residual is None else residual * 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_consumer_reading_another_stream_is_refused_in_every_dtype(dtype):
+    """x + 2 * residual is none of the candidates: refused in bf16 as in fp32, with the thresholds named."""
+    model = in_dtype(CausalLM(SmallOutputLayer, DoubledResidualNorm()), dtype)
+    with pytest.raises(StreamProofError, match=r"final norm \(DoubledResidualNorm\): no known combination"):
+        install(model, [4])

@@ -1,0 +1,118 @@
+"""The path users run, end to end: the CLI with no --dtype (bf16 on CPU), FP8 from a bf16 engine, check, resume.
+
+Every other CLI test pins float32 through the environment (helpers.cli.CPU);
+here that variable is removed, so the engine's dtype is the CLI's own default,
+``auto``, which vLLM's CPU backend resolves to bfloat16, as users get it.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from helpers.cli import CPU, conversations, load_all, write_jsonl
+from helpers.reference import hf_layer_outputs
+from speculators_v016.store.manifest import Manifest
+from speculators_v016.store.sample_format import load_sample
+
+#: Row error of a bf16 engine against transformers in fp32 (tests/engine/test_model_families_bf16.py says why)
+MEDIAN_BOUND, ROW_BOUND = 2.5e-2, 5e-2
+COUNT = 12
+DEFAULTS = {k: v for k, v in CPU.items() if k != "SPECULATORS_DATA_GEN_DTYPE"}
+
+
+def run(*args):
+    """The real command with the CLI's own dtype (no SPECULATORS_DATA_GEN_DTYPE, no --dtype)."""
+    env = {k: v for k, v in os.environ.items() if k != "SPECULATORS_DATA_GEN_DTYPE"}
+    proc = subprocess.run([sys.executable, "-m", "speculators_v016.run.cli", *map(str, args)], capture_output=True,
+                          text=True, env={**env, **DEFAULTS}, timeout=600)  # fmt: skip
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("default-data") / "chats.jsonl", conversations(COUNT, seed=11))
+
+
+def generate(model, data, out, *extra):
+    return run("--target-model-path", model, "--train-data-path", data, "--output-dir", out, "--seq-length", 256,
+               "--token-freq-path", "", "--logit-check-samples", 4, *extra)  # fmt: skip
+
+
+def assert_close_to_transformers(model, out):
+    """Every stored layer of a few samples within the bf16 bounds of transformers in fp32."""
+    config = json.loads((out / "data_config.json").read_text())
+    layers = config["hidden_states"]["layer_ids"]
+    samples = load_all(out)
+    picked = [samples[i] for i in sorted(samples)[:: max(1, len(samples) // 4)]]
+    reference = hf_layer_outputs(model, [s["input_ids"].tolist() for s in picked])
+    for sample, ref in zip(picked, reference):
+        for state, layer in zip(sample["hidden_states"], layers):
+            assert state.dtype == torch.bfloat16
+            rows = (state.float() - ref[layer]).norm(dim=-1) / ref[layer].norm(dim=-1)
+            assert rows.median() <= MEDIAN_BOUND and rows.max() <= ROW_BOUND, (layer, rows.median(), rows.max())
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_a_default_run_is_bf16_checked_and_verified(arch, tiny_model, data_file, tmp_path):
+    """No --dtype: the engine runs bf16, the logit check passes, verify ok, states within bf16 of transformers."""
+    model = tiny_model(arch)
+    code, output = generate(model, data_file, tmp_path / "out")
+    assert code == 0, output[-3000:]
+    assert ", bfloat16, TP 1," in output  # the start line names the engine's dtype
+    assert "logit check: ok (4 samples" in output and f"verify:     ok ({COUNT} samples" in output
+    assert_close_to_transformers(model, tmp_path / "out")
+    code, output = run("verify", tmp_path / "out")
+    assert code == 0, output
+
+
+def test_a_default_run_killed_then_resumed(tiny_model, tmp_path):
+    """A default run SIGKILLed mid-way: what it wrote is kept byte for byte, the resume writes the rest."""
+    model, out = tiny_model("qwen2"), tmp_path / "out"
+    data = write_jsonl(tmp_path / "chats.jsonl", conversations(40, seed=12))
+    env = {k: v for k, v in os.environ.items() if k != "SPECULATORS_DATA_GEN_DTYPE"}
+    args = [sys.executable, "-m", "speculators_v016.run.cli", "--target-model-path", model, "--train-data-path",
+            data, "--output-dir", out, "--seq-length", 256, "--token-freq-path", "", "--max-num-seqs", 2,
+            "--write-workers", 1]  # fmt: skip
+    proc = subprocess.Popen([str(a) for a in args], env={**env, **DEFAULTS}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None and len(Manifest(out).entries()) < 6:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    kept = {e.file: (out / e.file).read_bytes() for e in Manifest(out).entries().values()}
+    assert 6 <= len(kept) < 40
+    code, output = run(*args[3:])
+    assert code == 0, output[-3000:]
+    assert f"({len(kept)} already done before this run)" in output and "verify:     ok (40 samples" in output
+    assert all((out / name).read_bytes() == data for name, data in kept.items())
+    assert_close_to_transformers(model, out)
+
+
+def test_fp8_from_the_default_bf16_engine(tiny_model, data_file, tmp_path):
+    """FP8 storage from a default (bf16) engine: the logit check on the stored states passes, verify ok."""
+    model, out = tiny_model("qwen2"), tmp_path / "out"
+    code, output = generate(model, data_file, out, "--hidden-states-dtype", "fp8_e4m3")
+    assert code == 0, output[-3000:]
+    assert "logit check: ok (4 samples" in output and f"verify:     ok ({COUNT} samples" in output
+    sample = load_sample(next(out.glob("data_*.safetensors")), dequantize_to=None)
+    assert sample["hidden_states"][0].codes.dtype == torch.float8_e4m3fn
+
+
+def test_check_with_the_default_dtype(tiny_model, data_file):
+    """`check` with no --dtype: bf16 engine, transformers comparison and layer replay pass with bf16 tolerances."""
+    code, output = run("check", "--target-model-path", tiny_model("llama"), "--train-data-path", data_file,
+                       "--samples", 3, "--enforce-eager", "--seq-length", 256)  # fmt: skip
+    assert code == 0, output[-3000:]
+    assert "engine dtype bfloat16" in output and "logit check: ok (3 samples" in output
+    rows = [line.split() for line in output.splitlines() if line.strip().endswith(("pass", "FAIL"))]
+    assert rows and all(r[-1] == "pass" for r in rows), output[-3000:]
+    assert [int(r[1]) for r in rows if r[0] == "replay"] == [2, 4, 5, 7]
+    assert "stream proof:" in output  # the margin each consumer showed
