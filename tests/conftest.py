@@ -43,7 +43,7 @@ ARCHITECTURE_RESULTS: dict[str, dict] = {}
 
 @pytest.fixture
 def record_architecture():
-    """record(name, model_class, aux_source, tested, max_abs_error, tolerance, note, dtype) for the README table.
+    """record(name, model_class, aux_source, tested, max_abs_error, tolerance, note, dtype) for docs/architectures.md.
 
     A float32 result is the family's row; another dtype's is kept beside it (``name@dtype``) for its column.
     """
@@ -99,7 +99,7 @@ def pytest_sessionstart(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Fail the run if it left shared memory behind; write the architecture results for the README table."""
+    """Fail the run if it left shared memory behind; write the architecture results in docs/architectures.md."""
     if not _xdist_worker(session):
         left = sorted(_shm_left() - _SHM_BEFORE)
         if left:

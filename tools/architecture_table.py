@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Write the README's architecture table from what the tests measured.
+"""Write the architecture table of docs/architectures.md from what the tests measured.
 
 The engine tests of each model family record their result (conftest's
 ``record_architecture``) into ``build/test-results/architectures.json`` at the
 end of a pytest session; this script renders those rows, plus the families no
-test here can run (``NOT_RUN``, with the reason), between the README's markers.
+test here can run (``NOT_RUN``, with the reason), between the page's markers.
 
     python -m pytest tests && python tools/architecture_table.py [--check]
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "build" / "test-results" / "architectures.json"
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "architectures.md"
 BEGIN, END = "<!-- architectures:begin -->", "<!-- architectures:end -->"
 
 #: Families no engine here runs, and why (kept by hand: there is no measurement to generate them from).
@@ -119,21 +119,21 @@ def _row(*cells: str) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if the README's table differs (write nothing)")
+    ap.add_argument("--check", action="store_true", help="exit 1 if the page's table differs (write nothing)")
     args = ap.parse_args()
     if not RESULTS.exists():
         print(f"no test results at {RESULTS}: run the tests first", file=sys.stderr)
         return 2
     table = "\n".join([BEGIN, *rows(json.loads(RESULTS.read_text())), END])
-    text = README.read_text()
+    text = PAGE.read_text()
     if BEGIN not in text or END not in text:
-        print(f"README.md has no {BEGIN} ... {END} markers", file=sys.stderr)
+        print(f"{PAGE} has no {BEGIN} ... {END} markers", file=sys.stderr)
         return 2
     new = text[: text.index(BEGIN)] + table + text[text.index(END) + len(END) :]
     if args.check:
         return 0 if new == text else 1
-    README.write_text(new)
-    print(f"wrote {len(table.splitlines()) - 2} rows to {README}")
+    PAGE.write_text(new)
+    print(f"wrote {len(table.splitlines()) - 2} rows to {PAGE}")
     return 0
 
 

@@ -35,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from common import bench_model, child, engine_env  # noqa: E402
+from report import recording  # noqa: E402
 
 SEQ = 1024
 SHAPES = {
@@ -183,41 +184,42 @@ def main() -> None:
     med = {
         k: {m: statistics.median(r[m] for r in v) for m in ("samples_per_s", "tokens_per_s")} for k, v in runs.items()
     }
-    print(
-        f"{opts.shape} model ({SHAPES[opts.shape]}), {opts.samples} conversations, seq length {SEQ}, "
-        f"{'eager' if opts.eager else 'compiled'}, max_num_batched_tokens {opts.batched_tokens or 'default'}, "
-        f"{opts.rounds} round(s), medians"
-    )
-    for key, values in runs.items():
-        rates = ", ".join(f"{r['tokens_per_s']:,.0f}" for r in values)
-        print(f"  runs {key}: {rates} tokens/s")
-    for prefix, what in (
-        ("", f"{opts.samples} conversations"),
-        ("short ", f"the first {opts.steady}"),
-        ("steady ", f"steady: {opts.samples} minus the first {opts.steady}"),
-    ):
-        if f"{prefix}cli" not in med:
-            continue
-        print(f"  {what}:")
-        for key, label in (
-            ("cli", "speculators-data-gen (written)"),
-            ("before", "  the same, before"),
-            ("gen", "generator alone (dropped)"),
-        ):
-            if f"{prefix}{key}" in med:
-                print(
-                    f"    {label:32} {med[prefix + key]['samples_per_s']:8.1f} samples/s "
-                    f"{med[prefix + key]['tokens_per_s']:10,.0f} tokens/s"
-                )
+    with recording(__file__):
         print(
-            f"    ratio end-to-end / generator   "
-            f"{med[prefix + 'cli']['tokens_per_s'] / med[prefix + 'gen']['tokens_per_s']:.2f}x"
+            f"{opts.shape} model ({SHAPES[opts.shape]}), {opts.samples} conversations, seq length {SEQ}, "
+            f"{'eager' if opts.eager else 'compiled'}, max_num_batched_tokens {opts.batched_tokens or 'default'}, "
+            f"{opts.rounds} round(s), medians"
         )
-        if f"{prefix}before" in med:
+        for key, values in runs.items():
+            rates = ", ".join(f"{r['tokens_per_s']:,.0f}" for r in values)
+            print(f"  runs {key}: {rates} tokens/s")
+        for prefix, what in (
+            ("", f"{opts.samples} conversations"),
+            ("short ", f"the first {opts.steady}"),
+            ("steady ", f"steady: {opts.samples} minus the first {opts.steady}"),
+        ):
+            if f"{prefix}cli" not in med:
+                continue
+            print(f"  {what}:")
+            for key, label in (
+                ("cli", "speculators-data-gen (written)"),
+                ("before", "  the same, before"),
+                ("gen", "generator alone (dropped)"),
+            ):
+                if f"{prefix}{key}" in med:
+                    print(
+                        f"    {label:32} {med[prefix + key]['samples_per_s']:8.1f} samples/s "
+                        f"{med[prefix + key]['tokens_per_s']:10,.0f} tokens/s"
+                    )
             print(
-                f"    ratio end-to-end after / before "
-                f"{med[prefix + 'cli']['tokens_per_s'] / med[prefix + 'before']['tokens_per_s']:.2f}x"
+                f"    ratio end-to-end / generator   "
+                f"{med[prefix + 'cli']['tokens_per_s'] / med[prefix + 'gen']['tokens_per_s']:.2f}x"
             )
+            if f"{prefix}before" in med:
+                print(
+                    f"    ratio end-to-end after / before "
+                    f"{med[prefix + 'cli']['tokens_per_s'] / med[prefix + 'before']['tokens_per_s']:.2f}x"
+                )
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import bench_model, child, prompts  # noqa: E402
+from report import recording  # noqa: E402
 
 LAYERS = [2, 4, 6, 7]  # 6 and 7: the wrong-layer fault uses the adjacent layer
 
@@ -165,30 +166,31 @@ def main() -> None:
         )
     from speculators_v016.run.logit_check import FP8_SIGMAS, LOGIT_ULPS
 
-    print(
-        f"\nlogit check, bf16 engine, {opts.prompts} prompts x {opts.length} tokens: tolerance 5e-2 + "
-        f"{LOGIT_ULPS:g} ulps of the logits per position; FP8 also {FP8_SIGMAS:g} sigma of the e4m3 rounding"
-    )
-    print(f"{'':<34}" + "".join(f"{n:>16}" for n in rows))
-    lines = [
-        ("logit std (mean over positions)", "logit_std", "{:.2f}"),
-        ("bf16: max |delta|", "bf16_max", "{:.1e}"),
-        ("bf16: max |delta| / tolerance", "bf16_worst", "{:.2f}"),
-        ("bf16 shift: min |d|/tolerance", "bf16_shift", "{:.1f}"),
-        ("bf16 layer n-2: min |d|/tolerance", "bf16_layer", "{:.1f}"),
-        ("FP8: max |delta|", "fp8_max", "{:.1e}"),
-        ("FP8: max |delta| / sigma", "sigma_max", "{:.2f}"),
-        ("FP8: 99.9th pct |delta| / sigma", "sigma_p999", "{:.2f}"),
-        ("FP8: max sigmas beyond the rest", "fp8_worst", "{:.2f}"),
-        ("FP8 shift: min sigmas beyond", "fp8_shift", "{:.1f}"),
-        ("FP8 layer n-2: min sigmas beyond", "fp8_layer", "{:.1f}"),
-        ("every valid sample passed", "passed", "{}"),
-        ("every fault failed", "faults_caught", "{}"),
-        ("states: max |err| / row amax", "recon_max", "{:.4f}"),
-        ("e4m3 bound", "bound", "{:.4f}"),
-    ]
-    for label, key, fmt in lines:
-        print(f"{label:<34}" + "".join(f"{fmt.format(r[key]):>16}" for r in rows.values()))
+    with recording(__file__):
+        print(
+            f"\nlogit check, bf16 engine, {opts.prompts} prompts x {opts.length} tokens: tolerance 5e-2 + "
+            f"{LOGIT_ULPS:g} ulps of the logits per position; FP8 also {FP8_SIGMAS:g} sigma of the e4m3 rounding"
+        )
+        print(f"{'':<34}" + "".join(f"{n:>16}" for n in rows))
+        lines = [
+            ("logit std (mean over positions)", "logit_std", "{:.2f}"),
+            ("bf16: max |delta|", "bf16_max", "{:.1e}"),
+            ("bf16: max |delta| / tolerance", "bf16_worst", "{:.2f}"),
+            ("bf16 shift: min |d|/tolerance", "bf16_shift", "{:.1f}"),
+            ("bf16 layer n-2: min |d|/tolerance", "bf16_layer", "{:.1f}"),
+            ("FP8: max |delta|", "fp8_max", "{:.1e}"),
+            ("FP8: max |delta| / sigma", "sigma_max", "{:.2f}"),
+            ("FP8: 99.9th pct |delta| / sigma", "sigma_p999", "{:.2f}"),
+            ("FP8: max sigmas beyond the rest", "fp8_worst", "{:.2f}"),
+            ("FP8 shift: min sigmas beyond", "fp8_shift", "{:.1f}"),
+            ("FP8 layer n-2: min sigmas beyond", "fp8_layer", "{:.1f}"),
+            ("every valid sample passed", "passed", "{}"),
+            ("every fault failed", "faults_caught", "{}"),
+            ("states: max |err| / row amax", "recon_max", "{:.4f}"),
+            ("e4m3 bound", "bound", "{:.4f}"),
+        ]
+        for label, key, fmt in lines:
+            print(f"{label:<34}" + "".join(f"{fmt.format(r[key]):>16}" for r in rows.values()))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import bench_model  # noqa: E402
+from report import recording  # noqa: E402
 
 HIDDEN, LAYERS = 256, 8
 STORAGES = ("auto", "fp8_e4m3")
@@ -313,32 +314,36 @@ def main() -> None:
                 "save": str(work / f"ckpt-{storage}"),
             }
         )
-    print(json.dumps({"reconstruction": recon, "training": results}, indent=1))
-    bpt = recon["bytes_per_token"]
-    print(
-        f"\nFP8 vs bf16 storage, tiny Llama hidden {HIDDEN} x {LAYERS} layers (briefly trained), "
-        f"{recon['tokens']:,} tokens, draft trained {results['auto']['train_steps']} steps on CPU, same seed\n"
-    )
-    print(
-        f"bytes per token (whole files): bf16 {bpt['auto']:.0f}, FP8 {bpt['fp8_e4m3']:.0f} "
-        f"({bpt['fp8_e4m3'] / bpt['auto']:.3f}x)"
-    )
-    print(
-        f"reconstruction |deq - x| / row amax: median {recon['element_median']:.2e}, max {recon['element_max']:.2e}"
-        f" (bound 6.25e-02); per row ||deq - x|| / ||x||: median {recon['row_median']:.2e}, "
-        f"max {recon['row_max']:.2e}\n"
-    )
-    keys = ["loss"] + [f"{k}_{i}" for k in ("full_acc", "cond_acc") for i in range(3)]
-    columns = [
-        ("bf16 data", results["auto"], "bf16 held-out"),
-        ("FP8 data", results["fp8_e4m3"], "bf16 held-out"),
-        ("FP8 data, FP8 eval", results["fp8_e4m3"], "own FP8 held-out"),
-    ]
-    print(f"{'draft trained on':<26}" + "".join(f"{c[0]:>20}" for c in columns))
-    print(f"{'train loss, first epoch':<26}" + "".join(f"{c[1]['train_loss_first_epoch']:>20.4f}" for c in columns))
-    print(f"{'train loss, last epoch':<26}" + "".join(f"{c[1]['train_loss_last_epoch']:>20.4f}" for c in columns))
-    for key in keys:
-        print(f"{'held-out ' + key:<26}" + "".join(f"{c[1]['held_out'][c[2]][key + '_epoch']:>20.4f}" for c in columns))
+    with recording(__file__):
+        print(json.dumps({"reconstruction": recon, "training": results}, indent=1))
+        bpt = recon["bytes_per_token"]
+        print(
+            f"\nFP8 vs bf16 storage, tiny Llama hidden {HIDDEN} x {LAYERS} layers (briefly trained), "
+            f"{recon['tokens']:,} tokens, draft trained {results['auto']['train_steps']} steps on CPU, same seed\n"
+        )
+        print(
+            f"bytes per token (whole files): bf16 {bpt['auto']:.0f}, FP8 {bpt['fp8_e4m3']:.0f} "
+            f"({bpt['fp8_e4m3'] / bpt['auto']:.3f}x)"
+        )
+        print(
+            f"reconstruction |deq - x| / row amax: median {recon['element_median']:.2e}, max {recon['element_max']:.2e}"
+            f" (bound 6.25e-02); per row ||deq - x|| / ||x||: median {recon['row_median']:.2e}, "
+            f"max {recon['row_max']:.2e}\n"
+        )
+        keys = ["loss"] + [f"{k}_{i}" for k in ("full_acc", "cond_acc") for i in range(3)]
+        columns = [
+            ("bf16 data", results["auto"], "bf16 held-out"),
+            ("FP8 data", results["fp8_e4m3"], "bf16 held-out"),
+            ("FP8 data, FP8 eval", results["fp8_e4m3"], "own FP8 held-out"),
+        ]
+        print(f"{'draft trained on':<26}" + "".join(f"{c[0]:>20}" for c in columns))
+        print(f"{'train loss, first epoch':<26}" + "".join(f"{c[1]['train_loss_first_epoch']:>20.4f}" for c in columns))
+        print(f"{'train loss, last epoch':<26}" + "".join(f"{c[1]['train_loss_last_epoch']:>20.4f}" for c in columns))
+        for key in keys:
+            print(
+                f"{'held-out ' + key:<26}"
+                + "".join(f"{c[1]['held_out'][c[2]][key + '_epoch']:>20.4f}" for c in columns)
+            )
 
 
 if __name__ == "__main__":

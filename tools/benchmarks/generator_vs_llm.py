@@ -30,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from common import bench_model, child, peak_rss_mib, prompts  # noqa: E402
+from report import recording  # noqa: E402
 
 LAYERS = [2, 4, 5, 7]
 
@@ -148,25 +149,26 @@ def main() -> None:
             rates.setdefault(key, []).append(got["tokens_per_s"])
     med = {k: statistics.median(v) for k, v in rates.items()}
     shape_text = {k: v for k, v in SHAPES[opts.shape].items() if k != "capture"}
-    print(
-        f"{opts.shape} model ({shape_text}), {opts.prompts} prompts x {opts.length} tokens, "
-        f"{'eager' if opts.eager else 'compiled'} engines, max_num_batched_tokens {opts.batched_tokens}, "
-        f"max_num_seqs {opts.max_num_seqs}, layers {base['layer_ids']}, {opts.rounds} round(s), medians"
-    )
-    for key in rates:
-        label = LABELS[key.split(" ")[0]] + (" [before]" if key.endswith("(before)") else "")
-        print(f"  {label:39} {med[key]:10,.0f} tokens/s   (runs: {', '.join(f'{r:,.0f}' for r in rates[key])})")
-    for key in rates:
-        for ref in ("llm", "async", "async (before)"):
-            if key != ref and ref in med and key != "llm" and (ref != "async" or not key.endswith("(before)")):
-                print(f"  ratio {key:>16} / {ref:<15} {med[key] / med[ref]:.2f}x")
-    if opts.rss:
-        n, n4 = opts.prompts, 4 * opts.prompts
-        rss = {k: child(__file__, {**base, "mode": "async", "prompts": k})["peak_rss_mib"] for k in (n, n4)}
+    with recording(__file__):
         print(
-            f"  peak RSS (generator, streamed) {rss[n]:,.0f} MiB at {n} prompts, {rss[n4]:,.0f} MiB at {n4}: "
-            f"{rss[n4] / rss[n]:.2f}x"
+            f"{opts.shape} model ({shape_text}), {opts.prompts} prompts x {opts.length} tokens, "
+            f"{'eager' if opts.eager else 'compiled'} engines, max_num_batched_tokens {opts.batched_tokens}, "
+            f"max_num_seqs {opts.max_num_seqs}, layers {base['layer_ids']}, {opts.rounds} round(s), medians"
         )
+        for key in rates:
+            label = LABELS[key.split(" ")[0]] + (" [before]" if key.endswith("(before)") else "")
+            print(f"  {label:39} {med[key]:10,.0f} tokens/s   (runs: {', '.join(f'{r:,.0f}' for r in rates[key])})")
+        for key in rates:
+            for ref in ("llm", "async", "async (before)"):
+                if key != ref and ref in med and key != "llm" and (ref != "async" or not key.endswith("(before)")):
+                    print(f"  ratio {key:>16} / {ref:<15} {med[key] / med[ref]:.2f}x")
+        if opts.rss:
+            n, n4 = opts.prompts, 4 * opts.prompts
+            rss = {k: child(__file__, {**base, "mode": "async", "prompts": k})["peak_rss_mib"] for k in (n, n4)}
+            print(
+                f"  peak RSS (generator, streamed) {rss[n]:,.0f} MiB at {n} prompts, {rss[n4]:,.0f} MiB at {n4}: "
+                f"{rss[n4] / rss[n]:.2f}x"
+            )
 
 
 if __name__ == "__main__":

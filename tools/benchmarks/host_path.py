@@ -55,6 +55,9 @@ from speculators_v016.protocol import StepCapture
 from speculators_v016.settings import DEFAULT_WRITE_WORKERS
 from speculators_v016.store.writer import SampleWriter
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import recording  # noqa: E402
+
 CURRENT = "reject" in inspect.signature(SampleWriter.__init__).parameters  # False: an earlier checkout's writer
 if CURRENT:
     from speculators_v016.engine.assembly import copy_threads
@@ -324,28 +327,29 @@ def main() -> None:
             fp8_ring.close()
     rate = {k: statistics.median(r["bytes"] / r["seconds"] / 2**30 for r in v) for k, v in runs.items()}
     cores = {k: statistics.median(r["cpu"] / r["seconds"] for r in v) for k, v in runs.items()}
-    print(
-        f"{len(lengths)} samples of 1536-2560 tokens x {LAYERS} layers x {HIDDEN} bf16 "
-        f"({total / 2**30:.2f} GiB) per measurement, steps of {STEP} tokens, folder on {opts.dir}, "
-        f"{os.cpu_count()} CPUs, {opts.rounds} round(s), medians"
-    )
-    raw1 = rate["raw write+fsync, 1 stream"]
-    for name in runs:
-        extra = ""
-        if "writer" in name:
-            copy = statistics.median(r["copy_ms_per_step"] for r in runs[name])
-            commits = statistics.median(r["commits"] for r in runs[name])
-            per_token = statistics.median(r["bytes"] / r["tokens"] for r in runs[name])
-            source = statistics.median(
-                r["tokens"] * LAYERS * HIDDEN * DTYPE.itemsize / r["seconds"] / 2**30 for r in runs[name]
-            )
-            extra = (
-                f"  {rate[name] / raw1:.2f}x raw 1 stream; {per_token / 1024:.1f} KiB/token on disk, "
-                f"{source:.2f} GiB/s of bf16 states; copy {copy:.0f} ms per step; "
-                f"{commits:.0f} commits for {len(lengths)} samples"
-            )
-        print(f"  {name:44} {rate[name]:6.2f} GiB/s  {cores[name]:4.2f} cores{extra}")
-    print(f"  pool: {pool.allocated} blocks made, {pool.reused} reuses")
+    with recording(__file__):
+        print(
+            f"{len(lengths)} samples of 1536-2560 tokens x {LAYERS} layers x {HIDDEN} bf16 "
+            f"({total / 2**30:.2f} GiB) per measurement, steps of {STEP} tokens, folder on {opts.dir}, "
+            f"{os.cpu_count()} CPUs, {opts.rounds} round(s), medians"
+        )
+        raw1 = rate["raw write+fsync, 1 stream"]
+        for name in runs:
+            extra = ""
+            if "writer" in name:
+                copy = statistics.median(r["copy_ms_per_step"] for r in runs[name])
+                commits = statistics.median(r["commits"] for r in runs[name])
+                per_token = statistics.median(r["bytes"] / r["tokens"] for r in runs[name])
+                source = statistics.median(
+                    r["tokens"] * LAYERS * HIDDEN * DTYPE.itemsize / r["seconds"] / 2**30 for r in runs[name]
+                )
+                extra = (
+                    f"  {rate[name] / raw1:.2f}x raw 1 stream; {per_token / 1024:.1f} KiB/token on disk, "
+                    f"{source:.2f} GiB/s of bf16 states; copy {copy:.0f} ms per step; "
+                    f"{commits:.0f} commits for {len(lengths)} samples"
+                )
+            print(f"  {name:44} {rate[name]:6.2f} GiB/s  {cores[name]:4.2f} cores{extra}")
+        print(f"  pool: {pool.allocated} blocks made, {pool.reused} reuses")
 
 
 if __name__ == "__main__":

@@ -40,8 +40,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from report import recording  # noqa: E402
 
 LAYERS, HIDDEN, DTYPE = 4, 7168, torch.bfloat16
 MiB = 2**20
@@ -155,19 +157,20 @@ def main() -> None:
         "b+": "(b+) ring + CPU worker copy",
         "c": "(c) in-process copy",
     }
-    print(
-        f"worker -> engine, GiB/s (median of {args.rounds} rounds of {args.steps} steps, 2 in flight; "
-        f"bf16, {LAYERS} layers x hidden {HIDDEN}; "
-        f"{torch.get_num_threads()} torch threads)"
-    )
-    print(f"{'step':>8} " + " ".join(f"{names[m]:>28}" for m in modes) + "   (b)/(c)  (b)/(a)")
-    for mib in args.sizes:
-        rate = {m: mib / 1024 / statistics.median(seconds[(m, mib)]) for m in modes}
+    with recording(__file__):
         print(
-            f"{mib:>4} MiB "
-            + " ".join(f"{rate[m]:>28.2f}" for m in modes)
-            + f"   {rate['b'] / rate['c']:>6.2f}x  {rate['b'] / rate['a']:>6.1f}x"
+            f"worker -> engine, GiB/s (median of {args.rounds} rounds of {args.steps} steps, 2 in flight; "
+            f"bf16, {LAYERS} layers x hidden {HIDDEN}; "
+            f"{torch.get_num_threads()} torch threads)"
         )
+        print(f"{'step':>8} " + " ".join(f"{names[m]:>28}" for m in modes) + "   (b)/(c)  (b)/(a)")
+        for mib in args.sizes:
+            rate = {m: mib / 1024 / statistics.median(seconds[(m, mib)]) for m in modes}
+            print(
+                f"{mib:>4} MiB "
+                + " ".join(f"{rate[m]:>28.2f}" for m in modes)
+                + f"   {rate['b'] / rate['c']:>6.2f}x  {rate['b'] / rate['a']:>6.1f}x"
+            )
 
 
 if __name__ == "__main__":
