@@ -15,6 +15,7 @@ from pathlib import Path
 
 import click
 
+from speculators_v016.exit_codes import ExitCode, help_text
 from speculators_v016.settings import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -31,14 +32,8 @@ from speculators_v016.settings import (
 )
 
 ENV_PREFIX = "SPECULATORS_DATA_GEN"
-EXIT_CODES = """\b
-Exit codes: 0 done (or verified); 1 verify/check found problems; 2 usage error;
-3 bad input data; 4 output folder refused (foreign files, locked, settings
-differ from the run being resumed, not writable, another layout); 5 generation
-failed (engine, model, NaN/Inf limit); 6 a file could not be written (disk
-full); 7 the run's self-check failed (captured states do not reproduce the
-model's logits, or no model produces them): nothing it judged was written;
-130 interrupted.
+EXIT_CODES = f"""\b
+{help_text()}
 Every option can also be set from the environment, e.g.
 SPECULATORS_DATA_GEN_TARGET_MODEL_PATH, SPECULATORS_DATA_GEN_OUTPUT_DIR."""
 
@@ -393,7 +388,7 @@ def verify(obj, directory, partial):
         except Exception as exc:  # noqa: BLE001 - verify reports findings; anything else is a bug of ours, said so
             console.failure(f"FAIL {directory}: verify could not run ({type(exc).__name__}: {exc})")
             console.log_exception(exc)
-            sys.exit(1)
+            sys.exit(ExitCode.PROBLEMS_FOUND)
         for problem in report.problems:
             console.echo(f"FAIL {problem}", summary=True)
         for note in report.notes:
@@ -404,7 +399,7 @@ def verify(obj, directory, partial):
             f"folder(s), {len(report.problems)} problem(s)",
             summary=True,
         )
-    sys.exit(0 if report.ok else 1)
+    sys.exit(ExitCode.OK if report.ok else ExitCode.PROBLEMS_FOUND)
 
 
 @cli.command()
@@ -465,7 +460,7 @@ def check(
         for line in report.lines():
             console.echo(line, summary=True)
         console.where()
-    sys.exit(0 if report.ok else 1)
+    sys.exit(ExitCode.OK if report.ok else ExitCode.PROBLEMS_FOUND)
 
 
 @cli.command()
@@ -507,7 +502,7 @@ def clean_shm(yes, shm_dir):
     result = reclaim(shm_dir, delete=yes)
     for line in report_lines(result, shm_dir, deleted=yes):
         click.echo(line)
-    sys.exit(0)
+    sys.exit(ExitCode.OK)
 
 
 _INT = re.compile(r"[+-]?\d+(,[+-]?\d+)*,?")

@@ -13,6 +13,8 @@ import os
 from importlib import resources
 from pathlib import Path
 
+from speculators_v016.exit_codes import ExitCode
+
 CONVERSATIONS = "conversations.jsonl"
 SEQ_LENGTH = 512
 
@@ -55,7 +57,7 @@ def run_demo(where: Path, fmt: str, console) -> int:
         deep_verify=True,
     )
     code = run_and_report(opts, console)
-    if code != 0:
+    if code != ExitCode.OK:
         return code
     config = json.loads((data / "data_config.json").read_text())
     layers = config["speculators_v016"]["layers"]
@@ -77,4 +79,4 @@ def run_demo(where: Path, fmt: str, console) -> int:
         f"hidden_states {len(sample['hidden_states'])} x {tuple(sample['hidden_states'][0].shape)} "
         f"{sample['hidden_states'][0].dtype}",
     )
-    return 0
+    return ExitCode.OK

@@ -1,20 +1,17 @@
 """One run of the pipeline as the terminal sees it: the summary, the verify line, the exit code.
 
-Exit codes: 0 done; 1 the post-run verify found problems; 3 bad input data; 4
-output folder refused; 5 generation failed; 6 a file could not be written; 7
-the run's self-check failed (the captured states do not reproduce the model's
-logits, or no model produces them): nothing it judged was written; 130
-interrupted. (2, usage errors, is click's, before a run starts.)
+The exit codes and their meanings are ``speculators_v016.exit_codes.ExitCode``; here a failure
+is mapped to its code by kind.
 """
 
 from __future__ import annotations
 
 import errno
 
-SELF_CHECK_FAILED = 7
+from speculators_v016.exit_codes import ExitCode
 
 
-def exit_code(exc: BaseException) -> int:
+def exit_code(exc: BaseException) -> ExitCode:
     from speculators_v016.layers import LayerIdError
     from speculators_v016.run.dataset import BadRowError
     from speculators_v016.run.pipeline import SelfCheckError
@@ -25,23 +22,23 @@ def exit_code(exc: BaseException) -> int:
     from speculators_v016.target import PromptError, RemoteCodeError
 
     if isinstance(exc, (BadRowError, PromptError, LayerIdError, RemoteCodeError)):
-        return 3
+        return ExitCode.BAD_INPUT
     if isinstance(exc, (OutputDirError, ResumeMismatchError, ManifestError)):
-        return 4
+        return ExitCode.OUTPUT_REFUSED
     if isinstance(exc, WriteError) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)):
-        return 6
+        return ExitCode.WRITE_FAILED
     if isinstance(exc, SelfCheckError):
-        return SELF_CHECK_FAILED
-    return 5
+        return ExitCode.SELF_CHECK_FAILED
+    return ExitCode.GENERATION_FAILED
 
 
 def _message(exc: BaseException, code: int) -> str:
     """What the terminal says: our message; the exception's type only where it is not one of ours (5)."""
     from speculators_v016.store.atomic_files import WriteError
 
-    if code == 6 and not isinstance(exc, WriteError) and getattr(exc, "filename", None):
+    if code == ExitCode.WRITE_FAILED and not isinstance(exc, WriteError) and getattr(exc, "filename", None):
         return f"error: cannot write {exc.filename}: {exc.strerror}"
-    return f"error: {exc}" if code != 5 else f"error: {type(exc).__name__}: {exc}"
+    return f"error: {exc}" if code != ExitCode.GENERATION_FAILED else f"error: {type(exc).__name__}: {exc}"
 
 
 def run_and_report(opts, console, verify_after: bool = True) -> int:
@@ -54,7 +51,7 @@ def run_and_report(opts, console, verify_after: bool = True) -> int:
     except KeyboardInterrupt:
         console.echo("interrupted: finished samples are kept; run the same command again to resume", err=True)
         console.where()
-        return 130
+        return ExitCode.INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - every failure gets a message and an exit code
         code = exit_code(exc)
         console.failure(_message(exc, code))
@@ -62,18 +59,18 @@ def run_and_report(opts, console, verify_after: bool = True) -> int:
         return code
     for line in summary.lines():
         console.echo(line, summary=True)
-    code = 0 if summary.logit_check.get("ok", True) else 1
+    code = ExitCode.OK if summary.logit_check.get("ok", True) else ExitCode.PROBLEMS_FOUND
     if verify_after:
         try:
             report = verify(summary.output_dir, partial=opts.num_shards > 1, deep=opts.deep_verify)
         except Exception as exc:  # noqa: BLE001 - verify reports findings; this is a bug of ours, said so
             console.log_exception(exc)
             console.failure(f"verify:     could not run ({type(exc).__name__}: {exc})")
-            return 1
+            return ExitCode.PROBLEMS_FOUND
         kind = "" if opts.deep_verify else "; names, sizes, completeness: `verify DIR` reads every file"
         console.echo(f"verify:     {'ok' if report.ok else 'FAILED'} ({report.samples} samples{kind})", summary=True)
         for problem in report.problems[:20]:
             console.echo(f"  {problem}", err=True)
-        code = code if report.ok else 1
+        code = code if report.ok else ExitCode.PROBLEMS_FOUND
     console.where()
     return code
