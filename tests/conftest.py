@@ -70,8 +70,8 @@ _SHM_BEFORE: set[str] = set()
 def _shm_left() -> set[str]:
     """What a run of ours left in /dev/shm: dead runs' recorded segments still there, and ring files of
     dead processes (a ring is unlinked once the worker mapped it)."""
-    from speculators_v016.engine.shm_records import reclaim
     from speculators_v016.protocol import PREFIX, SHM_DIR
+    from speculators_v016.shared.shm_records import reclaim
 
     left = {
         f"{seg.name} (recorded by dead run {run.run})"

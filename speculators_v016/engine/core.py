@@ -6,7 +6,7 @@ last two travel as one RPC (``speculators_capture_sample``) where the
 executor allows it. With async scheduling (the default) up to
 ``max_concurrent_batches`` (2) steps are in flight, as in vLLM's own
 ``EngineCore.step_with_batch_queue``; every call is non-blocking. Each step
-gets a slot of the engine's :class:`~speculators_v016.engine.slot_ring.SlotRing`,
+gets a slot of the engine's :class:`~speculators_v016.shared.slot_ring.SlotRing`,
 which the worker fills and the capture reply names; the slot comes back once
 its rows are copied into the requests' tensors (no free slot: the oldest step
 is retired first). Requests are
@@ -30,11 +30,11 @@ from loguru import logger
 from speculators_v016.engine.assembly import Allocate, Assembler, AttributionError, copy_threads, expected_rows
 from speculators_v016.engine.cpu_attention import attention_overrides
 from speculators_v016.engine.executor import capture_executor, executor_kind
-from speculators_v016.engine.shm_records import RunRecord, reclaim_and_log
-from speculators_v016.engine.slot_ring import SlotRing
 from speculators_v016.engine.vllm_check import require_vllm
 from speculators_v016.layers import LayerPlan
 from speculators_v016.settings import EngineSettings
+from speculators_v016.shared.shm_records import RunRecord, reclaim_and_log
+from speculators_v016.shared.slot_ring import SlotRing
 from speculators_v016.target import PromptError, check_token_ids
 
 __all__ = ["CaptureEngine", "EngineDeadError", "EngineSettings", "PromptError"]

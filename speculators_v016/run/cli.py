@@ -497,7 +497,7 @@ def clean_shm(yes, shm_dir):
     it recorded a segment (within a second of its creation, during engine start)
     leaves a name no record holds: it is not touched here; remove it by hand.
     """
-    from speculators_v016.engine.shm_records import reclaim, report_lines
+    from speculators_v016.shared.shm_records import reclaim, report_lines
 
     result = reclaim(shm_dir, delete=yes)
     for line in report_lines(result, shm_dir, deleted=yes):

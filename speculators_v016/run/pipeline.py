@@ -32,7 +32,6 @@ from tqdm import tqdm
 
 from speculators_v016 import fp8
 from speculators_v016.engine.buffer_pool import BufferPool
-from speculators_v016.engine.shm_records import reclaim_and_log
 from speculators_v016.layers import LayerPlan
 from speculators_v016.run.dataset import PreparedSamples, prepare_samples
 from speculators_v016.settings import (
@@ -45,6 +44,7 @@ from speculators_v016.settings import (
     DEFAULT_WRITE_WORKERS,
     EngineSettings,
 )
+from speculators_v016.shared.shm_records import reclaim_and_log
 from speculators_v016.store import run_config
 from speculators_v016.store.atomic_files import WriteError
 from speculators_v016.store.degenerate import degenerate_layers, may_be_degenerate

@@ -223,7 +223,7 @@ def install() -> None:
 
         LogitChecker.add = add
     elif point in ("ring-vanish", "ring-replace"):
-        from speculators_v016.engine.slot_ring import SlotRing, file_bytes
+        from speculators_v016.shared.slot_ring import SlotRing, file_bytes
 
         original_create = SlotRing.create.__func__
 

@@ -11,9 +11,9 @@ import pytest
 
 from helpers.cli import CPU, conversations, invoke, write_jsonl
 from helpers.shm import RECORDED, RUN, kill, make, private_shm, start
-from speculators_v016.engine.shm_records import RECORDS_PREFIX, reclaim
-from speculators_v016.engine.slot_ring import PREFIX
 from speculators_v016.protocol import SHM_DIR
+from speculators_v016.shared.shm_records import RECORDS_PREFIX, reclaim
+from speculators_v016.shared.slot_ring import PREFIX
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.testing.faults import VARIABLE as FAULT
 

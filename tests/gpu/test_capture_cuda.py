@@ -41,7 +41,7 @@ import numpy as np
 import pytest
 import torch
 
-from speculators_v016.engine.slot_ring import RingSpaceError, SlotRing
+from speculators_v016.shared.slot_ring import RingSpaceError, SlotRing
 from speculators_v016.worker.capture import CaptureWorkerExtension
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

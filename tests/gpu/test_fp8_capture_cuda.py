@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from speculators_v016 import fp8
-from speculators_v016.engine.slot_ring import SlotRing
+from speculators_v016.shared.slot_ring import SlotRing
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 # A run of ours, in a process of its own: it records, creates its segments as vLLM and glibc do, and waits.
 RUN = """
 import mmap, os, sys, time
-from speculators_v016.engine.shm_records import RunRecord
+from speculators_v016.shared.shm_records import RunRecord
 shm = sys.argv[1]
 record = RunRecord.open(shm)
 keep = []

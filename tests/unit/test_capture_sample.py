@@ -9,7 +9,7 @@ import torch
 from test_ring_registration import Runner, Worker
 
 from speculators_v016.engine.executor import capture_executor
-from speculators_v016.engine.slot_ring import SlotRing
+from speculators_v016.shared.slot_ring import SlotRing
 
 vllm_outputs = pytest.importorskip("vllm.v1.outputs")
 

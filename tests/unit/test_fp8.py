@@ -8,9 +8,9 @@ import torch
 
 from speculators_v016 import fp8
 from speculators_v016.engine.assembly import Assembler, AttributionError
-from speculators_v016.engine.slot_ring import SlotRing
 from speculators_v016.fp8 import Fp8States
 from speculators_v016.protocol import StepCapture
+from speculators_v016.shared.slot_ring import SlotRing
 from speculators_v016.worker.capture import CaptureWorkerExtension
 
 

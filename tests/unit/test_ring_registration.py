@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from speculators_v016.engine.slot_ring import SlotRing
+from speculators_v016.shared.slot_ring import SlotRing
 from speculators_v016.worker.capture import CaptureWorkerExtension
 
 ALREADY_REGISTERED, NOT_REGISTERED = 712, 713

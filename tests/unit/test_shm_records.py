@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from helpers.shm import HOLD, RECORDED, REPO, RUN, kill, make, private_shm, start
-from speculators_v016.engine import shm_records
-from speculators_v016.engine.shm_records import RunRecord, reclaim, records_path
+from speculators_v016.shared import shm_records
+from speculators_v016.shared.shm_records import RunRecord, reclaim, records_path
 
 
 @pytest.fixture
@@ -199,7 +199,7 @@ def _unshare_prefix():
 
 RECLAIM = """
 import json, os, sys
-from speculators_v016.engine.shm_records import reclaim
+from speculators_v016.shared.shm_records import reclaim
 result = reclaim(sys.argv[1])
 print(json.dumps({"pids": len([p for p in os.listdir("/proc") if p.isdigit()]),
                   "deleted": [s.name for s in result.deleted], "alive": [r.alive for r in result.runs]}))

@@ -8,8 +8,8 @@ import tempfile
 import pytest
 import torch
 
-from speculators_v016.engine import slot_ring
-from speculators_v016.engine.slot_ring import PREFIX, RingIdentityError, RingSpaceError, SlotRing, file_bytes
+from speculators_v016.shared import slot_ring
+from speculators_v016.shared.slot_ring import PREFIX, RingIdentityError, RingSpaceError, SlotRing, file_bytes
 
 
 @pytest.fixture

@@ -57,8 +57,8 @@ def worker(to_worker, to_engine, ring_spec, max_rows: int) -> None:
     """The worker: answers each request with a tensor (a) or slot metadata (b, b+)."""
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
-    from speculators_v016.engine.slot_ring import SlotRing
     from speculators_v016.protocol import StepCapture
+    from speculators_v016.shared.slot_ring import SlotRing
 
     requests_handle = to_worker.get()
     replies = MessageQueue(1, 1)
@@ -101,7 +101,7 @@ def main() -> None:
 
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
-    from speculators_v016.engine.slot_ring import SlotRing
+    from speculators_v016.shared.slot_ring import SlotRing
 
     max_rows = rows_for(max(args.sizes))
     ring = SlotRing.create(slots=2, num_ids=LAYERS, max_rows=max_rows, hidden=HIDDEN, dtype=DTYPE, shared=True)

@@ -32,7 +32,7 @@ Two backings:
   zeros would be written as states. The engine unlinks the name as soon as the
   worker has mapped it, so even a SIGKILL leaves nothing behind after that
   point; before it, the run's shared-memory record
-  (:mod:`speculators_v016.engine.shm_records`) names it for the next run to reclaim.
+  (:mod:`speculators_v016.shared.shm_records`) names it for the next run to reclaim.
 * **local** (uniprocess executor): plain memory of this process, found by the
   worker (same process) through a registry.
 """
