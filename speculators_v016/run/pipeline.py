@@ -9,9 +9,9 @@ The steps, each owned by a module: :mod:`~speculators_v016.run.dataset`
 
 The run checks what it captured before it writes it (its *self-check*): every
 sample's layers are screened for states no model produces (a layer all zeros,
-one row repeated: :mod:`~speculators_v016.store.degenerate`), and the first
+one row repeated: :mod:`~speculators_v016.checks.degenerate`), and the first
 ``logit_check_samples`` samples' last layer must reproduce vLLM's own prompt
-logprobs (:mod:`~speculators_v016.run.logit_check`). Until the logit check has
+logprobs (:mod:`~speculators_v016.checks.logit_check`). Until the logit check has
 judged its samples, every finished sample is held back from the writer; a
 failure stops the run with :class:`SelfCheckError` (exit 7) before anything it
 judged is written, so a resume redoes them.
@@ -31,6 +31,8 @@ from loguru import logger
 from tqdm import tqdm
 
 from speculators_v016 import fp8
+from speculators_v016.checks.degenerate import degenerate_layers, may_be_degenerate
+from speculators_v016.checks.finite import non_finite
 from speculators_v016.engine.buffer_pool import BufferPool
 from speculators_v016.layers import LayerPlan
 from speculators_v016.run.dataset import PreparedSamples, prepare_samples
@@ -47,8 +49,6 @@ from speculators_v016.settings import (
 from speculators_v016.shared.shm_records import reclaim_and_log
 from speculators_v016.store import run_config
 from speculators_v016.store.atomic_files import WriteError
-from speculators_v016.store.degenerate import degenerate_layers, may_be_degenerate
-from speculators_v016.store.finite import non_finite
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.outdir import OutputDir, ShardedRoot, shard_dir
 from speculators_v016.store.sample_format import parse_sample_name
@@ -389,8 +389,8 @@ def _check_logits(checker, name: int, input_ids: torch.Tensor, states: list, the
 
 
 def _logit_checker(generator, opts: RunOptions):
-    """The logit check of this run, if the last layer is captured (see speculators_v016.run.logit_check)."""
-    from speculators_v016.run.logit_check import LogitChecker
+    """The logit check of this run, if the last layer is captured (see speculators_v016.checks.logit_check)."""
+    from speculators_v016.checks.logit_check import LogitChecker
 
     return LogitChecker(opts.target_model_path, generator.engine.dtype, generator.plan.last_layer_index)
 

@@ -9,7 +9,7 @@ dtype, a 0/1 loss mask as long as ``input_ids``, no NaN/Inf (FP8 storage:
 e4m3 codes ``[T, hidden_size]``, float32 scales ``[T]`` that are finite and
 > 0, no NaN code, finite once dequantized), and no layer that
 no real model produces (all zeros, one row repeated at every position:
-:mod:`~speculators_v016.store.degenerate`); no sample file lacks a manifest
+:mod:`~speculators_v016.checks.degenerate`); no sample file lacks a manifest
 entry; across shards every index exists exactly once; the folder holds one
 layout (shard folders of one count, or one unsharded run: upstream's trainer
 reads the folder recursively and would mix them).
@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from speculators_v016 import fp8
+from speculators_v016.checks.degenerate import degenerate_layers
 from speculators_v016.store.atomic_files import TMP_PREFIX
-from speculators_v016.store.degenerate import degenerate_layers
 from speculators_v016.store.manifest import Manifest, ManifestError
 from speculators_v016.store.outdir import CONFIG, SHARD_DIR, is_ours, unsharded_run_files
 from speculators_v016.store.sample_format import FORMATS, load_sample, parse_sample_name

@@ -205,7 +205,7 @@ def install() -> None:
 
         CaptureEngine.stream = stream
     elif point in ("shift-check", "wrong-layer-check"):
-        from speculators_v016.run.logit_check import LogitChecker
+        from speculators_v016.checks.logit_check import LogitChecker
 
         original_add = LogitChecker.add
 

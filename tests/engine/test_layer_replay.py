@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers.reference import hf_layer_outputs, random_prompts
-from speculators_v016.run.layer_replay import replay_inputs, replay_layers
+from speculators_v016.checks.layer_replay import replay_inputs, replay_layers
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "minimax", "cohere"])

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers.reference import hf_layer_outputs, random_prompts
-from speculators_v016.run.layer_replay import replay_layers
+from speculators_v016.checks.layer_replay import replay_layers
 from speculators_v016.worker.aux_outputs import find_decoder_stack
 
 LAYERS = 4
@@ -124,8 +124,8 @@ def vllm_layer_outputs(gen, prompt: list[int]) -> list[torch.Tensor]:
 @pytest.mark.parametrize("arch", list(FAMILIES))
 def test_family_matches_transformers(arch, family_model, record_architecture):
     """Every layer equals transformers (family tolerance) and replays exactly; the last gives vLLM's logits."""
+    from speculators_v016.checks.logit_check import LogitChecker
     from speculators_v016.generator import VllmHiddenStatesGenerator
-    from speculators_v016.run.logit_check import LogitChecker
 
     source, tolerance, note = FAMILIES[arch]
     model_dir = family_model(arch)

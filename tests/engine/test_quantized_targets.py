@@ -103,8 +103,8 @@ def run_cli(quantized: str, tmp_path, out):
 
 def run(model_dir, **options):
     """States of every layer and vLLM's prompt logprobs, for four prompts."""
+    from speculators_v016.checks.logit_check import LogitChecker
     from speculators_v016.generator import VllmHiddenStatesGenerator
-    from speculators_v016.run.logit_check import LogitChecker
 
     prompts = random_prompts([40, 200, 3, 90], seed=3)
     with VllmHiddenStatesGenerator(model_dir, **{**ENGINE, **options}) as gen:

@@ -27,8 +27,8 @@ def two_cpu_workers(monkeypatch):
 
 def test_tp2_equals_tp1(tiny_model, two_cpu_workers):
     """States under tensor parallel 2 equal TP=1's within 1e-5; only the output rank replies."""
+    from speculators_v016.checks.logit_check import LogitChecker
     from speculators_v016.generator import VllmHiddenStatesGenerator
-    from speculators_v016.run.logit_check import LogitChecker
 
     model_dir = tiny_model("llama")
     prompts = random_prompts(LENGTHS, seed=11)

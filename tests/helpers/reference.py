@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from speculators_v016.run.fidelity import reference_layer_outputs
+from speculators_v016.checks.fidelity import reference_layer_outputs
 
 NUM_LAYERS = 8
 TOLERANCE = 1e-5  # fp32 max abs error against transformers

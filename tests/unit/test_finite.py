@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from speculators_v016.store import finite
-from speculators_v016.store.finite import all_finite, non_finite
+from speculators_v016.checks import finite
+from speculators_v016.checks.finite import all_finite, non_finite
 
 FLOATS = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e5m2, torch.float8_e4m3fn]
 

@@ -278,8 +278,8 @@ def test_fp8_staging_quantizes_as_its_device_step():
 
 def test_run_checks_see_fp8_layers():
     """The writer's NaN/Inf check and the self-check's degenerate screen read FP8 codes and scales."""
-    from speculators_v016.store.degenerate import degenerate_layers, may_be_degenerate
-    from speculators_v016.store.finite import non_finite
+    from speculators_v016.checks.degenerate import degenerate_layers, may_be_degenerate
+    from speculators_v016.checks.finite import non_finite
 
     good = Fp8States(*fp8.quantize(wide_rows(rows=6)))
     nan_scale = Fp8States(good.codes.clone(), good.scales.clone())

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from speculators_v016 import fp8
-from speculators_v016.run.logit_check import LogitChecker
+from speculators_v016.checks.logit_check import LogitChecker
 
 HIDDEN, VOCAB, ROWS = 256, 512, 300
 

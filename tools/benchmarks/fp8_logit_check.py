@@ -5,7 +5,7 @@ head and once with the head scaled so its logits spread like a trained model's
 (``--head-scale``), and for any model given with ``--also`` (e.g. the briefly
 trained target of fp8_training.py), the same prompts run through the engine
 twice: storing bf16 and storing FP8. Each sample is judged as the run's check
-judges it (:class:`~speculators_v016.run.logit_check.LogitChecker`), and
+judges it (:class:`~speculators_v016.checks.logit_check.LogitChecker`), and
 printed side by side, per model:
 
 * bf16: max |delta| (vLLM's prompt logprobs vs the captured last layer) and the
@@ -56,9 +56,9 @@ def measure(args: dict) -> dict:
     """(child) Run the prompts storing bf16 and FP8; compare as described above."""
     import torch
 
+    from speculators_v016.checks.logit_check import TOLERANCE, LogitChecker, LogitCheckResult
     from speculators_v016.fp8 import MAX_RELATIVE_ERROR, Fp8States
     from speculators_v016.generator import VllmHiddenStatesGenerator
-    from speculators_v016.run.logit_check import TOLERANCE, LogitChecker, LogitCheckResult
 
     model, batch = args["model"], prompts(args["prompts"], args["length"], vocab=args["vocab"])
     runs = {}
@@ -164,7 +164,7 @@ def main() -> None:
         rows[name] = child(
             __file__, {"model": str(path), "prompts": opts.prompts, "length": opts.length, "vocab": vocab}
         )
-    from speculators_v016.run.logit_check import FP8_SIGMAS, LOGIT_ULPS
+    from speculators_v016.checks.logit_check import FP8_SIGMAS, LOGIT_ULPS
 
     with recording(__file__):
         print(

@@ -1,13 +1,13 @@
 """``speculators-data-gen check``: the engine's hidden states against vLLM's logits and transformers.
 
 :func:`check` runs a handful of samples through the generator, then (1) the
-logit check (:mod:`~speculators_v016.run.logit_check`, any size of target) and
+logit check (:mod:`~speculators_v016.checks.logit_check`, any size of target) and
 (2), where transformers can load the target, compares every requested layer
 with transformers on the same weights: the largest absolute error and the
 error relative to the largest reference value, with a pass/fail against a
 tolerance that depends on the engine's dtype, and (3) replays every requested
 layer ``L >= 1`` in transformers from the captured layer ``L - 1``
-(:mod:`~speculators_v016.run.layer_replay`: one layer's weights at a time, so
+(:mod:`~speculators_v016.checks.layer_replay`: one layer's weights at a time, so
 any size of target; ``L - 1`` is captured for the check where it was not
 requested). It returns a :class:`CheckReport`; the CLI prints it.
 """
@@ -22,7 +22,7 @@ import torch
 from speculators_v016.settings import EngineSettings
 
 if TYPE_CHECKING:
-    from speculators_v016.run.layer_replay import ReplayReport
+    from speculators_v016.checks.layer_replay import ReplayReport
 
 #: Largest allowed (max abs error / max abs reference value), by engine dtype.
 RELATIVE_TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
@@ -135,11 +135,11 @@ def check(
     """
     from transformers import AutoTokenizer
 
+    from speculators_v016.checks.layer_replay import replay_inputs, replay_layers
+    from speculators_v016.checks.logit_check import LogitChecker
     from speculators_v016.generator import VllmHiddenStatesGenerator
     from speculators_v016.layers import LayerPlan
     from speculators_v016.run.dataset import prepare_samples
-    from speculators_v016.run.layer_replay import replay_inputs, replay_layers
-    from speculators_v016.run.logit_check import LogitChecker
     from speculators_v016.target import TargetInfo
 
     model = settings.model

@@ -1,0 +1,8 @@
+"""The self-checks: is what was captured what the model computes?
+
+``finite`` (no NaN/Inf), ``degenerate`` (no layer a real model never produces: all zeros, or one
+row repeated), ``logit_check`` (the captured last layer, normed and projected, reproduces vLLM's
+logits), ``layer_replay`` (one decoder layer at a time in transformers, from the captured stream)
+and ``fidelity`` (every layer against transformers on the same weights). They judge states;
+they never import the engine, the worker, the store or a run.
+"""
