@@ -1,8 +1,8 @@
 """What the engine and the workers exchange: the ring's description and each step's capture metadata.
 
-Both sides import this module and nothing of each other, so the engine side
-never loads worker code (aux outputs, CPU shims) and the worker side never
-loads the engine loop.
+Both sides import this module (and :mod:`speculators_v016.shared`, the ring) and
+nothing of each other, so the engine side never loads worker code (aux outputs,
+CPU shims) and the worker side never loads the engine loop.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ step (independent, uniform) has a standard deviation ``sigma`` computed
 exactly from the final norm, the head and the softmax; a position passes when
 ``|delta| <= FP8_SIGMAS * sigma + the engine dtype's tolerance``. A wrong
 layer or rows one position off move the logprobs by far more than that
-(measured: see the README), and the sigma scales with the target's own
+(measured: docs/benchmarks/fp8_logit_check.md), and the sigma scales with the target's own
 logits, so the tolerance carries over from tiny models to real ones.
 
 In bf16 or fp16, vLLM's logits are rounded to the engine's dtype, and ours
@@ -255,7 +255,7 @@ def logit_rounding(
     vLLM's output projection writes its logits in the engine's dtype, and ours is
     another GEMM (another summation order), so the two may round a logit of size
     ``z`` apart by about ``2**-8 |z|`` in bf16: 0.06 at |z| = 16, beyond any fixed
-    tolerance once logits spread like a trained model's (measured in the README).
+    tolerance once logits spread like a trained model's (measured: docs/benchmarks/fp8_logit_check.md).
     """
     bits = _MANTISSA_BITS.get(dtype)
     if bits is None:

@@ -441,7 +441,7 @@ def check(
     layers = _layer_ids(layer_ids)
     with Console(scratch_log_path("check"), obj["mode"], obj["log_level"]) as console:
         try:
-            from speculators_v016.checks.fidelity import check as run_check
+            from speculators_v016.run.check import check as run_check
 
             settings = EngineSettings(
                 model=target_model_path,

@@ -49,6 +49,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import asdict
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import torch
@@ -56,6 +57,7 @@ import torch
 from speculators_v016.fp8 import Fp8States
 
 VARIABLE = "SPECULATORS_V016_FAULT"
+COMMAND = "speculators-data-gen"
 _passed: Counter = Counter()
 _lock = threading.Lock()  # writer threads pass points concurrently
 
@@ -242,11 +244,15 @@ def install() -> None:
 
 
 def main() -> None:
-    install()
-    from speculators_v016.run.cli import main as cli_main
+    """Arm the fault, then run the installed ``speculators-data-gen`` command (its console-script entry point).
 
-    sys.argv[0] = "speculators-data-gen"
-    cli_main()
+    The kit reaches the command as a user does, through the distribution's entry point, never by
+    importing the CLI module: the test kit sits below the run and does not name its modules.
+    """
+    install()
+    (command,) = entry_points(group="console_scripts", name=COMMAND)
+    sys.argv[0] = COMMAND
+    command.load()()
 
 
 if __name__ == "__main__":
