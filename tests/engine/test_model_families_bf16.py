@@ -77,8 +77,8 @@ def vllm_layer_outputs(gen, prompt: list[int]) -> tuple[list[torch.Tensor], list
 
 
 def run_family(model_dir: str, dtype: str, arch: str):
+    from speculators_v016.checks.logit_check import LogitChecker
     from speculators_v016.generator import VllmHiddenStatesGenerator
-    from speculators_v016.run.logit_check import LogitChecker
 
     prompts = random_prompts(LENGTHS, seed=3)
     with VllmHiddenStatesGenerator(model_dir, dtype=dtype, **ENGINE) as gen:
