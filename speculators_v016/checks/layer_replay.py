@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from speculators_v016.checks.fidelity import FLIPPED_ROWS, row_errors
+
 
 @dataclass
 class ReplayError:
@@ -36,10 +38,15 @@ class ReplayError:
     max_abs: float
     relative: float
     tolerance: float
+    median_row: float = 0.0  # median over rows of ||replayed - captured|| / ||captured||
+    rows_past: float = 0.0  # fraction of rows past the row bound
+    row_bounds: tuple[float, float] | None = None  # bf16/fp16 engines: judged per row (checks/fidelity.py)
 
     @property
     def ok(self) -> bool:
-        return self.relative <= self.tolerance
+        if self.row_bounds is None:
+            return self.relative <= self.tolerance
+        return self.median_row <= self.row_bounds[0] and self.rows_past <= FLIPPED_ROWS
 
 
 @dataclass
@@ -58,13 +65,15 @@ class ReplayReport:
         out = [
             "layer replay: transformers' decoder layer L (fp32, its weights only) on our captured input "
             "(layer L-1) against our captured layer L",
-            f"{'':>7}{'layer':>6} {'from':>5} {'max abs':>12} {'relative':>10} {'tolerance':>10}  result",
+            f"{'':>7}{'layer':>6} {'from':>5} {'max abs':>12} {'relative':>10} {'median row':>10} {'rows past':>9} "
+            f"{'tolerance':>16}  result",
         ]
-        out += [
-            f"replay {r.layer:>6} {r.source:>5} {r.max_abs:>12.3e} {r.relative:>10.3e} {r.tolerance:>10.1e}  "
-            f"{'pass' if r.ok else 'FAIL'}"
-            for r in self.rows
-        ]
+        for r in self.rows:
+            bound = f"{r.row_bounds[0]:.1e}/{r.row_bounds[1]:.0e}" if r.row_bounds else f"{r.tolerance:.1e}"
+            out.append(
+                f"replay {r.layer:>6} {r.source:>5} {r.max_abs:>12.3e} {r.relative:>10.3e} {r.median_row:>10.2e} "
+                f"{r.rows_past:>9.1%} {bound:>16}  {'pass' if r.ok else 'FAIL'}"
+            )
         if self.not_replayed:
             out.append(
                 f"layer replay: layers {list(self.not_replayed)} not replayed (no captured input: "
@@ -230,10 +239,13 @@ def replay_layers(
     layer_ids: Sequence[int],
     tolerance: float,
     trust_remote_code: bool = False,
+    row_bounds: tuple[float, float] | None = None,
 ) -> ReplayReport:
     """Replay every requested layer ``L >= 1`` from captured ``L - 1``; ``samples``: our layer id -> [T, hidden].
 
-    Passes where the largest error relative to the largest |value| of the captured layer is within ``tolerance``.
+    Passes where the largest error relative to the largest |value| of the captured layer is within ``tolerance``;
+    with ``row_bounds`` (bf16/fp16 engines) where the median row is within the first and at most
+    :data:`~speculators_v016.checks.fidelity.FLIPPED_ROWS` of the rows past the second.
     """
     todo = [layer for layer in layer_ids if layer >= 1]
     skipped = tuple(layer for layer in layer_ids if layer < 1)
@@ -244,6 +256,7 @@ def replay_layers(
     rows = []
     for layer in todo:
         worst_abs = worst_rel = 0.0
+        errors = []
         try:
             for states in samples:
                 got = replayer.replay(layer, states[layer - 1])
@@ -251,7 +264,12 @@ def replay_layers(
                 diff = (got - want).abs().max().item()
                 worst_abs = max(worst_abs, diff)
                 worst_rel = max(worst_rel, diff / max(want.abs().max().item(), 1e-12))
+                errors.append(row_errors(got, want))
         except ReplayUnavailable as exc:
             return ReplayReport([], str(exc))
-        rows.append(ReplayError(layer, layer - 1, worst_abs, worst_rel, tolerance))
+        per_row = torch.cat(errors) if errors else torch.zeros(1)
+        past = (per_row > row_bounds[1]).float().mean().item() if row_bounds else 0.0
+        rows.append(
+            ReplayError(layer, layer - 1, worst_abs, worst_rel, tolerance, per_row.median().item(), past, row_bounds)
+        )
     return ReplayReport(rows, not_replayed=skipped)

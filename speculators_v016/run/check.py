@@ -16,7 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from speculators_v016.checks.fidelity import RELATIVE_TOLERANCE, LayerError, compare, reference_layer_outputs
+from speculators_v016.checks.fidelity import (
+    RELATIVE_TOLERANCE,
+    ROW_BOUNDS,
+    LayerError,
+    compare,
+    reference_layer_outputs,
+)
 from speculators_v016.checks.layer_replay import ReplayReport
 from speculators_v016.settings import EngineSettings
 
@@ -40,12 +46,16 @@ class CheckReport:
         out.append(f"logit check: {self.logit_line}")
         if self.layers:
             out.append(f"{self.samples} samples, engine dtype {self.engine_dtype}, reference transformers float32")
-            out.append(f"{'layer':>6} {'max abs err':>12} {'relative':>10} {'tolerance':>10}  result")
-            out += [
-                f"{e.layer:>6} {e.max_abs:>12.3e} {e.relative:>10.3e} {e.tolerance:>10.1e}  "
-                f"{'pass' if e.ok else 'FAIL'}"
-                for e in self.layers
-            ]
+            out.append(
+                f"{'layer':>6} {'max abs err':>12} {'relative':>10} {'median row':>10} {'rows past':>9} "
+                f"{'tolerance':>16}  result"
+            )
+            for e in self.layers:
+                bound = f"{e.row_bounds[0]:.1e}/{e.row_bounds[1]:.0e}" if e.row_bounds else f"{e.tolerance:.1e}"
+                out.append(
+                    f"{e.layer:>6} {e.max_abs:>12.3e} {e.relative:>10.3e} {e.median_row:>10.2e} {e.rows_past:>9.1%} "
+                    f"{bound:>16}  {'pass' if e.ok else 'FAIL'}"
+                )
         if self.replay is not None:
             out += self.replay.lines()
         return out
@@ -95,7 +105,12 @@ def check(
     logits_ok = checker.result.ok or (bool(checker.result.unavailable) and with_transformers)
     report = CheckReport(len(prompts), engine_dtype, checker.result.line(), logits_ok, stream_margins=margins)
     report.replay = replay_layers(
-        model, by_layer, list(plan.layer_ids), RELATIVE_TOLERANCE.get(engine_dtype, 5e-2), settings.trust_remote_code
+        model,
+        by_layer,
+        list(plan.layer_ids),
+        RELATIVE_TOLERANCE.get(engine_dtype, 5e-2),
+        settings.trust_remote_code,
+        ROW_BOUNDS.get(engine_dtype),
     )
     if with_transformers:
         reference = reference_layer_outputs(model, prompts, torch.float32, settings.trust_remote_code)

@@ -17,20 +17,23 @@ import torch
 
 from helpers.cli import CPU, conversations, load_all, write_jsonl
 from helpers.reference import hf_layer_outputs
+from speculators_v016.checks.fidelity import ROW_BOUNDS
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.sample_format import load_sample
+from speculators_v016.testing.faults import VARIABLE as FAULT
 
-#: Row error of a bf16 engine against transformers in fp32 (tests/engine/test_model_families_bf16.py says why)
-MEDIAN_BOUND, ROW_BOUND = 2.5e-2, 5e-2
+#: Row error of a bf16 engine against transformers in fp32 (checks/fidelity.py says why)
+MEDIAN_BOUND, ROW_BOUND = ROW_BOUNDS["bfloat16"]
 COUNT = 12
 DEFAULTS = {k: v for k, v in CPU.items() if k != "SPECULATORS_DATA_GEN_DTYPE"}
 
 
-def run(*args):
-    """The real command with the CLI's own dtype (no SPECULATORS_DATA_GEN_DTYPE, no --dtype)."""
+def run(*args, fault: str | None = None):
+    """The real command with the CLI's own dtype (no SPECULATORS_DATA_GEN_DTYPE, no --dtype); ``fault``: injected."""
     env = {k: v for k, v in os.environ.items() if k != "SPECULATORS_DATA_GEN_DTYPE"}
-    proc = subprocess.run([sys.executable, "-m", "speculators_v016.run.cli", *map(str, args)], capture_output=True,
-                          text=True, env={**env, **DEFAULTS}, timeout=600)  # fmt: skip
+    module = "speculators_v016.testing.faults" if fault else "speculators_v016.run.cli"
+    proc = subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True,
+                          env={**env, **DEFAULTS, **({FAULT: fault} if fault else {})}, timeout=600)  # fmt: skip
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -116,3 +119,15 @@ def test_check_with_the_default_dtype(tiny_model, data_file):
     assert rows and all(r[-1] == "pass" for r in rows), output[-3000:]
     assert [int(r[1]) for r in rows if r[0] == "replay"] == [2, 4, 5, 7]
     assert "stream proof:" in output  # the margin each consumer showed
+
+
+def test_check_in_bf16_finds_a_wrong_intermediate_layer(tiny_model, data_file):
+    """Injected in bf16: layer 4 holds layer 3's states; the row-judged replay fails on 4 and 5, far past its bound."""
+    code, output = run("check", "--target-model-path", tiny_model("llama"), "--train-data-path", data_file,
+                       "--samples", 2, "--enforce-eager", "--seq-length", 256, "--no-transformers",
+                       fault="wrong-layer:1")  # fmt: skip
+    assert code == 1, output[-3000:]
+    replayed = {int(r[1]): (float(r[5]), r[-1]) for r in (line.split() for line in output.splitlines())
+                if r and r[0] == "replay"}  # fmt: skip
+    assert {k: v[1] for k, v in replayed.items()} == {2: "pass", 4: "FAIL", 5: "FAIL", 7: "pass"}, output[-3000:]
+    assert min(replayed[4][0], replayed[5][0]) > 8 * MEDIAN_BOUND  # median rows at the stream's scale

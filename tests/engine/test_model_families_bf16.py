@@ -2,7 +2,8 @@
 
 The start-up stream proof must pass (the same conventions as in float32, with
 the margin it reports); every captured layer is compared with transformers in
-float32 on the same weights, per row (token): ``||ours - theirs|| / ||theirs||``.
+float32 on the same weights, per row (token): ``||ours - theirs|| / ||theirs||``,
+with the bounds ``check`` judges bf16 and fp16 engines by (``checks/fidelity.py``).
 
 Bounds, and why: bfloat16 keeps 8 significant bits (unit roundoff 2^-8 = 3.9e-3);
 vLLM rounds the weights to it and every activation after each operation, so a
@@ -24,6 +25,7 @@ import pytest
 import torch
 
 from helpers.reference import hf_layer_outputs, random_prompts
+from speculators_v016.checks.fidelity import FLIPPED_ROWS, ROW_BOUNDS, row_errors
 from speculators_v016.worker import aux_outputs
 from speculators_v016.worker.stream_proof import DIFFERENT_FACTOR, StreamProofError
 
@@ -31,9 +33,8 @@ LAYERS = 4
 LENGTHS = [40, 200, 3, 90]
 ENGINE = dict(layer_ids=list(range(LAYERS)), max_model_len=512, enforce_eager=True, max_num_batched_tokens=128,
               max_num_seqs=3)  # fmt: skip
-MEDIAN_BOUND = {torch.bfloat16: 2.5e-2, torch.float16: 2.5e-2 / 8}
-ROW_BOUND = {torch.bfloat16: 5e-2, torch.float16: 5e-2 / 8}
-FLIPPED_ROWS = 0.05
+MEDIAN_BOUND = {d: ROW_BOUNDS[str(d).removeprefix("torch.")][0] for d in (torch.bfloat16, torch.float16)}
+ROW_BOUND = {d: ROW_BOUNDS[str(d).removeprefix("torch.")][1] for d in (torch.bfloat16, torch.float16)}
 SEPARATION = 8
 
 MOE = {"qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "qwen2_moe", "glm4_moe", "gpt_oss", "ernie4_5_moe"}
@@ -44,11 +45,6 @@ FAMILIES = DENSE + sorted(MOE)
 NO_LOGIT_CHECK = {"cohere", "cohere2", "gpt_neox"}
 #: float16 where vLLM's CPU backend runs it: a fused add-norm, an MoE, a parallel block, a whole-stream layer
 FP16 = ["llama", "mixtral", "cohere", "olmo2"]
-
-
-def row_errors(ours: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
-    """Per row: ||ours - theirs|| / ||theirs||."""
-    return (ours.float() - theirs).norm(dim=-1) / theirs.norm(dim=-1).clamp_min(1e-12)
 
 
 def vllm_layer_outputs(gen, prompt: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
