@@ -21,10 +21,11 @@ RELATIVE_TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 #: 8 significant bits (unit roundoff 3.9e-3) and vLLM rounds weights and every activation to it: medians of
 #: 6e-3 to 1.3e-2 measured on 20 families (tests/engine/test_model_families_bf16.py); fp16 (11 bits) 8x closer.
 #: In an MoE a near-tied router flips its expert under that rounding and the row takes another expert's
-#: output (0.1-0.7 off): the target's own behaviour in its dtype, up to 3.3% of a tiny MoE's rows measured.
+#: output (0.1-0.7 off): the target's own behaviour in its dtype: up to 3.3% of a tiny MoE's rows on the AVX512
+#: CPU build, 6.0% (GPT-OSS) on the AVX2 build, whose kernels round differently; the bound is 10%.
 #: A wrong layer or rows one position off sit at medians of 0.24 and more.
 ROW_BOUNDS = {"bfloat16": (2.5e-2, 5e-2), "float16": (2.5e-2 / 8, 5e-2 / 8)}
-FLIPPED_ROWS = 0.05
+FLIPPED_ROWS = 0.10
 
 
 @dataclass

@@ -259,9 +259,13 @@ def build_tiny_model(
     seed: int = 0,
     corpus: Iterable[str] | None = None,
     vocab_size: int = 512,
+    dtype: str = "float32",
     **overrides,
 ) -> Path:
-    """Save a tiny random ``arch`` model and its tokenizer to ``out``; return the path."""
+    """Save a tiny random ``arch`` model and its tokenizer to ``out``; return the path.
+
+    ``dtype``: the checkpoint's (``bfloat16``: weights stored and declared bf16, as released models are).
+    """
     import torch
     import transformers
 
@@ -285,6 +289,9 @@ def build_tiny_model(
         for name, param in model.named_parameters():
             if name.endswith(_ZERO.get(arch, ())):
                 param.zero_()
+    if dtype != "float32":
+        model = model.to(getattr(torch, dtype))
+        model.config.dtype = getattr(torch, dtype)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out

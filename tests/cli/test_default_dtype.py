@@ -61,10 +61,18 @@ def assert_close_to_transformers(model, out):
             assert rows.median() <= MEDIAN_BOUND and rows.max() <= ROW_BOUND, (layer, rows.median(), rows.max())
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_a_default_run_is_bf16_checked_and_verified(arch, tiny_model, data_file, tmp_path):
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory):
+    """A tiny Qwen2 saved in bf16 (config and weights), as released checkpoints are."""
+    from speculators_v016.testing.tiny_models import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("qwen2-bf16"), "qwen2", dtype="bfloat16"))
+
+
+@pytest.mark.parametrize("arch", ["qwen2 (bf16 checkpoint)", "llama"])
+def test_a_default_run_is_bf16_checked_and_verified(arch, tiny_model, bf16_checkpoint, data_file, tmp_path):
     """No --dtype: the engine runs bf16, the logit check passes, verify ok, states within bf16 of transformers."""
-    model = tiny_model(arch)
+    model = bf16_checkpoint if arch.startswith("qwen2") else tiny_model(arch)
     code, output = generate(model, data_file, tmp_path / "out")
     assert code == 0, output[-3000:]
     assert ", bfloat16, TP 1," in output  # the start line names the engine's dtype
