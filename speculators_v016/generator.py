@@ -10,8 +10,8 @@ engine runs. With ``hidden_states_dtype="fp8_e4m3"`` each layer of
 and one float32 scale per token; ``.dequantize()`` gives the values).
 
 Library users call it with upstream's keywords; our pipeline builds the
-:class:`~speculators_v016.settings.EngineSettings` and the layer plan once and
-uses :meth:`VllmHiddenStatesGenerator.from_settings`.
+:class:`~speculators_v016.config.EngineConfig` and the layer plan once and
+uses :meth:`VllmHiddenStatesGenerator.from_config`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from loguru import logger
 
+from speculators_v016.config import EngineConfig, default_of
 from speculators_v016.engine.core import CaptureEngine
 from speculators_v016.layers import LayerPlan
-from speculators_v016.settings import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_MODEL_LEN, EngineSettings
 from speculators_v016.target import RemoteCodeError, TargetInfo
 
 __all__ = ["RemoteCodeError", "VllmHiddenStatesGenerator", "num_decoder_layers"]
@@ -42,43 +42,43 @@ class VllmHiddenStatesGenerator:
     default ``[2, n//2, n-3, n-1]``. Keyword arguments beyond upstream's
     (``async_scheduling``, ``enforce_eager``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``dtype``, ``executor``, ...) are fields of
-    :class:`~speculators_v016.settings.EngineSettings`.
+    :class:`~speculators_v016.config.EngineConfig` (their defaults are its fields').
     """
 
     def __init__(
         self,
         model_path: str,
         layer_ids: Sequence[int] | None = None,
-        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
-        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
-        tensor_parallel_size: int = 1,
+        max_model_len: int = default_of(EngineConfig, "max_model_len"),
+        gpu_memory_utilization: float = default_of(EngineConfig, "gpu_memory_utilization"),
+        tensor_parallel_size: int = default_of(EngineConfig, "tensor_parallel_size"),
         **engine_options,
     ):
-        settings = EngineSettings(
+        config = EngineConfig(
             model=model_path,
             max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel_size,
             **engine_options,
         )
-        target = TargetInfo.read(model_path, settings.trust_remote_code)
-        self._start(settings, LayerPlan.build(target.num_layers, layer_ids))
+        target = TargetInfo.read(model_path, config.trust_remote_code)
+        self._start(config, LayerPlan.build(target.num_layers, layer_ids))
 
     @classmethod
-    def from_settings(cls, settings: EngineSettings, plan: LayerPlan) -> VllmHiddenStatesGenerator:
-        """A generator for settings and a layer plan that were already built (the pipeline's way)."""
+    def from_config(cls, config: EngineConfig, plan: LayerPlan) -> VllmHiddenStatesGenerator:
+        """A generator for a config and a layer plan that were already built (the pipeline's way)."""
         self = cls.__new__(cls)
-        self._start(settings, plan)
+        self._start(config, plan)
         return self
 
-    def _start(self, settings: EngineSettings, plan: LayerPlan) -> None:
-        self.model_path = settings.model
+    def _start(self, config: EngineConfig, plan: LayerPlan) -> None:
+        self.model_path = config.model
         self.plan = plan
         self.layer_ids = list(plan.layer_ids)
-        logger.info("capturing layers {} of {} (vLLM aux ids {})", self.layer_ids, settings.model, list(plan.vllm_ids))
-        self.engine = CaptureEngine(settings, plan)
+        logger.info("capturing layers {} of {} (vLLM aux ids {})", self.layer_ids, config.model, list(plan.vllm_ids))
+        self.engine = CaptureEngine(config, plan)
         # Attributes upstream's generator had and its DataGenerationConfig reads.
-        self.tensor_parallel_size = settings.tensor_parallel_size
+        self.tensor_parallel_size = config.tensor_parallel_size
         self.vllm_config = self.engine.core.vllm_config
 
     @property

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
+from speculators_v016.config import DEFAULT_COPY_THREADS
 from speculators_v016.fp8 import CODE_DTYPE, SCALE_DTYPE, Fp8States
 from speculators_v016.protocol import StepCapture
-from speculators_v016.settings import DEFAULT_COPY_THREADS
 
 
 class AttributionError(RuntimeError):

@@ -27,17 +27,17 @@ from typing import Any
 
 from loguru import logger
 
+from speculators_v016.config import EngineConfig
 from speculators_v016.engine.assembly import Allocate, Assembler, AttributionError, copy_threads, expected_rows
 from speculators_v016.engine.cpu_attention import attention_overrides
 from speculators_v016.engine.executor import capture_executor, executor_kind
 from speculators_v016.engine.vllm_check import require_vllm
 from speculators_v016.layers import LayerPlan
-from speculators_v016.settings import EngineSettings
 from speculators_v016.shared.shm_records import RunRecord, reclaim_and_log
 from speculators_v016.shared.slot_ring import SlotRing
 from speculators_v016.target import PromptError, check_token_ids
 
-__all__ = ["CaptureEngine", "EngineDeadError", "EngineSettings", "PromptError"]
+__all__ = ["CaptureEngine", "EngineConfig", "EngineDeadError", "PromptError"]
 
 EXTENSION = "speculators_v016.worker.capture.CaptureWorkerExtension"
 _IN_PROCESS_ENGINES = 0  # live engines whose worker runs in this process (uniprocess executor)
@@ -85,18 +85,18 @@ def port_taken(exc: BaseException) -> bool:
 class CaptureEngine:
     """An in-process vLLM ``EngineCore`` whose steps we drive ourselves."""
 
-    def __init__(self, settings: EngineSettings, plan: LayerPlan):
+    def __init__(self, config: EngineConfig, plan: LayerPlan):
         self.vllm_version = require_vllm()
-        if settings.pipeline_parallel_size != 1:
+        if config.pipeline_parallel_size != 1:
             raise ValueError(
                 "pipeline parallelism is not supported: vLLM 0.16 drops the aux hidden "
                 "states of non-last stages; use tensor parallelism (across nodes: Ray)"
             )
-        self.settings, self.plan = settings, plan
-        config = self._vllm_config()
+        self.config, self.plan = config, plan
+        vllm_config = self._vllm_config()
         for attempt in range(1, START_ATTEMPTS + 1):
             try:
-                self._start(config)
+                self._start(vllm_config)
                 break
             except Exception as exc:
                 if attempt == START_ATTEMPTS or not port_taken(exc):
@@ -109,24 +109,24 @@ class CaptureEngine:
                     exc,
                 )
         try:
-            self._check_started(config)
+            self._check_started(vllm_config)
         except BaseException:
             self.shutdown()
             raise
         self._reset_run_state()
         logger.info(
             "engine ready: {} (async scheduling {}, {} steps in flight, capture {})",
-            settings.model,
+            config.model,
             self.async_scheduling,
             self.depth,
             self.capture_info[0],
         )
 
     def _vllm_config(self):
-        """vLLM's config from our settings, field by field; async scheduling set as we run it."""
+        """vLLM's config from ours, field by field; async scheduling set as we run it."""
         from vllm.engine.arg_utils import EngineArgs
 
-        s = self.settings
+        s = self.config
         args = EngineArgs(
             model=s.model,
             dtype=s.dtype,
@@ -248,7 +248,7 @@ class CaptureEngine:
             hidden=config.model_config.get_hidden_size(),
             dtype=config.model_config.dtype,
             shared=not self._in_process,
-            storage=self.settings.hidden_states_dtype,
+            storage=self.config.hidden_states_dtype,
             created=record.add if record is not None else None,
         )
         logger.debug("capture ring {}: {}", ring.spec.name, ring.spec.describe())
@@ -393,9 +393,9 @@ class CaptureEngine:
         """
         if self._broken is not None:
             raise RuntimeError(f"this engine failed earlier and cannot be used again: {self._broken}")
-        assembler = Assembler(self.plan.capture_order, allocate, fp8=self.settings.fp8, copy_threads=self.copy_threads)
+        assembler = Assembler(self.plan.capture_order, allocate, fp8=self.config.fp8, copy_threads=self.copy_threads)
         feed, waiting, in_flight = iter(prompts), set(), deque()
-        window = window or 2 * self.settings.max_num_seqs
+        window = window or 2 * self.config.max_num_seqs
         more = True
         try:
             while True:
@@ -436,7 +436,7 @@ class CaptureEngine:
 
         self.scheduler.finish_requests(list(waiting), RequestStatus.FINISHED_ABORTED)
         self._logprob_keys.clear()
-        scratch = Assembler(self.plan.capture_order, fp8=self.settings.fp8)
+        scratch = Assembler(self.plan.capture_order, fp8=self.config.fp8)
         while in_flight:
             self._retire(in_flight.pop(), scratch, keep=False)
         while self.scheduler.has_requests():  # finished ids still have to reach the workers

@@ -24,7 +24,7 @@ from speculators_v016.checks.fidelity import (
     reference_layer_outputs,
 )
 from speculators_v016.checks.layer_replay import ReplayReport
-from speculators_v016.settings import EngineSettings
+from speculators_v016.config import EngineConfig
 
 
 @dataclass
@@ -62,7 +62,7 @@ class CheckReport:
 
 
 def check(
-    settings: EngineSettings,
+    settings: EngineConfig,
     train_data_path: list[str],
     samples: int,
     seq_length: int,
@@ -91,7 +91,7 @@ def check(
     plan = LayerPlan.build(num_layers, layer_ids)
     # the layers asked for, plus the input of each (captured for the replay only), ascending
     captured = LayerPlan.build(num_layers, sorted({*plan.layer_ids, *replay_inputs(plan.layer_ids)}))
-    with VllmHiddenStatesGenerator.from_settings(settings, captured) as gen:
+    with VllmHiddenStatesGenerator.from_config(settings, captured) as gen:
         engine = gen.engine
         checker = LogitChecker(model, engine.dtype, captured.last_layer_index)
         results: list = [None] * len(prompts)

@@ -8,6 +8,7 @@ atomic output and the ``verify``, ``check``, ``demo`` and ``clean-shm`` subcomma
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import sys
@@ -16,268 +17,198 @@ from pathlib import Path
 import click
 
 from speculators_v016.exit_codes import ExitCode, help_text
-from speculators_v016.settings import (
-    DEFAULT_BATCH_SIZE,
-    DEFAULT_GPU_MEMORY_UTILIZATION,
-    DEFAULT_LOGIT_CHECK_SAMPLES,
-    DEFAULT_MAX_BAD_SAMPLES,
-    DEFAULT_MAX_NUM_SEQS,
-    DEFAULT_PREPROCESSING_WORKERS,
-    DEFAULT_SEQ_LENGTH,
-    DEFAULT_TOKEN_FREQ_PATH,
-    DEFAULT_WRITE_WORKERS,
-    EXECUTORS,
-    HIDDEN_STATES_DTYPES,
-    MIN_DEFAULT_BATCHED_TOKENS,
+from speculators_v016.config import (
+    ENV_PREFIX,
+    MODEL_DTYPES,
+    SECTIONS,
+    TERMINAL,
+    ConfigError,
+    ConsoleConfig,
+    EngineConfig,
+    RunConfig,
+    env_name,
+    option_fields,
+    parse_layer_ids,
 )
 
-ENV_PREFIX = "SPECULATORS_DATA_GEN"
 EXIT_CODES = f"""\b
 {help_text()}
-Every option can also be set from the environment, e.g.
-SPECULATORS_DATA_GEN_TARGET_MODEL_PATH, SPECULATORS_DATA_GEN_OUTPUT_DIR."""
+Every option can also be set from the environment: --some-option as
+SPECULATORS_DATA_GEN_SOME_OPTION (e.g. SPECULATORS_DATA_GEN_OUTPUT_DIR), a
+subcommand's as SPECULATORS_DATA_GEN_<SUBCOMMAND>_SOME_OPTION (e.g.
+SPECULATORS_DATA_GEN_VERIFY_PARTIAL). An unknown SPECULATORS_DATA_GEN_*
+variable is a usage error."""
 
 
-def _env_int(names: tuple[str, ...], minimum: int) -> int | None:
-    """The first of the launcher variables ``names`` that is set, as an integer >= ``minimum``; usage error if not."""
-    for name in names:
-        value = os.environ.get(name)
-        if value:
-            try:
-                number = int(value)
-            except ValueError:
-                number = None
-            if number is None or number < minimum:
-                raise click.UsageError(
-                    f"environment variable {name}={value!r} is not a whole number >= {minimum} "
-                    "(launchers such as torchrun and SLURM set it; or give --num-shards and "
-                    "--shard-index)"
-                )
-            return number
-    return None
+def usage_error(exc: ConfigError) -> click.ClickException:
+    """A configuration error as click reports it: naming the option to blame, if one."""
+    return click.BadParameter(str(exc), param_hint=exc.option) if exc.option else click.UsageError(str(exc))
 
 
-def _shard_defaults(num_shards: int | None, shard_index: int | None) -> tuple[int, int]:
-    """--num-shards/--shard-index, else a launcher's RANK/WORLD_SIZE (torchrun) or SLURM's."""
-    if num_shards is None:
-        num_shards = _env_int(("WORLD_SIZE", "SLURM_NTASKS"), 1) or 1
-    if shard_index is None:
-        shard_index = (_env_int(("RANK", "SLURM_PROCID"), 0) or 0) if num_shards > 1 else 0
-    if not 0 <= shard_index < num_shards:
-        raise click.BadParameter(f"shard index {shard_index} is not in [0, {num_shards})", param_hint="--shard-index")
-    return num_shards, shard_index
+class LayerIds(click.ParamType):
+    """``--layer-ids``' value: ids, space- or comma-separated (upstream's nargs form is joined by :func:`main`)."""
+
+    name = "ids"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        try:
+            return parse_layer_ids(value)
+        except ConfigError as exc:
+            raise usage_error(exc) from None
 
 
-def _layer_ids(value: str | None) -> list[int] | None:
-    """None when the option is absent; an empty or negative value is a usage error (never the default)."""
-    if value is None:
-        return None
+class ConfigOption(click.Option):
+    """An option with a help section; with ``keep_empty``, its variable set to "" is a value (not "unset")."""
+
+    def __init__(self, *args, section: str | None = None, keep_empty: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.section, self.keep_empty = section, keep_empty
+
+    def resolve_envvar_value(self, ctx):
+        if self.keep_empty and isinstance(self.envvar, str) and os.environ.get(self.envvar) == "":
+            return ""  # --layer-ids "" is a usage error; so is its variable set to ""
+        return super().resolve_envvar_value(ctx)
+
+
+def _click_type(f):
+    """The click type of config field ``f``: its choices, bounds, or kind."""
+    meta = f.meta
+    if meta["kind"] == "layer_ids":
+        return LayerIds()
+    if meta["kind"] == "dir":
+        return click.Path(file_okay=False, path_type=Path)
+    if f.choices is not None:
+        return click.Choice(f.choices, case_sensitive=meta["case_sensitive"])
+    ranged = meta["min"] is not None or meta["max"] is not None
+    if f.base is int:
+        return click.IntRange(meta["min"], meta["max"], min_open=meta["min_open"]) if ranged else click.INT
+    if f.base is float:
+        return click.FloatRange(meta["min"], meta["max"], min_open=meta["min_open"]) if ranged else click.FLOAT
+    return click.STRING
+
+
+def config_option(f):
+    """The click option decorator of config field ``f`` (see :func:`speculators_v016.config.setting`)."""
+    decls = [f.flag] + ([f.meta["short"]] if f.meta["short"] else []) + [f.param]
+    if f.base is bool:
+        return click.option(*decls, cls=ConfigOption, is_flag=True, help=f.meta["help"], section=f.meta["section"])
+    return click.option(
+        *decls,
+        cls=ConfigOption,
+        type=_click_type(f),
+        default=f.cli_default,
+        multiple=f.base is tuple and f.meta["kind"] is None,
+        help=f.meta["help"],
+        section=f.meta["section"],
+        keep_empty=f.meta["kind"] == "layer_ids",
+    )
+
+
+def config_options(command):
+    """Decorate ``command`` with an option per field of the configuration tree (see speculators_v016.config)."""
+    for f in reversed(option_fields()):
+        command = config_option(f)(command)
+    return command
+
+
+def _values_of(cls, values: dict) -> dict:
+    """The fields of ``cls`` among the command's ``values`` (by option), negated flags turned back."""
+    out = {}
+    for f in option_fields():
+        if f.owner is cls:
+            out[f.name] = not values[f.param] if f.meta["negate"] else values[f.param]
+    return out
+
+
+def run_config(values: dict) -> RunConfig:
+    """The run's config from the main command's option values: whole, or a usage error."""
+    engine = _values_of(EngineConfig, values)
+    run = _values_of(RunConfig, values)
+    run["train_data_path"] = tuple(run["train_data_path"])
     try:
-        ids = [int(v) for v in value.replace(",", " ").split()]
-    except ValueError:
-        raise click.BadParameter(
-            f"{value!r}: give integers, e.g. --layer-ids 2 16 29 31", param_hint="--layer-ids"
-        ) from None
-    if not ids:
-        raise click.BadParameter(
-            "no layer id given (an empty value, e.g. an unset variable?); give ids such as "
-            "--layer-ids 2 16 29 31, or leave the option out for the default layers",
-            param_hint="--layer-ids",
+        return RunConfig.build(engine, **run)
+    except ConfigError as exc:
+        raise usage_error(exc) from None
+
+
+def known_variables(group: click.Group) -> dict[str, str]:
+    """Every option's environment variable, of the command and its subcommands, with what it sets."""
+    out = {}
+    for name, command in [(None, group), *group.commands.items()]:
+        for param in command.params:
+            if isinstance(param, click.Option) and isinstance(param.envvar, str):
+                out[param.envvar] = f"{name} {param.opts[-1]}" if name else max(param.opts, key=len)
+    return out
+
+
+def name_variables(group: click.Group) -> None:
+    """Give every option of ``group`` and its subcommands the variable the rule names (see EXIT_CODES)."""
+    for name, command in [(None, group), *group.commands.items()]:
+        for param in command.params:
+            if not isinstance(param, click.Option):
+                continue
+            flags = [o for o in param.opts if o.startswith("--")]
+            settable = param.name not in ("help", "version") and flags
+            param.envvar = env_name(max(flags, key=len), name) if settable else None
+            param.allow_from_autoenv = False
+
+
+class MainGroup(click.Group):
+    """The command group: options in help sections, and no unknown SPECULATORS_DATA_GEN_* variable."""
+
+    def format_options(self, ctx, formatter):
+        sections: dict[str, list] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                sections.setdefault(getattr(param, "section", None) or TERMINAL, []).append(record)
+        for section in SECTIONS:
+            if sections.get(section):
+                with formatter.section(f"{section} options"):
+                    formatter.write_dl(sections[section])
+        self.format_commands(ctx, formatter)
+
+    def invoke(self, ctx):
+        self.refuse_unknown_variables(os.environ)
+        return super().invoke(ctx)
+
+    def refuse_unknown_variables(self, environ) -> None:
+        """A SPECULATORS_DATA_GEN_* variable no option reads is a usage error naming the nearest known one:
+        a typo silently ignored would be a run with settings nobody asked for."""
+        known = known_variables(self)
+        prefix = ENV_PREFIX + "_"
+        unknown = sorted(n for n in environ if n.startswith(prefix) and n not in known)
+        if not unknown:
+            return
+        lines = []
+        for name in unknown:
+            near = difflib.get_close_matches(name, known, n=1, cutoff=0.0)
+            hint = f" (nearest: {near[0]}, for {known[near[0]]})" if near else ""
+            lines.append(f"{name}{hint}")
+        raise click.UsageError(
+            "unknown environment variable"
+            + ("s " if len(lines) > 1 else " ")
+            + "; ".join(lines)
+            + ": no option reads it; fix its name, or unset it"
         )
-    negative = [i for i in ids if i < 0]
-    if negative:
-        raise click.BadParameter(
-            f"{negative} negative: id L is the output of decoder layer L, from 0 to n-1 "
-            "(the last layer); ids counted from the end are not accepted, give n-1 itself",
-            param_hint="--layer-ids",
-        )
-    return ids
 
 
 @click.group(
+    cls=MainGroup,
     invoke_without_command=True,
     epilog=EXIT_CODES,
     context_settings={
-        "auto_envvar_prefix": ENV_PREFIX,
         "show_default": True,
         "help_option_names": ["-h", "--help"],
         "max_content_width": 100,
     },
 )
-@click.option("--target-model-path", help="Target model: local folder or hub id (what vLLM loads).")
-@click.option(
-    "--train-data-path",
-    multiple=True,
-    help="Dataset: .json/.jsonl file (ShareGPT 'conversations', 'messages', or pre-tokenized "
-    "'input_ids'+'loss_mask' rows) or a dataset name upstream knows (sharegpt, ultrachat). "
-    "Repeat to combine.",
-)
-@click.option(
-    "--output-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Folder for the samples; an interrupted run resumes in it.",
-)
-@click.option(
-    "--seq-length",
-    type=click.IntRange(min=1),
-    default=DEFAULT_SEQ_LENGTH,
-    help="Longest sample in tokens; longer ones are truncated.",
-)
-@click.option(
-    "--max-samples", type=click.IntRange(min=1), default=None, help="Use at most this many rows (after shuffling)."
-)
-@click.option(
-    "--layer-ids",
-    default=None,
-    help="Layers to capture: id L = output of decoder layer L, before the final norm "
-    "(upstream's meaning), 0 to n-1. Space- or comma-separated. Default: 2, n//2, n-3, n-1.",
-)
-@click.option(
-    "--batch-size",
-    type=click.IntRange(min=1),
-    default=DEFAULT_BATCH_SIZE,
-    help="Prompts admitted ahead of the engine (at least 2 x max-num-seqs).",
-)
-@click.option(
-    "--tensor-parallel-size",
-    type=click.IntRange(min=1),
-    default=None,
-    help="GPUs per model. Default: all visible GPUs, or 1.",
-)
-@click.option(
-    "--gpu-memory-utilization",
-    type=click.FloatRange(0, 1, min_open=True),
-    default=DEFAULT_GPU_MEMORY_UTILIZATION,
-    help="vLLM's GPU memory fraction.",
-)
-@click.option("--token-freq-path", default=DEFAULT_TOKEN_FREQ_PATH, help="Where upstream's token frequency file goes.")
-@click.option("--hf-cache-dir", default=None, help="Cache folder for hub datasets.")
-@click.option("--assistant-pattern", default=None, help="Regex of assistant spans (default: from the chat template).")
-@click.option("--turn-dropout", is_flag=True, help="Keep a random number of leading turns per conversation.")
-@click.option("--seed", type=int, default=0, help="Shuffle (and turn dropout) seed.")
-@click.option(
-    "--start-idx", type=click.IntRange(min=0), default=0, help="Offset added to every sample index in file names."
-)
-@click.option(
-    "--num-preprocessing-workers",
-    type=click.IntRange(min=1),
-    default=DEFAULT_PREPROCESSING_WORKERS,
-    help="Processes for tokenization.",
-)
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(["safetensors", "pt"]),
-    default="safetensors",
-    help="safetensors (no pickle), or pt: upstream's data_{i}.pt layout for stock trainers.",
-)
-@click.option(
-    "--num-shards",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Split samples over this many runs (default: WORLD_SIZE).",
-)
-@click.option(
-    "--shard-index", type=click.IntRange(min=0), default=None, help="Which shard this run writes (default: RANK)."
-)
-@click.option("--trust-remote-code", is_flag=True, help="Allow the model folder's own Python code to run.")
-@click.option("--skip-bad-rows", is_flag=True, help="Skip (and count) malformed dataset rows instead of failing.")
-@click.option(
-    "--max-bad-samples",
-    type=click.IntRange(min=0),
-    default=DEFAULT_MAX_BAD_SAMPLES,
-    help="Abort after more samples than this with NaN/Inf states.",
-)
-@click.option("--dtype", default="auto", help="vLLM dtype (auto = the checkpoint's; on CPU auto means bfloat16).")
-@click.option(
-    "--hidden-states-dtype",
-    type=click.Choice(HIDDEN_STATES_DTYPES),
-    default="auto",
-    help="How states are stored: auto = the engine's dtype; fp8_e4m3 = e4m3 codes + one float32 scale "
-    "per token per layer, quantized in the capture (half the bytes; safetensors only).",
-)
-@click.option("--enforce-eager", is_flag=True, help="Skip torch.compile / CUDA graphs (faster start, slower run).")
-@click.option("--sync-scheduling", is_flag=True, help="Turn vLLM's async scheduling off (one step in flight).")
-@click.option(
-    "--max-num-seqs", type=click.IntRange(min=1), default=DEFAULT_MAX_NUM_SEQS, help="Prompts per engine step at most."
-)
-@click.option(
-    "--max-num-batched-tokens",
-    type=click.IntRange(min=1),
-    default=None,
-    help=f"Tokens per engine step (default: max({MIN_DEFAULT_BATCHED_TOKENS}, seq-length+1)).",
-)
-@click.option(
-    "--executor",
-    type=click.Choice(EXECUTORS),
-    default=None,
-    help="vLLM executor (default: vLLM's choice: uni for one device, mp for tensor parallelism).",
-)
-@click.option(
-    "--write-workers", type=click.IntRange(min=1), default=DEFAULT_WRITE_WORKERS, help="Threads writing sample files."
-)
-@click.option(
-    "--logit-check-samples",
-    type=click.IntRange(min=0),
-    default=DEFAULT_LOGIT_CHECK_SAMPLES,
-    help="Samples whose captured last layer, normed and projected, must reproduce vLLM's own prompt "
-    "logprobs (needs only the final norm and lm_head; 0: off).",
-)
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
-@click.option(
-    "--deep-verify",
-    is_flag=True,
-    help="After the run, re-read every file of the folder (sha256, shapes, NaN), not just the manifest.",
-)
-@click.option(
-    "--log-level",
-    default="INFO",
-    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-    help="Our messages kept in the log file.",
-)
-@click.option("-v", "--verbose", is_flag=True, help="Everything on the terminal (vLLM, torch, workers), no log file.")
-@click.option("-q", "--quiet", is_flag=True, help="Only the summary and errors on the terminal.")
+@config_options
 @click.version_option(package_name="speculators-v016", message="%(prog)s %(version)s")
 @click.pass_context
-def cli(
-    ctx,
-    target_model_path,
-    train_data_path,
-    output_dir,
-    seq_length,
-    max_samples,
-    layer_ids,
-    batch_size,
-    tensor_parallel_size,
-    gpu_memory_utilization,
-    token_freq_path,
-    hf_cache_dir,
-    assistant_pattern,
-    turn_dropout,
-    seed,
-    start_idx,
-    num_preprocessing_workers,
-    fmt,
-    num_shards,
-    shard_index,
-    trust_remote_code,
-    skip_bad_rows,
-    max_bad_samples,
-    dtype,
-    hidden_states_dtype,
-    enforce_eager,
-    sync_scheduling,
-    max_num_seqs,
-    max_num_batched_tokens,
-    executor,
-    write_workers,
-    logit_check_samples,
-    no_progress,
-    deep_verify,
-    log_level,
-    verbose,
-    quiet,
-):
+def cli(ctx, **values):
     """Generate EAGLE-3 training data: hidden states of a target model, one file per sample.
 
     \b
@@ -292,84 +223,33 @@ def cli(
     vLLM with eagle_aux_hidden_state_layer_ids = [L+1 for all but the last id];
     data_config.json records both.
     """
-    if verbose and quiet:
-        raise click.UsageError("--verbose and --quiet exclude each other")
-    ctx.obj = {"mode": "verbose" if verbose else "quiet" if quiet else "normal", "log_level": log_level}
+    try:
+        terminal = ConsoleConfig(**_values_of(ConsoleConfig, values))
+    except ConfigError as exc:
+        raise usage_error(exc) from None
+    ctx.obj = {"mode": terminal.mode, "log_level": terminal.log_level}
     if ctx.invoked_subcommand is not None:
         return
     missing = [
         name
-        for name, value in (
-            ("--target-model-path", target_model_path),
-            ("--train-data-path", train_data_path),
-            ("--output-dir", output_dir),
+        for name, key in (
+            ("--target-model-path", "target_model_path"),
+            ("--train-data-path", "train_data_path"),
+            ("--output-dir", "output_dir"),
         )
-        if not value
+        if not values[key]
     ]
     if missing:
         raise click.UsageError(f"missing {', '.join(missing)} (or a subcommand: verify, check, demo, clean-shm)")
-    shards, index = _shard_defaults(num_shards, shard_index)
-    layers = _layer_ids(layer_ids)
-    from speculators_v016.run.pipeline import RunOptions
-    from speculators_v016.settings import EngineSettings
-    from speculators_v016.store.outdir import shard_name
-
-    if hidden_states_dtype != "auto" and fmt != "safetensors":
-        raise click.BadParameter(
-            f"--hidden-states-dtype {hidden_states_dtype} is stored as safetensors only: "
-            f"upstream's .pt readers would take the FP8 codes for values (--format {fmt})",
-            param_hint="--format",
-        )
-    if tensor_parallel_size is None:
-        import torch
-
-        tensor_parallel_size = max(1, torch.cuda.device_count())
-    engine = EngineSettings(
-        model=target_model_path,
-        tensor_parallel_size=tensor_parallel_size,
-        max_model_len=seq_length + 1,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_num_seqs=max_num_seqs,
-        gpu_memory_utilization=gpu_memory_utilization,
-        async_scheduling=not sync_scheduling,
-        enforce_eager=enforce_eager,
-        dtype=dtype,
-        executor=executor,
-        trust_remote_code=trust_remote_code,
-        seed=seed,
-        hidden_states_dtype=hidden_states_dtype,
-    )
-    opts = RunOptions(
-        engine=engine,
-        train_data_path=list(train_data_path),
-        output_dir=output_dir,
-        seq_length=seq_length,
-        max_samples=max_samples,
-        layer_ids=layers,
-        batch_size=batch_size,
-        token_freq_path=token_freq_path,
-        hf_cache_dir=hf_cache_dir,
-        assistant_pattern=assistant_pattern,
-        turn_dropout=turn_dropout,
-        seed=seed,
-        start_idx=start_idx,
-        num_preprocessing_workers=num_preprocessing_workers,
-        format=fmt,
-        num_shards=shards,
-        shard_index=index,
-        skip_bad_rows=skip_bad_rows,
-        max_bad_samples=max_bad_samples,
-        write_workers=write_workers,
-        logit_check_samples=logit_check_samples,
-        progress=not no_progress,
-        deep_verify=deep_verify,
-    )
+    config = run_config(values)
     from speculators_v016.run.console import Console, run_log_path
     from speculators_v016.run.run_report import run_and_report
+    from speculators_v016.store.outdir import shard_name
 
-    suffix = f"-{shard_name(index, shards)}" if shards > 1 else ""
-    with Console(run_log_path(output_dir, "run", suffix), ctx.obj["mode"], log_level) as console:
-        code = run_and_report(opts, console)
+    shards = config.num_shards
+    suffix = f"-{shard_name(config.shard_index, shards)}" if shards > 1 else ""
+    with Console(run_log_path(config.output_dir, "run", suffix), ctx.obj["mode"], terminal.log_level) as console:
+        code = run_and_report(config, console)
     ctx.exit(code)
 
 
@@ -407,8 +287,10 @@ def verify(obj, directory, partial):
 @click.option("--train-data-path", multiple=True, required=True)
 @click.option("--samples", type=click.IntRange(min=1), default=4, help="How many samples to compare.")
 @click.option("--seq-length", type=click.IntRange(min=1), default=512)
-@click.option("--layer-ids", default=None)
-@click.option("--dtype", default="auto", help="The engine's dtype (transformers runs in fp32).")
+@click.option("--layer-ids", cls=ConfigOption, type=LayerIds(), default=None, keep_empty=True)
+@click.option(
+    "--dtype", type=click.Choice(MODEL_DTYPES), default="auto", help="The engine's dtype (transformers runs in fp32)."
+)
 @click.option("--enforce-eager", is_flag=True)
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1)
 @click.option("--trust-remote-code", is_flag=True)
@@ -436,23 +318,21 @@ def check(
     """Check captured states: vLLM's logits, each layer replayed in transformers, the whole model if it fits."""
     from speculators_v016.run.console import Console, scratch_log_path
     from speculators_v016.run.run_report import exit_code
-    from speculators_v016.settings import EngineSettings
 
-    layers = _layer_ids(layer_ids)
     with Console(scratch_log_path("check"), obj["mode"], obj["log_level"]) as console:
         try:
             from speculators_v016.run.check import check as run_check
 
-            settings = EngineSettings(
+            engine = EngineConfig.for_seq_length(
+                seq_length,
                 model=target_model_path,
-                max_model_len=seq_length + 1,
                 dtype=dtype,
                 enforce_eager=enforce_eager,
                 tensor_parallel_size=tensor_parallel_size,
                 trust_remote_code=trust_remote_code,
             )
             report = run_check(
-                settings, list(train_data_path), samples, seq_length, layers, with_transformers=not no_transformers
+                engine, list(train_data_path), samples, seq_length, layer_ids, with_transformers=not no_transformers
             )
         except Exception as exc:  # noqa: BLE001 - explained, logged, exit code by kind
             console.failure(f"error: {type(exc).__name__}: {exc}")
@@ -504,6 +384,8 @@ def clean_shm(yes, shm_dir):
         click.echo(line)
     sys.exit(ExitCode.OK)
 
+
+name_variables(cli)  # every command defined: each option's variable by the rule, none derived by click
 
 _INT = re.compile(r"[+-]?\d+(,[+-]?\d+)*,?")
 

@@ -31,9 +31,8 @@ def corpus_lines() -> list[str]:
 
 
 def run_demo(where: Path, fmt: str, console) -> int:
-    from speculators_v016.run.pipeline import RunOptions
+    from speculators_v016.config import RunConfig
     from speculators_v016.run.run_report import run_and_report
-    from speculators_v016.settings import EngineSettings
     from speculators_v016.store.sample_format import load_sample
     from speculators_v016.testing.tiny_models import DEFAULT_CORPUS, build_tiny_model
 
@@ -45,16 +44,17 @@ def run_demo(where: Path, fmt: str, console) -> int:
         build_tiny_model(model, "llama", corpus=DEFAULT_CORPUS + corpus_lines())
     data = where / f"data-{fmt}"
     # the CLI's own dtype (auto: bfloat16 on CPU), as users run it; eager: a compiled start costs a minute
-    engine = EngineSettings(model=str(model), max_model_len=SEQ_LENGTH + 1, enforce_eager=True, max_num_seqs=8)
-    opts = RunOptions(
-        engine=engine,
-        train_data_path=[str(bundled_conversations())],
+    opts = RunConfig.build(
+        {"model": str(model), "tensor_parallel_size": 1, "enforce_eager": True, "max_num_seqs": 8},
+        train_data_path=(str(bundled_conversations()),),
         output_dir=data,
         seq_length=SEQ_LENGTH,
         format=fmt,
         token_freq_path=str(where / "token_freq.pt"),
         num_preprocessing_workers=1,
         deep_verify=True,
+        num_shards=1,
+        shard_index=0,
     )
     code = run_and_report(opts, console)
     if code != ExitCode.OK:

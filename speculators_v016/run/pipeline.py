@@ -33,19 +33,10 @@ from tqdm import tqdm
 from speculators_v016 import fp8
 from speculators_v016.checks.degenerate import degenerate_layers, may_be_degenerate
 from speculators_v016.checks.finite import non_finite
+from speculators_v016.config import RunConfig
 from speculators_v016.engine.buffer_pool import BufferPool
 from speculators_v016.layers import LayerPlan
 from speculators_v016.run.dataset import PreparedSamples, prepare_samples
-from speculators_v016.settings import (
-    DEFAULT_BATCH_SIZE,
-    DEFAULT_LOGIT_CHECK_SAMPLES,
-    DEFAULT_MAX_BAD_SAMPLES,
-    DEFAULT_PREPROCESSING_WORKERS,
-    DEFAULT_SEQ_LENGTH,
-    DEFAULT_TOKEN_FREQ_PATH,
-    DEFAULT_WRITE_WORKERS,
-    EngineSettings,
-)
 from speculators_v016.shared.shm_records import reclaim_and_log
 from speculators_v016.store import run_config
 from speculators_v016.store.atomic_files import WriteError
@@ -62,51 +53,6 @@ class NonFiniteError(RuntimeError):
 
 class SelfCheckError(RuntimeError):
     """The captured states failed the run's own check (logit check, or states no model produces)."""
-
-
-@dataclass
-class RunOptions:
-    """One run: the engine's settings (passed whole to the generator), and what the run does around them."""
-
-    engine: EngineSettings  # model, dtype, parallelism, budgets; max_model_len = seq_length + 1
-    train_data_path: list[str]
-    output_dir: Path
-    seq_length: int = DEFAULT_SEQ_LENGTH
-    max_samples: int | None = None
-    layer_ids: list[int] | None = None
-    batch_size: int = DEFAULT_BATCH_SIZE
-    token_freq_path: str = DEFAULT_TOKEN_FREQ_PATH
-    hf_cache_dir: str | None = None
-    assistant_pattern: str | None = None
-    turn_dropout: bool = False
-    seed: int = 0
-    start_idx: int = 0
-    num_preprocessing_workers: int = DEFAULT_PREPROCESSING_WORKERS
-    # ours
-    format: str = "safetensors"
-    num_shards: int = 1
-    shard_index: int = 0
-    skip_bad_rows: bool = False
-    max_bad_samples: int = DEFAULT_MAX_BAD_SAMPLES
-    write_workers: int = DEFAULT_WRITE_WORKERS
-    logit_check_samples: int = DEFAULT_LOGIT_CHECK_SAMPLES
-    progress: bool = True
-    deep_verify: bool = False
-
-    def __post_init__(self) -> None:
-        if self.engine.fp8 and self.format != "safetensors":
-            raise ValueError(
-                f"--hidden-states-dtype {self.engine.hidden_states_dtype} needs --format safetensors: "
-                f"upstream's .pt readers would take the FP8 codes for values (format {self.format!r})"
-            )
-
-    @property
-    def target_model_path(self) -> str:
-        return self.engine.model
-
-    @property
-    def trust_remote_code(self) -> bool:
-        return self.engine.trust_remote_code
 
 
 @dataclass
@@ -139,7 +85,7 @@ class RunSummary:
         return out
 
 
-def fingerprint(opts: RunOptions, samples: PreparedSamples, layer_ids: list[int]) -> dict:
+def fingerprint(opts: RunConfig, samples: PreparedSamples, layer_ids: list[int]) -> dict:
     generation = {
         "layer_ids": layer_ids,
         "format": opts.format,
@@ -151,7 +97,7 @@ def fingerprint(opts: RunOptions, samples: PreparedSamples, layer_ids: list[int]
     if opts.engine.hidden_states_dtype != "auto":  # absent for "auto": folders of earlier releases still resume
         generation["hidden_states_dtype"] = opts.engine.hidden_states_dtype
     return {
-        "model": run_config.model_fingerprint(opts.target_model_path),
+        "model": run_config.model_fingerprint(opts.engine.model),
         "dataset": {"sources": samples.sources, "kind": samples.kind},
         "preprocessing": {
             "seq_length": opts.seq_length,
@@ -164,7 +110,7 @@ def fingerprint(opts: RunOptions, samples: PreparedSamples, layer_ids: list[int]
     }
 
 
-def run(opts: RunOptions, progress_to=None) -> RunSummary:
+def run(opts: RunConfig, progress_to=None) -> RunSummary:
     """Make the samples of ``opts``; a progress bar goes to ``progress_to`` (a text stream) if given."""
     from transformers import AutoTokenizer
 
@@ -173,16 +119,16 @@ def run(opts: RunOptions, progress_to=None) -> RunSummary:
     started = time.monotonic()
     reclaim_and_log()  # dead runs' shared memory, also when this run has nothing left to do
     directory = shard_dir(Path(opts.output_dir), opts.shard_index, opts.num_shards)
-    target = TargetInfo.read(opts.target_model_path, opts.trust_remote_code)
+    target = TargetInfo.read(opts.engine.model, opts.engine.trust_remote_code)
     plan = LayerPlan.build(target.num_layers, opts.layer_ids)
     summary = RunSummary(str(directory))
     root = ShardedRoot(Path(opts.output_dir), opts.num_shards) if opts.num_shards > 1 else nullcontext()
     with root, OutputDir(directory) as out:
         if out.removed_leftovers:
             logger.warning("removed {} temporary files left by an interrupted run", len(out.removed_leftovers))
-        tokenizer = AutoTokenizer.from_pretrained(opts.target_model_path, trust_remote_code=opts.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(opts.engine.model, trust_remote_code=opts.engine.trust_remote_code)
         samples = prepare_samples(
-            opts.train_data_path,
+            list(opts.train_data_path),
             tokenizer,
             opts.seq_length,
             max_samples=opts.max_samples,
@@ -195,7 +141,7 @@ def run(opts: RunOptions, progress_to=None) -> RunSummary:
         )
         summary.skipped, summary.truncated = dict(samples.skipped), samples.truncated
         if not len(samples):
-            raise PromptError(f"no usable sample in {opts.train_data_path} (skipped: {dict(samples.skipped)})")
+            raise PromptError(f"no usable sample in {list(opts.train_data_path)} (skipped: {dict(samples.skipped)})")
         fp = fingerprint(opts, samples, list(plan.layer_ids))
         has_samples = any(parse_sample_name(p.name) for p in directory.iterdir())
         existing = run_config.check_resume(directory, fp, has_samples)
@@ -210,9 +156,9 @@ def run(opts: RunOptions, progress_to=None) -> RunSummary:
             summary.seconds = time.monotonic() - started
             return summary
         for i in pending:  # before the engine starts
-            check_token_ids(f"sample {i}", samples.input_ids[i], target.vocab_size, f" of {opts.target_model_path}")
+            check_token_ids(f"sample {i}", samples.input_ids[i], target.vocab_size, f" of {opts.engine.model}")
         cpus = os.sched_getaffinity(0)  # before vLLM's CPU worker pins this thread to one core
-        generator = VllmHiddenStatesGenerator.from_settings(opts.engine, plan)
+        generator = VllmHiddenStatesGenerator.from_config(opts.engine, plan)
         try:
             config = existing or _new_config(generator, opts, samples, fp, len(mine))
             run_config.save(directory, config)
@@ -226,10 +172,10 @@ def run(opts: RunOptions, progress_to=None) -> RunSummary:
     return summary
 
 
-def _announce(generator, opts: RunOptions, pending: int, done: int) -> None:
+def _announce(generator, opts: RunConfig, pending: int, done: int) -> None:
     """The start line: what runs, with the settings that matter."""
     engine = generator.engine
-    s = engine.settings
+    s = engine.config
     logger.bind(terminal=True).info(
         "{}: layers {} (vLLM aux ids {}), {}, TP {}, {} executor, async scheduling {}, {}, "
         "max_num_seqs {}, max_num_batched_tokens {}; {} samples to write{}",
@@ -253,7 +199,7 @@ def _generate(
     samples: PreparedSamples,
     pending: list[int],
     directory: Path,
-    opts: RunOptions,
+    opts: RunConfig,
     summary: RunSummary,
     progress_to=None,
     cpus=None,
@@ -345,7 +291,7 @@ def reject_non_finite(layer_ids: list[int]):
     return reject
 
 
-def _note_rejected(rejected: list, summary: RunSummary, opts: RunOptions) -> None:
+def _note_rejected(rejected: list, summary: RunSummary, opts: RunConfig) -> None:
     """Samples the writer did not write because of NaN/Inf states: named, counted, and the limit enforced."""
     for index, (layers, tokens) in rejected:
         summary.non_finite.append({"index": index, "layers": layers})
@@ -388,11 +334,11 @@ def _check_logits(checker, name: int, input_ids: torch.Tensor, states: list, the
         )
 
 
-def _logit_checker(generator, opts: RunOptions):
+def _logit_checker(generator, opts: RunConfig):
     """The logit check of this run, if the last layer is captured (see speculators_v016.checks.logit_check)."""
     from speculators_v016.checks.logit_check import LogitChecker
 
-    return LogitChecker(opts.target_model_path, generator.engine.dtype, generator.plan.last_layer_index)
+    return LogitChecker(opts.engine.model, generator.engine.dtype, generator.plan.last_layer_index)
 
 
 def _save_token_frequencies(samples: PreparedSamples, path: str) -> None:
@@ -413,14 +359,14 @@ def _save_token_frequencies(samples: PreparedSamples, path: str) -> None:
         raise WriteError(errno.EIO, f"cannot write --token-freq-path {path}: {exc}") from exc
 
 
-def _new_config(generator, opts: RunOptions, samples: PreparedSamples, fp: dict, shard_samples: int) -> dict:
+def _new_config(generator, opts: RunConfig, samples: PreparedSamples, fp: dict, shard_samples: int) -> dict:
     from speculators.data_generation.config_generator import DataGenerationConfig
 
     import speculators_v016
 
     config = DataGenerationConfig.from_generator(
         generator=generator,
-        train_data_path=opts.train_data_path,
+        train_data_path=list(opts.train_data_path),
         seq_length=opts.seq_length,
         cache_dir=str(opts.hf_cache_dir or ""),
         num_samples=len(samples),

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from speculators_v016.settings import DEFAULT_WRITE_WORKERS, WRITER_NICE_INCREMENT
+from speculators_v016.config import DEFAULT_WRITE_WORKERS, WRITER_NICE_INCREMENT
 from speculators_v016.store.atomic_files import WriteError, write_durable
 from speculators_v016.store.group_commit import DEFAULT_COMMIT_INTERVAL, GroupCommit
 from speculators_v016.store.manifest import Entry, Manifest

@@ -129,8 +129,8 @@ def test_gpu_engines_bound_copy_threads_cpu_engines_keep_vllms():
     """copy_threads: None on a CPU engine (vLLM's bound threads), at most DEFAULT_COPY_THREADS and the usable CPUs."""
     import os
 
+    from speculators_v016.config import DEFAULT_COPY_THREADS
     from speculators_v016.engine.assembly import copy_threads
-    from speculators_v016.settings import DEFAULT_COPY_THREADS
 
     assert copy_threads("cpu") is None
     assert copy_threads("cuda") == min(DEFAULT_COPY_THREADS, len(os.sched_getaffinity(0)))

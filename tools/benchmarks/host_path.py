@@ -49,9 +49,9 @@ from pathlib import Path
 import torch
 
 from speculators_v016 import fp8 as fp8_storage
+from speculators_v016.config import DEFAULT_WRITE_WORKERS
 from speculators_v016.engine.assembly import Assembler
 from speculators_v016.protocol import StepCapture
-from speculators_v016.settings import DEFAULT_WRITE_WORKERS
 from speculators_v016.shared.slot_ring import SlotRing
 from speculators_v016.store.writer import SampleWriter
 

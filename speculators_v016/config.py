@@ -1,0 +1,481 @@
+"""The configuration of a run: one tree of frozen dataclasses, every default once.
+
+The tree::
+
+    RunConfig                one run of ``speculators-data-gen`` (the pipeline's input)
+      engine: EngineConfig   what the capture engine needs to start vLLM (the generator's keywords)
+    ConsoleConfig            what the terminal shows (the command group's options, for every subcommand)
+
+Each field is declared with :func:`setting`: its default, its help text (the
+field's documentation), its bounds, and, for the fields that are options of
+the command, the option's spelling and help section. Choices are ``Literal``
+types. :mod:`speculators_v016.run.cli` generates the main command's click
+options from these fields, so a new option is one field here, and the
+environment variable of option ``--some-option`` is always
+``SPECULATORS_DATA_GEN_SOME_OPTION``. Values that depend on others
+(``max_model_len`` from ``seq_length``, the engine's seed) are computed once,
+in :meth:`RunConfig.build`; the run's config is built whole from the command
+line and passed whole: CLI -> pipeline -> engine -> workers
+(:class:`~speculators_v016.protocol.WorkerSetup`).
+
+This module imports nothing of the package or of click (torch only where the GPUs are counted): every
+side may import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import typing
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+ENV_PREFIX = "SPECULATORS_DATA_GEN"
+
+# -- choices --------------------------------------------------------------
+Executor = Literal["uni", "mp", "ray"]
+#: "auto": vLLM's built-in aux hidden state outputs where the model has them; "taps": ours on every model.
+CaptureMode = Literal["auto", "taps"]
+#: How hidden states are stored: "auto" in the engine's dtype; "fp8_e4m3": e4m3 codes + a float32 scale
+#: per token per layer, quantized in the worker's capture (:mod:`speculators_v016.fp8`).
+HiddenStatesDtype = Literal["auto", "fp8_e4m3"]
+#: vLLM 0.16's model dtypes (``vllm.config.model.ModelDType``).
+ModelDtype = Literal["auto", "bfloat16", "float16", "float32", "half", "float"]
+SampleFormat = Literal["safetensors", "pt"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+
+EXECUTORS: tuple[str, ...] = typing.get_args(Executor)
+CAPTURE_MODES: tuple[str, ...] = typing.get_args(CaptureMode)
+HIDDEN_STATES_DTYPES: tuple[str, ...] = typing.get_args(HiddenStatesDtype)
+MODEL_DTYPES: tuple[str, ...] = typing.get_args(ModelDtype)
+
+# -- defaults that are not options ------------------------------------------
+#: ``max_num_batched_tokens`` when not given: at least this, and at least ``max_model_len``.
+MIN_DEFAULT_BATCHED_TOKENS = 8192
+#: Nice levels the writer threads run below the process: where cores are contended the engine's
+#: thread (and a CPU engine's forward) gets them first, the writers what is left behind their bounded queue.
+WRITER_NICE_INCREMENT = 10
+#: Torch threads for the engine's copy of each step out of its ring slot (GPU engines; a CPU engine's
+#: threads are vLLM's, bound to its cores). On an H200 host (16 cores) a 448 MiB step took 11 ms with
+#: torch's 16 threads on an idle host but 128 ms while 4 writers hashed (one busy core stalls the whole
+#: parallel copy), 25 ms with 4 threads either way, 80 ms with the 1 thread vLLM's mp executor leaves.
+DEFAULT_COPY_THREADS = 4
+#: Threads writing sample files (tools/benchmarks/host_path.py: 2 workers leave part of the disk idle, 4 reach it).
+DEFAULT_WRITE_WORKERS = 4
+
+# -- help sections, in --help's order -----------------------------------------
+INPUT, OUTPUT, ENGINE, CHECKS, TERMINAL = "Input", "Output", "Engine (vLLM)", "Self-check", "Terminal"
+SECTIONS = (INPUT, OUTPUT, ENGINE, CHECKS, TERMINAL)
+
+
+class ConfigError(ValueError):
+    """A value (or a combination of values) that cannot run; ``option`` names the option to blame, if one."""
+
+    def __init__(self, message: str, option: str | None = None):
+        super().__init__(message)
+        self.option = option
+
+
+def setting(
+    default: Any = MISSING,
+    help: str = "",
+    *,
+    option: str | bool | None = None,
+    section: str | None = None,
+    short: str | None = None,
+    negate: bool = False,
+    cli_default: Any = MISSING,
+    min: float | None = None,
+    max: float | None = None,
+    min_open: bool = False,
+    case_sensitive: bool = True,
+    kind: str | None = None,
+    default_factory: Any = MISSING,
+) -> Any:
+    """A field of the tree and, with ``section``, an option of the command.
+
+    ``help``: the field's documentation and the option's help. ``option``: the
+    option's spelling (default ``--field-name``); ``negate``: a flag that sets
+    the field to False (``--sync-scheduling`` for ``async_scheduling``).
+    ``cli_default``: the option's default where it differs from the field's
+    (resolved by :meth:`RunConfig.build`, e.g. ``--tensor-parallel-size``:
+    all visible GPUs). ``min``/``max``/``min_open``: bounds, checked here and
+    by the option. ``kind``: a value with its own parser on the command line
+    (``"layer_ids"``, ``"dir"``).
+    """
+    meta = {
+        "help": help,
+        "option": option,
+        "section": section,
+        "short": short,
+        "negate": negate,
+        "cli_default": cli_default,
+        "min": min,
+        "max": max,
+        "min_open": min_open,
+        "case_sensitive": case_sensitive,
+        "kind": kind,
+    }
+    if default_factory is not MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of the tree as the command line sees it (see :func:`fields_of`)."""
+
+    owner: type
+    name: str
+    type: Any  # the resolved annotation
+    default: Any
+    meta: Mapping[str, Any]
+
+    @property
+    def is_option(self) -> bool:
+        return self.meta.get("section") is not None
+
+    @property
+    def flag(self) -> str:
+        return self.meta.get("option") or "--" + self.name.replace("_", "-")
+
+    @property
+    def param(self) -> str:
+        """The click parameter's name: the flag's, so ``--format`` is ``format`` and ``--sync-scheduling``
+        ``sync_scheduling``."""
+        return self.flag.lstrip("-").replace("-", "_")
+
+    @property
+    def cli_default(self) -> Any:
+        value = self.meta.get("cli_default", MISSING)
+        if value is not MISSING:
+            return value
+        if self.meta.get("negate"):
+            return False
+        return None if self.default is MISSING else self.default
+
+    @property
+    def choices(self) -> tuple | None:
+        """The ``Literal`` values of the field's type (``X | None`` included), or None."""
+        for t in (self.type, *typing.get_args(self.type)):
+            if typing.get_origin(t) is Literal:
+                return typing.get_args(t)
+        return None
+
+    @property
+    def base(self) -> type:
+        """The field's type without ``None``: ``int`` for ``int | None``, ``tuple`` for ``tuple[str, ...]``."""
+        args = [a for a in typing.get_args(self.type) if a is not type(None)]
+        t = args[0] if typing.get_origin(self.type) in (typing.Union, _UnionType) and len(args) == 1 else self.type
+        return typing.get_origin(t) or t
+
+
+_UnionType = type(int | None)
+
+
+@functools.cache
+def fields_of(cls: type) -> tuple[Field, ...]:
+    """``cls``'s fields with their resolved types and metadata."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not MISSING else MISSING
+        out.append(Field(cls, f.name, hints[f.name], default, f.metadata))
+    return tuple(out)
+
+
+def _check(obj) -> None:
+    """Choices and bounds of every field of ``obj`` (a dataclass of this tree)."""
+    for f in fields_of(type(obj)):
+        value = getattr(obj, f.name)
+        if value is None:
+            continue
+        choices = f.choices
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{f.name} {value!r}: choose from {choices}", f.flag if f.is_option else None)
+        low, high, low_open = f.meta.get("min"), f.meta.get("max"), f.meta.get("min_open")
+        if low is not None and (value < low or (low_open and value == low)):
+            raise ConfigError(f"{f.name} {value!r}: must be {'>' if low_open else '>='} {low}", f.flag)
+        if high is not None and value > high:
+            raise ConfigError(f"{f.name} {value!r}: must be <= {high}", f.flag)
+
+
+def parse_layer_ids(value: str) -> tuple[int, ...]:
+    """``--layer-ids``'s value (space- or comma-separated); ConfigError if empty, not integers, or negative."""
+    try:
+        ids = tuple(int(v) for v in value.replace(",", " ").split())
+    except ValueError:
+        raise ConfigError(f"{value!r}: give integers, e.g. --layer-ids 2 16 29 31", "--layer-ids") from None
+    if not ids:
+        raise ConfigError(
+            "no layer id given (an empty value, e.g. an unset variable?); give ids such as "
+            "--layer-ids 2 16 29 31, or leave the option out for the default layers",
+            "--layer-ids",
+        )
+    negative = [i for i in ids if i < 0]
+    if negative:
+        raise ConfigError(
+            f"{negative} negative: id L is the output of decoder layer L, from 0 to n-1 "
+            "(the last layer); ids counted from the end are not accepted, give n-1 itself",
+            "--layer-ids",
+        )
+    return ids
+
+
+def visible_gpus() -> int:
+    """GPUs this process sees, at least 1."""
+    import torch  # only a run needs it, when the option is left out
+
+    return max(1, torch.cuda.device_count())
+
+
+def _env_int(environ: Mapping[str, str], names: tuple[str, ...], minimum: int) -> int | None:
+    """The first of the launcher variables ``names`` that is set, as an integer >= ``minimum``; ConfigError if not."""
+    for name in names:
+        value = environ.get(name)
+        if value:
+            try:
+                number = int(value)
+            except ValueError:
+                number = None
+            if number is None or number < minimum:
+                raise ConfigError(
+                    f"environment variable {name}={value!r} is not a whole number >= {minimum} "
+                    "(launchers such as torchrun and SLURM set it; or give --num-shards and "
+                    "--shard-index)"
+                )
+            return number
+    return None
+
+
+def launcher_shards(
+    num_shards: int | None, shard_index: int | None, environ: Mapping[str, str] = os.environ
+) -> tuple[int, int]:
+    """--num-shards/--shard-index, else a launcher's RANK/WORLD_SIZE (torchrun) or SLURM's, else (1, 0)."""
+    if num_shards is None:
+        num_shards = _env_int(environ, ("WORLD_SIZE", "SLURM_NTASKS"), 1) or 1
+    if shard_index is None:
+        shard_index = (_env_int(environ, ("RANK", "SLURM_PROCID"), 0) or 0) if num_shards > 1 else 0
+    return num_shards, shard_index
+
+
+def max_model_len_for(seq_length: int) -> int:
+    """vLLM's ``max_model_len`` for samples of ``seq_length`` tokens: room for the one sampled token."""
+    return seq_length + 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the capture engine needs to start vLLM 0.16 (the layer plan travels beside it).
+
+    The keywords of :class:`~speculators_v016.generator.VllmHiddenStatesGenerator`
+    beyond upstream's; :class:`~speculators_v016.engine.core.CaptureEngine`
+    turns it into vLLM's ``EngineArgs``.
+    """
+
+    model: str = setting(
+        MISSING,
+        "Target model: local folder or hub id (what vLLM loads).",
+        option="--target-model-path",
+        section=INPUT,
+        cli_default=None,
+    )
+    trust_remote_code: bool = setting(False, "Allow the model folder's own Python code to run.", section=INPUT)
+    hidden_states_dtype: HiddenStatesDtype = setting(
+        "auto",
+        "How states are stored: auto = the engine's dtype; fp8_e4m3 = e4m3 codes + one float32 scale "
+        "per token per layer, quantized in the capture (half the bytes; safetensors only).",
+        section=OUTPUT,
+    )
+    tensor_parallel_size: int = setting(
+        1, "GPUs per model. Default: all visible GPUs, or 1.", section=ENGINE, min=1, cli_default=None
+    )
+    gpu_memory_utilization: float = setting(
+        0.8, "vLLM's GPU memory fraction.", section=ENGINE, min=0, max=1, min_open=True
+    )
+    dtype: ModelDtype = setting(
+        "auto", "vLLM dtype (auto = the checkpoint's; on CPU auto means bfloat16).", section=ENGINE
+    )
+    enforce_eager: bool = setting(False, "Skip torch.compile / CUDA graphs (faster start, slower run).", section=ENGINE)
+    async_scheduling: bool = setting(
+        True,
+        "Turn vLLM's async scheduling off (one step in flight).",
+        option="--sync-scheduling",
+        negate=True,
+        section=ENGINE,
+    )
+    max_num_seqs: int = setting(32, "Prompts per engine step at most.", section=ENGINE, min=1)
+    max_num_batched_tokens: int | None = setting(
+        None,
+        f"Tokens per engine step (default: max({MIN_DEFAULT_BATCHED_TOKENS}, seq-length+1)).",
+        section=ENGINE,
+        min=1,
+    )
+    executor: Executor | None = setting(
+        None,
+        "vLLM executor (default: vLLM's choice: uni for one device, mp for tensor parallelism).",
+        section=ENGINE,
+    )
+    # not options: set by the library's callers, or derived by RunConfig.build
+    max_model_len: int = setting(2048, "vLLM's longest prompt + output (a run: --seq-length + 1).", min=1)
+    seed: int = setting(0, "vLLM's seed (a run: --seed).")
+    pipeline_parallel_size: int = setting(1, "Refused unless 1: vLLM 0.16 drops non-last stages' aux states.")
+    capture_mode: CaptureMode = setting("auto", "auto: vLLM's built-in aux outputs where it has them; taps: ours.")
+    extra_engine_args: dict = setting(help="More vLLM EngineArgs, passed through as given.", default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+    @property
+    def fp8(self) -> bool:
+        """Hidden states stored as FP8 codes and scales."""
+        return self.hidden_states_dtype == "fp8_e4m3"
+
+    @property
+    def batched_tokens(self) -> int:
+        """``max_num_batched_tokens``, with its default resolved."""
+        return self.max_num_batched_tokens or max(MIN_DEFAULT_BATCHED_TOKENS, self.max_model_len)
+
+    @classmethod
+    def for_seq_length(cls, seq_length: int, **fields) -> EngineConfig:
+        """An engine for samples of at most ``seq_length`` tokens (``max_model_len`` derived here, once)."""
+        return cls(max_model_len=max_model_len_for(seq_length), **fields)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """One run: the engine's config (passed whole to the generator), and what the run does around it."""
+
+    engine: EngineConfig
+    train_data_path: tuple[str, ...] = setting(
+        MISSING,
+        "Dataset: .json/.jsonl file (ShareGPT 'conversations', 'messages', or pre-tokenized "
+        "'input_ids'+'loss_mask' rows) or a dataset name upstream knows (sharegpt, ultrachat). "
+        "Repeat to combine.",
+        section=INPUT,
+        cli_default=(),
+    )
+    seq_length: int = setting(2048, "Longest sample in tokens; longer ones are truncated.", section=INPUT, min=1)
+    max_samples: int | None = setting(None, "Use at most this many rows (after shuffling).", section=INPUT, min=1)
+    layer_ids: tuple[int, ...] | None = setting(
+        None,
+        "Layers to capture: id L = output of decoder layer L, before the final norm "
+        "(upstream's meaning), 0 to n-1. Space- or comma-separated. Default: 2, n//2, n-3, n-1.",
+        section=INPUT,
+        kind="layer_ids",
+    )
+    assistant_pattern: str | None = setting(
+        None, "Regex of assistant spans (default: from the chat template).", section=INPUT
+    )
+    turn_dropout: bool = setting(False, "Keep a random number of leading turns per conversation.", section=INPUT)
+    seed: int = setting(0, "Shuffle (and turn dropout) seed.", section=INPUT)
+    hf_cache_dir: str | None = setting(None, "Cache folder for hub datasets.", section=INPUT)
+    num_preprocessing_workers: int = setting(8, "Processes for tokenization.", section=INPUT, min=1)
+    skip_bad_rows: bool = setting(False, "Skip (and count) malformed dataset rows instead of failing.", section=INPUT)
+    output_dir: Path = setting(
+        MISSING,
+        "Folder for the samples; an interrupted run resumes in it.",
+        section=OUTPUT,
+        kind="dir",
+        cli_default=None,
+    )
+    format: SampleFormat = setting(
+        "safetensors",
+        "safetensors (no pickle), or pt: upstream's data_{i}.pt layout for stock trainers.",
+        section=OUTPUT,
+    )
+    start_idx: int = setting(0, "Offset added to every sample index in file names.", section=OUTPUT, min=0)
+    num_shards: int = setting(
+        1, "Split samples over this many runs (default: WORLD_SIZE).", section=OUTPUT, min=1, cli_default=None
+    )
+    shard_index: int = setting(
+        0, "Which shard this run writes (default: RANK).", section=OUTPUT, min=0, cli_default=None
+    )
+    token_freq_path: str = setting("./token_freq.pt", "Where upstream's token frequency file goes.", section=OUTPUT)
+    write_workers: int = setting(DEFAULT_WRITE_WORKERS, "Threads writing sample files.", section=OUTPUT, min=1)
+    batch_size: int = setting(
+        8, "Prompts admitted ahead of the engine (at least 2 x max-num-seqs).", section=ENGINE, min=1
+    )
+    max_bad_samples: int = setting(10, "Abort after more samples than this with NaN/Inf states.", section=CHECKS, min=0)
+    logit_check_samples: int = setting(
+        4,
+        "Samples whose captured last layer, normed and projected, must reproduce vLLM's own prompt "
+        "logprobs (needs only the final norm and lm_head; 0: off).",
+        section=CHECKS,
+        min=0,
+    )
+    deep_verify: bool = setting(
+        False,
+        "After the run, re-read every file of the folder (sha256, shapes, NaN), not just the manifest.",
+        section=CHECKS,
+    )
+    progress: bool = setting(True, "No progress bar.", option="--no-progress", negate=True, section=TERMINAL)
+
+    def __post_init__(self) -> None:
+        _check(self)
+        if self.engine.fp8 and self.format != "safetensors":
+            raise ConfigError(
+                f"--hidden-states-dtype {self.engine.hidden_states_dtype} is stored as safetensors only: "
+                f"upstream's .pt readers would take the FP8 codes for values (--format {self.format})",
+                "--format",
+            )
+        if not 0 <= self.shard_index < self.num_shards:
+            raise ConfigError(f"shard index {self.shard_index} is not in [0, {self.num_shards})", "--shard-index")
+
+    @classmethod
+    def build(cls, engine: Mapping[str, Any], environ: Mapping[str, str] = os.environ, **run: Any) -> RunConfig:
+        """The run's config from its settings as given (the command line's, or a caller's), with what they
+        leave open resolved, once: the engine's ``max_model_len`` and seed from the run's ``seq_length`` and
+        ``seed``; ``tensor_parallel_size`` None: the visible GPUs (or 1); ``num_shards``/``shard_index``
+        None: a launcher's (torchrun's WORLD_SIZE/RANK, SLURM's), else one shard."""
+        engine = dict(engine)
+        if engine.get("tensor_parallel_size") is None:
+            engine["tensor_parallel_size"] = visible_gpus()
+        run["num_shards"], run["shard_index"] = launcher_shards(run.get("num_shards"), run.get("shard_index"), environ)
+        seq_length, seed = (
+            run.get("seq_length", default_of(cls, "seq_length")),
+            run.get("seed", default_of(cls, "seed")),
+        )
+        return cls(engine=EngineConfig.for_seq_length(seq_length, seed=seed, **engine), **run)
+
+
+@dataclass(frozen=True)
+class ConsoleConfig:
+    """What the terminal shows and the log keeps (options of the command group: every subcommand's too)."""
+
+    log_level: LogLevel = setting("INFO", "Our messages kept in the log file.", section=TERMINAL, case_sensitive=False)
+    verbose: bool = setting(
+        False, "Everything on the terminal (vLLM, torch, workers), no log file.", section=TERMINAL, short="-v"
+    )
+    quiet: bool = setting(False, "Only the summary and errors on the terminal.", section=TERMINAL, short="-q")
+
+    def __post_init__(self) -> None:
+        _check(self)
+        if self.verbose and self.quiet:
+            raise ConfigError("--verbose and --quiet exclude each other")
+
+    @property
+    def mode(self) -> str:
+        """The console's mode (:class:`~speculators_v016.run.console.Console`)."""
+        return "verbose" if self.verbose else "quiet" if self.quiet else "normal"
+
+
+def option_fields() -> tuple[Field, ...]:
+    """The main command's options, in --help's order: by section, then as declared (the engine's first)."""
+    fields = [f for cls in (EngineConfig, RunConfig, ConsoleConfig) for f in fields_of(cls) if f.is_option]
+    return tuple(sorted(fields, key=lambda f: SECTIONS.index(f.meta["section"])))
+
+
+def env_name(flag: str, command: str | None = None) -> str:
+    """The environment variable of option ``flag`` (of subcommand ``command``; None: the main command):
+    ``SPECULATORS_DATA_GEN_[COMMAND_]OPTION``, dashes as underscores, upper case."""
+    parts = [ENV_PREFIX] + ([command] if command else []) + [flag.lstrip("-")]
+    return "_".join(parts).replace("-", "_").upper()
+
+
+def default_of(cls: type, name: str) -> Any:
+    """Field ``name``'s default in ``cls`` (for signatures that repeat a field, e.g. the generator's)."""
+    return next(f.default for f in fields_of(cls) if f.name == name)

@@ -1,0 +1,222 @@
+"""The command line is generated from the configuration tree: every option, its variable, its checks."""
+
+import contextlib
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from speculators_v016 import config
+from speculators_v016.config import ConfigError, ConsoleConfig, EngineConfig, RunConfig, option_fields
+from speculators_v016.run import cli as cli_module
+from speculators_v016.run.cli import _join_multi_value, cli
+
+REQUIRED = {
+    "target_model_path": "--target-model-path",
+    "train_data_path": "--train-data-path",
+    "output_dir": "--output-dir",
+}
+
+
+def invoke(argv, env=None):
+    """The command as main() runs it: upstream's multi-value --layer-ids joined first."""
+    return CliRunner().invoke(cli, _join_multi_value(argv, "--layer-ids"), env=env or {})
+
+
+def rule(flag: str, command: str | None) -> str:
+    """The README's rule, written out independently of the code: SPECULATORS_DATA_GEN_[COMMAND_]OPTION."""
+    name = flag.removeprefix("--")
+    if command:
+        name = f"{command}_{name}"
+    return "SPECULATORS_DATA_GEN_" + name.upper().replace("-", "_")
+
+
+def all_options():
+    """(subcommand or None, option) for every option of the command and its subcommands."""
+    for name, command in [(None, cli), *cli.commands.items()]:
+        for param in command.params:
+            if isinstance(param, click.Option):
+                yield name, param
+
+
+@pytest.fixture
+def captured(monkeypatch, tmp_path):
+    """The config a run of the main command receives, and the console it opens (nothing runs)."""
+    seen = {}
+
+    @contextlib.contextmanager
+    def console(path, mode, level):
+        seen["console"] = (mode, level)
+        yield object()
+
+    def run_and_report(opts, _console):
+        seen["config"] = opts
+        return 0
+
+    monkeypatch.setattr("speculators_v016.run.console.Console", console)
+    monkeypatch.setattr("speculators_v016.run.run_report.run_and_report", run_and_report)
+    monkeypatch.setattr(config, "visible_gpus", lambda: 1)
+    return seen
+
+
+def test_every_option_of_every_command_reads_the_variable_of_the_rule():
+    """--format reads SPECULATORS_DATA_GEN_FORMAT (not _FMT), demo --dir SPECULATORS_DATA_GEN_DEMO_DIR (not _WHERE)."""
+    checked = 0
+    for command, param in all_options():
+        if param.name in ("help", "version"):
+            assert param.envvar is None, param.opts
+            continue
+        flag = max((o for o in param.opts if o.startswith("--")), key=len)
+        assert param.envvar == rule(flag, command), (command, param.opts, param.envvar)
+        checked += 1
+    assert checked == len(cli_module.known_variables(cli)) > 40
+
+
+def _sample_value(f, tmp_path):
+    """A value for field ``f`` other than its default: (the variable's text, the value the config must hold)."""
+    if f.meta["kind"] == "layer_ids":
+        return "3,5", (3, 5)
+    if f.meta["kind"] == "dir":
+        return str(tmp_path / "env-out"), tmp_path / "env-out"
+    if f.base is bool:
+        return "1", not f.meta["negate"]
+    if f.choices is not None:
+        value = next(c for c in reversed(f.choices) if c != f.default)
+        return value.lower() if not f.meta["case_sensitive"] else value, value
+    if f.base is tuple:
+        return "a.jsonl b.jsonl", ("a.jsonl", "b.jsonl")
+    if f.base is int:
+        return "3", 3
+    if f.base is float:
+        return "0.5", 0.5
+    return "from-env", "from-env"
+
+
+@pytest.mark.parametrize("field", [f for f in option_fields() if f.owner is not ConsoleConfig], ids=lambda f: f.flag)
+def test_every_run_option_set_from_its_variable_reaches_the_config(field, captured, tmp_path):
+    """Each option of the main command, given only through its variable, lands in its field of the run's config."""
+    text, expected = _sample_value(field, tmp_path)
+    argv = [a for name, flag in REQUIRED.items() if name != field.param for a in (flag, str(tmp_path / name))]
+    if field.name == "shard_index":
+        argv += ["--num-shards", "8"]
+    result = invoke(argv, env={rule(field.flag, None): text})
+    assert result.exit_code == 0, result.output
+    got = captured["config"]
+    owner = got.engine if field.owner is EngineConfig else got
+    assert getattr(owner, field.name) == expected
+
+
+@pytest.mark.parametrize(
+    "variable, value, expected",
+    [
+        ("LOG_LEVEL", "debug", ("normal", "DEBUG")),
+        ("VERBOSE", "1", ("verbose", "INFO")),
+        ("QUIET", "1", ("quiet", "INFO")),
+    ],
+)
+def test_terminal_options_from_their_variables(variable, value, expected, captured, tmp_path):
+    """--log-level, --verbose and --quiet from the environment reach the console."""
+    argv = [a for name, flag in REQUIRED.items() for a in (flag, str(tmp_path / name))]
+    result = invoke(argv, env={f"SPECULATORS_DATA_GEN_{variable}": value})
+    assert result.exit_code == 0, result.output
+    assert captured["console"] == expected
+
+
+def test_demo_options_from_their_variables(monkeypatch, captured, tmp_path):
+    """demo --dir and --format are read from SPECULATORS_DATA_GEN_DEMO_DIR and _DEMO_FORMAT."""
+    seen = {}
+    monkeypatch.setattr("speculators_v016.run.console.log_path", lambda where, name: where / name)
+    monkeypatch.setattr("speculators_v016.run.demo.run_demo", lambda where, fmt, console: seen.update(a=(where, fmt)))
+    env = {"SPECULATORS_DATA_GEN_DEMO_DIR": str(tmp_path / "d"), "SPECULATORS_DATA_GEN_DEMO_FORMAT": "pt"}
+    result = invoke(["demo"], env=env)
+    assert result.exit_code == 0, result.output
+    assert seen["a"] == (tmp_path / "d", "pt")
+
+
+def test_format_pt_from_the_environment_with_fp8_is_refused(tmp_path):
+    """SPECULATORS_DATA_GEN_FORMAT=pt with FP8 storage is the usage error --format pt gives, not a safetensors run."""
+    argv = [a for name, flag in REQUIRED.items() for a in (flag, str(tmp_path / name))]
+    env = {"SPECULATORS_DATA_GEN_FORMAT": "pt", "SPECULATORS_DATA_GEN_HIDDEN_STATES_DTYPE": "fp8_e4m3"}
+    result = invoke(argv, env=env)
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for --format: --hidden-states-dtype fp8_e4m3 is stored as safetensors only" in result.output
+    assert not (tmp_path / "output_dir").exists()
+
+
+@pytest.mark.parametrize(
+    "variable, nearest, argv",
+    [
+        ("SPECULATORS_DATA_GEN_FMT", "SPECULATORS_DATA_GEN_FORMAT", None),
+        ("SPECULATORS_DATA_GEN_DEMO_WHERE", "SPECULATORS_DATA_GEN_DEMO_DIR", None),
+        ("SPECULATORS_DATA_GEN_OUTPUT_DIRR", "SPECULATORS_DATA_GEN_OUTPUT_DIR", ["verify", "."]),
+    ],
+)
+def test_an_unknown_variable_is_a_usage_error_naming_the_nearest(variable, nearest, argv, tmp_path):
+    """A SPECULATORS_DATA_GEN_* typo is exit 2 naming it and the nearest known variable, for any subcommand."""
+    argv = argv or [a for name, flag in REQUIRED.items() for a in (flag, str(tmp_path / name))]
+    result = invoke(argv, env={variable: "x"})
+    assert result.exit_code == 2, result.output
+    assert f"unknown environment variable {variable} (nearest: {nearest}" in result.output
+    assert not (tmp_path / "output_dir").exists()
+
+
+@pytest.mark.parametrize("prefix", [[], ["check"]])
+def test_dtype_garbage_is_refused_before_the_dataset_is_read(prefix, tmp_path):
+    """--dtype garbage: exit 2 naming the choices, though the dataset does not even exist."""
+    argv = prefix + ["--target-model-path", "m", "--train-data-path", str(tmp_path / "none.jsonl")]
+    argv += [] if prefix else ["--output-dir", str(tmp_path / "out")]
+    result = invoke(argv + ["--dtype", "garbage"])
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--dtype': 'garbage' is not one of 'auto', 'bfloat16', 'float16'" in result.output
+
+
+@pytest.mark.parametrize(
+    "variable, argv",
+    [("LAYER_IDS", None), ("CHECK_LAYER_IDS", ["check", "--target-model-path", "m", "--train-data-path", "d"])],
+)
+def test_an_empty_layer_ids_variable_is_refused_like_the_empty_option(variable, argv, tmp_path):
+    """SPECULATORS_DATA_GEN_LAYER_IDS="" is the usage error --layer-ids "" is, never the default layers."""
+    argv = argv or [a for name, flag in REQUIRED.items() for a in (flag, str(tmp_path / name))]
+    result = invoke(argv, env={f"SPECULATORS_DATA_GEN_{variable}": ""})
+    assert result.exit_code == 2 and "no layer id given" in result.output, result.output
+
+
+def test_the_main_command_has_one_option_per_field_and_every_field_a_doc():
+    """A new option is one field: the main command's options are exactly the tree's option fields, each documented."""
+    params = {p.name for p in cli.params if p.name not in ("help", "version")}
+    assert params == {f.param for f in option_fields()}
+    for cls in (EngineConfig, RunConfig, ConsoleConfig):
+        undocumented = [f.name for f in config.fields_of(cls) if f.name != "engine" and not f.meta.get("help")]
+        assert not undocumented, (cls.__name__, undocumented)
+
+
+def test_the_run_config_derives_the_engine_values_once():
+    """max_model_len = seq_length + 1 and the engine's seed come from the run's values, in RunConfig.build."""
+    run = RunConfig.build(
+        {"model": "m", "tensor_parallel_size": 1}, train_data_path=("d",), output_dir=Path("o"), seq_length=300, seed=7
+    )
+    assert (run.engine.max_model_len, run.engine.seed, run.num_shards, run.shard_index) == (301, 7, 1, 0)
+    with pytest.raises(ConfigError, match="stored as safetensors only") as info:
+        RunConfig.build(
+            {"model": "m", "tensor_parallel_size": 1, "hidden_states_dtype": "fp8_e4m3"},
+            train_data_path=("d",),
+            output_dir=Path("o"),
+            format="pt",
+        )
+    assert info.value.option == "--format"
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"executor": "threads"}, "executor 'threads': choose from ('uni', 'mp', 'ray')"),
+        ({"dtype": "garbage"}, "dtype 'garbage': choose from"),
+        ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization 0.0: must be > 0"),
+        ({"max_num_seqs": 0}, "max_num_seqs 0: must be >= 1"),
+    ],
+)
+def test_the_engine_config_checks_choices_and_bounds(fields, message):
+    """The generator's keywords are checked by the same field declarations as the options."""
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        EngineConfig(model="m", **fields)
