@@ -4,13 +4,16 @@ The tree::
 
     RunConfig                one run of ``speculators-data-gen`` (the pipeline's input)
       engine: EngineConfig   what the capture engine needs to start vLLM (the generator's keywords)
+    CheckConfig              one ``check`` (speculators_v016.run.fidelity)
+      engine: EngineConfig
     ConsoleConfig            what the terminal shows (the command group's options, for every subcommand)
 
 Each field is declared with :func:`setting`: its default, its help text (the
 field's documentation), its bounds, and, for the fields that are options of
 the command, the option's spelling and help section. Choices are ``Literal``
-types. :mod:`speculators_v016.run.cli` generates the main command's click
-options from these fields, so a new option is one field here, and the
+types. :mod:`speculators_v016.run.cli` generates the click options of the
+main command and of ``check`` from these fields (:data:`MAIN_OPTIONS`,
+:data:`CHECK_OPTIONS`), so a new option is one field here, and the
 environment variable of option ``--some-option`` is always
 ``SPECULATORS_DATA_GEN_SOME_OPTION``. Values that depend on others
 (``max_model_len`` from ``seq_length``, the engine's seed) are computed once,
@@ -83,7 +86,7 @@ def setting(
     default: Any = MISSING,
     help: str = "",
     *,
-    option: str | bool | None = None,
+    option: str | None = None,
     section: str | None = None,
     short: str | None = None,
     negate: bool = False,
@@ -92,6 +95,7 @@ def setting(
     max: float | None = None,
     min_open: bool = False,
     case_sensitive: bool = True,
+    required: bool = False,
     kind: str | None = None,
     default_factory: Any = MISSING,
 ) -> Any:
@@ -100,6 +104,7 @@ def setting(
     ``help``: the field's documentation and the option's help. ``option``: the
     option's spelling (default ``--field-name``); ``negate``: a flag that sets
     the field to False (``--sync-scheduling`` for ``async_scheduling``).
+    ``required``: the option must be given (where the command has nothing to do without it).
     ``cli_default``: the option's default where it differs from the field's
     (resolved by :meth:`RunConfig.build`, e.g. ``--tensor-parallel-size``:
     all visible GPUs). ``min``/``max``/``min_open``: bounds, checked here and
@@ -117,6 +122,7 @@ def setting(
         "max": max,
         "min_open": min_open,
         "case_sensitive": case_sensitive,
+        "required": required,
         "kind": kind,
     }
     if default_factory is not MISSING:
@@ -182,8 +188,7 @@ def fields_of(cls: type) -> tuple[Field, ...]:
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not MISSING else MISSING
-        out.append(Field(cls, f.name, hints[f.name], default, f.metadata))
+        out.append(Field(cls, f.name, hints[f.name], f.default, f.metadata))
     return tuple(out)
 
 
@@ -463,9 +468,65 @@ class ConsoleConfig:
         return "verbose" if self.verbose else "quiet" if self.quiet else "normal"
 
 
-def option_fields() -> tuple[Field, ...]:
-    """The main command's options, in --help's order: by section, then as declared (the engine's first)."""
-    fields = [f for cls in (EngineConfig, RunConfig, ConsoleConfig) for f in fields_of(cls) if f.is_option]
+@dataclass(frozen=True, kw_only=True)
+class CheckConfig:
+    """``speculators-data-gen check``: a few samples through the engine, their states checked against vLLM's
+    logits, each layer replayed in transformers, and the whole model in transformers where it fits."""
+
+    engine: EngineConfig
+    train_data_path: tuple[str, ...] = setting(
+        MISSING, "Dataset, as the run's --train-data-path. Repeat to combine.", section=INPUT, required=True
+    )
+    samples: int = setting(4, "How many samples to compare.", section=INPUT, min=1)
+    seq_length: int = setting(512, "Longest sample in tokens; longer ones are truncated.", section=INPUT, min=1)
+    layer_ids: tuple[int, ...] | None = setting(
+        None, "Layers to check, as the run's --layer-ids (default: the run's default).", section=INPUT, kind="layer_ids"
+    )
+    transformers: bool = setting(
+        True,
+        "Skip the whole-model comparison with transformers (targets that do not fit in memory "
+        "here); the logit check (final norm + lm_head vs vLLM's logits) and the layer replay (one "
+        "layer's weights at a time) still run.",
+        option="--no-transformers",
+        negate=True,
+        section=CHECKS,
+    )
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+    @classmethod
+    def build(cls, engine: Mapping[str, Any], **check: Any) -> CheckConfig:
+        """The check's config: the engine's ``max_model_len`` derived from ``seq_length``, once."""
+        seq_length = check.get("seq_length", default_of(cls, "seq_length"))
+        return cls(engine=EngineConfig.for_seq_length(seq_length, **engine), **check)
+
+
+#: The options of each command: (class, the fields that are options (None: every field with a section),
+#: per-field overrides of their metadata). A field is an option of the main command once it has a section.
+MAIN_OPTIONS = ((EngineConfig, None, {}), (RunConfig, None, {}), (ConsoleConfig, None, {}))
+CHECK_OPTIONS = (
+    (
+        EngineConfig,
+        ("model", "trust_remote_code", "dtype", "enforce_eager", "tensor_parallel_size"),
+        {
+            "model": {"required": True},
+            "dtype": {"help": "The engine's dtype (transformers runs in fp32)."},
+            "tensor_parallel_size": {"cli_default": 1, "help": "GPUs per model."},
+        },
+    ),
+    (CheckConfig, None, {}),
+)
+
+
+def option_fields(command: tuple = MAIN_OPTIONS) -> tuple[Field, ...]:
+    """``command``'s options, in --help's order: by section, then as declared."""
+    fields = []
+    for cls, names, overrides in command:
+        for f in fields_of(cls):
+            if f.is_option and (names is None or f.name in names):
+                override = overrides.get(f.name)
+                fields.append(dataclasses.replace(f, meta={**f.meta, **override}) if override else f)
     return tuple(sorted(fields, key=lambda f: SECTIONS.index(f.meta["section"])))
 
 

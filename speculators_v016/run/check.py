@@ -24,7 +24,7 @@ from speculators_v016.checks.fidelity import (
     reference_layer_outputs,
 )
 from speculators_v016.checks.layer_replay import ReplayReport
-from speculators_v016.config import EngineConfig
+from speculators_v016.config import CheckConfig
 
 
 @dataclass
@@ -61,17 +61,10 @@ class CheckReport:
         return out
 
 
-def check(
-    settings: EngineConfig,
-    train_data_path: list[str],
-    samples: int,
-    seq_length: int,
-    layer_ids: list[int] | None = None,
-    with_transformers: bool = True,
-) -> CheckReport:
-    """Run ``samples`` samples of the dataset through the engine and check their states.
+def check(config: CheckConfig) -> CheckReport:
+    """Run ``config.samples`` samples of the dataset through the engine and check their states.
 
-    ``with_transformers=False`` skips only the whole-model comparison (targets
+    ``config.transformers=False`` skips only the whole-model comparison (targets
     that do not fit here); the logit check and the layer replay run anyway.
     """
     from transformers import AutoTokenizer
@@ -83,15 +76,17 @@ def check(
     from speculators_v016.run.dataset import prepare_samples
     from speculators_v016.target import TargetInfo
 
-    model = settings.model
-    tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=settings.trust_remote_code)
-    prepared = prepare_samples(list(train_data_path), tokenizer, seq_length, max_samples=samples, num_proc=1)
-    prompts = prepared.input_ids[:samples]
-    num_layers = TargetInfo.read(model, settings.trust_remote_code).num_layers
-    plan = LayerPlan.build(num_layers, layer_ids)
+    model = config.engine.model
+    tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=config.engine.trust_remote_code)
+    prepared = prepare_samples(
+        list(config.train_data_path), tokenizer, config.seq_length, max_samples=config.samples, num_proc=1
+    )
+    prompts = prepared.input_ids[: config.samples]
+    num_layers = TargetInfo.read(model, config.engine.trust_remote_code).num_layers
+    plan = LayerPlan.build(num_layers, config.layer_ids)
     # the layers asked for, plus the input of each (captured for the replay only), ascending
     captured = LayerPlan.build(num_layers, sorted({*plan.layer_ids, *replay_inputs(plan.layer_ids)}))
-    with VllmHiddenStatesGenerator.from_config(settings, captured) as gen:
+    with VllmHiddenStatesGenerator.from_config(config.engine, captured) as gen:
         engine = gen.engine
         checker = LogitChecker(model, engine.dtype, captured.last_layer_index)
         results: list = [None] * len(prompts)
@@ -102,18 +97,18 @@ def check(
         engine_dtype = str(engine.dtype).removeprefix("torch.")
         margins = list(engine.capture_info[0].get("stream_margins", {}).values())
     by_layer = [dict(zip(captured.layer_ids, r["hidden_states"])) for r in results]
-    logits_ok = checker.result.ok or (bool(checker.result.unavailable) and with_transformers)
+    logits_ok = checker.result.ok or (bool(checker.result.unavailable) and config.transformers)
     report = CheckReport(len(prompts), engine_dtype, checker.result.line(), logits_ok, stream_margins=margins)
     report.replay = replay_layers(
         model,
         by_layer,
         list(plan.layer_ids),
         RELATIVE_TOLERANCE.get(engine_dtype, 5e-2),
-        settings.trust_remote_code,
+        config.engine.trust_remote_code,
         ROW_BOUNDS.get(engine_dtype),
     )
-    if with_transformers:
-        reference = reference_layer_outputs(model, prompts, torch.float32, settings.trust_remote_code)
+    if config.transformers:
+        reference = reference_layer_outputs(model, prompts, torch.float32, config.engine.trust_remote_code)
         requested = [{"hidden_states": [states[layer] for layer in plan.layer_ids]} for states in by_layer]
         report.layers = compare(requested, reference, list(plan.layer_ids), engine_dtype)
     return report

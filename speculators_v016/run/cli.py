@@ -18,10 +18,12 @@ import click
 
 from speculators_v016.exit_codes import ExitCode, help_text
 from speculators_v016.config import (
+    CHECK_OPTIONS,
     ENV_PREFIX,
-    MODEL_DTYPES,
+    MAIN_OPTIONS,
     SECTIONS,
     TERMINAL,
+    CheckConfig,
     ConfigError,
     ConsoleConfig,
     EngineConfig,
@@ -99,6 +101,7 @@ def config_option(f):
         cls=ConfigOption,
         type=_click_type(f),
         default=f.cli_default,
+        required=f.meta["required"],
         multiple=f.base is tuple and f.meta["kind"] is None,
         help=f.meta["help"],
         section=f.meta["section"],
@@ -106,19 +109,25 @@ def config_option(f):
     )
 
 
-def config_options(command):
-    """Decorate ``command`` with an option per field of the configuration tree (see speculators_v016.config)."""
-    for f in reversed(option_fields()):
-        command = config_option(f)(command)
-    return command
+def config_options(spec: tuple = MAIN_OPTIONS):
+    """Decorate a command with an option per field of ``spec`` (see speculators_v016.config.MAIN_OPTIONS)."""
+
+    def decorate(command):
+        for f in reversed(option_fields(spec)):
+            command = config_option(f)(command)
+        return command
+
+    return decorate
 
 
-def _values_of(cls, values: dict) -> dict:
-    """The fields of ``cls`` among the command's ``values`` (by option), negated flags turned back."""
+def _values_of(cls, values: dict, spec: tuple = MAIN_OPTIONS) -> dict:
+    """The fields of ``cls`` among a command's ``values`` (by option), negated flags turned back, multiple
+    values as a tuple."""
     out = {}
-    for f in option_fields():
+    for f in option_fields(spec):
         if f.owner is cls:
-            out[f.name] = not values[f.param] if f.meta["negate"] else values[f.param]
+            value = values[f.param]
+            out[f.name] = not value if f.meta["negate"] else tuple(value) if isinstance(value, list) else value
     return out
 
 
@@ -126,7 +135,6 @@ def run_config(values: dict) -> RunConfig:
     """The run's config from the main command's option values: whole, or a usage error."""
     engine = _values_of(EngineConfig, values)
     run = _values_of(RunConfig, values)
-    run["train_data_path"] = tuple(run["train_data_path"])
     try:
         return RunConfig.build(engine, **run)
     except ConfigError as exc:
@@ -155,19 +163,31 @@ def name_variables(group: click.Group) -> None:
             param.allow_from_autoenv = False
 
 
+def _format_sections(command: click.Command, ctx, formatter) -> None:
+    """``command``'s options under their help sections (speculators_v016.config.SECTIONS)."""
+    sections: dict[str, list] = {}
+    for param in command.get_params(ctx):
+        record = param.get_help_record(ctx)
+        if record is not None:
+            sections.setdefault(getattr(param, "section", None) or TERMINAL, []).append(record)
+    for section in SECTIONS:
+        if sections.get(section):
+            with formatter.section(f"{section} options"):
+                formatter.write_dl(sections[section])
+
+
+class SectionedCommand(click.Command):
+    """A subcommand whose options are listed in help sections."""
+
+    def format_options(self, ctx, formatter):
+        _format_sections(self, ctx, formatter)
+
+
 class MainGroup(click.Group):
     """The command group: options in help sections, and no unknown SPECULATORS_DATA_GEN_* variable."""
 
     def format_options(self, ctx, formatter):
-        sections: dict[str, list] = {}
-        for param in self.get_params(ctx):
-            record = param.get_help_record(ctx)
-            if record is not None:
-                sections.setdefault(getattr(param, "section", None) or TERMINAL, []).append(record)
-        for section in SECTIONS:
-            if sections.get(section):
-                with formatter.section(f"{section} options"):
-                    formatter.write_dl(sections[section])
+        _format_sections(self, ctx, formatter)
         self.format_commands(ctx, formatter)
 
     def invoke(self, ctx):
@@ -205,7 +225,7 @@ class MainGroup(click.Group):
         "max_content_width": 100,
     },
 )
-@config_options
+@config_options(MAIN_OPTIONS)
 @click.version_option(package_name="speculators-v016", message="%(prog)s %(version)s")
 @click.pass_context
 def cli(ctx, **values):
@@ -282,58 +302,25 @@ def verify(obj, directory, partial):
     sys.exit(ExitCode.OK if report.ok else ExitCode.PROBLEMS_FOUND)
 
 
-@cli.command()
-@click.option("--target-model-path", required=True)
-@click.option("--train-data-path", multiple=True, required=True)
-@click.option("--samples", type=click.IntRange(min=1), default=4, help="How many samples to compare.")
-@click.option("--seq-length", type=click.IntRange(min=1), default=512)
-@click.option("--layer-ids", cls=ConfigOption, type=LayerIds(), default=None, keep_empty=True)
-@click.option(
-    "--dtype", type=click.Choice(MODEL_DTYPES), default="auto", help="The engine's dtype (transformers runs in fp32)."
-)
-@click.option("--enforce-eager", is_flag=True)
-@click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1)
-@click.option("--trust-remote-code", is_flag=True)
-@click.option(
-    "--no-transformers",
-    is_flag=True,
-    help="Skip the whole-model comparison with transformers (targets that do not fit in memory "
-    "here); the logit check (final norm + lm_head vs vLLM's logits) and the layer replay (one "
-    "layer's weights at a time) still run.",
-)
+@cli.command(cls=SectionedCommand)
+@config_options(CHECK_OPTIONS)
 @click.pass_obj
-def check(
-    obj,
-    target_model_path,
-    train_data_path,
-    samples,
-    seq_length,
-    layer_ids,
-    dtype,
-    enforce_eager,
-    tensor_parallel_size,
-    trust_remote_code,
-    no_transformers,
-):
+def check(obj, **values):
     """Check captured states: vLLM's logits, each layer replayed in transformers, the whole model if it fits."""
     from speculators_v016.run.console import Console, scratch_log_path
     from speculators_v016.run.run_report import exit_code
 
+    try:
+        config = CheckConfig.build(
+            _values_of(EngineConfig, values, CHECK_OPTIONS), **_values_of(CheckConfig, values, CHECK_OPTIONS)
+        )
+    except ConfigError as exc:
+        raise usage_error(exc) from None
     with Console(scratch_log_path("check"), obj["mode"], obj["log_level"]) as console:
         try:
             from speculators_v016.run.check import check as run_check
 
-            engine = EngineConfig.for_seq_length(
-                seq_length,
-                model=target_model_path,
-                dtype=dtype,
-                enforce_eager=enforce_eager,
-                tensor_parallel_size=tensor_parallel_size,
-                trust_remote_code=trust_remote_code,
-            )
-            report = run_check(
-                engine, list(train_data_path), samples, seq_length, layer_ids, with_transformers=not no_transformers
-            )
+            report = run_check(config)
         except Exception as exc:  # noqa: BLE001 - explained, logged, exit code by kind
             console.failure(f"error: {type(exc).__name__}: {exc}")
             sys.exit(exit_code(exc))

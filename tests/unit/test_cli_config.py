@@ -2,13 +2,14 @@
 
 import contextlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import click
 import pytest
 from click.testing import CliRunner
 
 from speculators_v016 import config
-from speculators_v016.config import ConfigError, ConsoleConfig, EngineConfig, RunConfig, option_fields
+from speculators_v016.config import CheckConfig, ConfigError, ConsoleConfig, EngineConfig, RunConfig, option_fields
 from speculators_v016.run import cli as cli_module
 from speculators_v016.run.cli import _join_multi_value, cli
 
@@ -48,7 +49,9 @@ def captured(monkeypatch, tmp_path):
     @contextlib.contextmanager
     def console(path, mode, level):
         seen["console"] = (mode, level)
-        yield object()
+        yield SimpleNamespace(
+            echo=lambda *a, **k: None, where=lambda: None, failure=seen.setdefault("failure", []).append
+        )
 
     def run_and_report(opts, _console):
         seen["config"] = opts
@@ -105,6 +108,26 @@ def test_every_run_option_set_from_its_variable_reaches_the_config(field, captur
     got = captured["config"]
     owner = got.engine if field.owner is EngineConfig else got
     assert getattr(owner, field.name) == expected
+
+
+CHECK_REQUIRED = {"target_model_path": "--target-model-path", "train_data_path": "--train-data-path"}
+
+
+@pytest.mark.parametrize("field", option_fields(config.CHECK_OPTIONS), ids=lambda f: f.flag)
+def test_every_check_option_set_from_its_variable_reaches_the_check_config(field, monkeypatch, captured, tmp_path):
+    """Each option of check, given only through SPECULATORS_DATA_GEN_CHECK_<OPTION>, lands in its field."""
+    seen = {}
+    report = type("Report", (), {"ok": True, "lines": lambda self: []})()
+    monkeypatch.setattr("speculators_v016.run.console.scratch_log_path", lambda name: tmp_path / name)
+    monkeypatch.setattr("speculators_v016.run.fidelity.check", lambda cfg: seen.setdefault("config", cfg) and report)
+    text, expected = _sample_value(field, tmp_path)
+    argv = [a for name, flag in CHECK_REQUIRED.items() if name != field.param for a in (flag, str(tmp_path / name))]
+    result = invoke(["check", *argv], env={rule(field.flag, "check"): text})
+    assert result.exit_code == 0, result.output
+    got = seen["config"]
+    owner = got.engine if field.owner is EngineConfig else got
+    assert getattr(owner, field.name) == expected
+    assert got.engine.max_model_len == got.seq_length + 1
 
 
 @pytest.mark.parametrize(
@@ -182,11 +205,12 @@ def test_an_empty_layer_ids_variable_is_refused_like_the_empty_option(variable, 
     assert result.exit_code == 2 and "no layer id given" in result.output, result.output
 
 
-def test_the_main_command_has_one_option_per_field_and_every_field_a_doc():
-    """A new option is one field: the main command's options are exactly the tree's option fields, each documented."""
-    params = {p.name for p in cli.params if p.name not in ("help", "version")}
-    assert params == {f.param for f in option_fields()}
-    for cls in (EngineConfig, RunConfig, ConsoleConfig):
+def test_the_commands_have_one_option_per_field_and_every_field_a_doc():
+    """A new option is one field: the main command's and check's options are exactly their fields, each documented."""
+    for command, spec in ((cli, config.MAIN_OPTIONS), (cli.commands["check"], config.CHECK_OPTIONS)):
+        params = {p.name for p in command.params if p.name not in ("help", "version")}
+        assert params == {f.param for f in option_fields(spec)}, command.name
+    for cls in (EngineConfig, RunConfig, ConsoleConfig, CheckConfig):
         undocumented = [f.name for f in config.fields_of(cls) if f.name != "engine" and not f.meta.get("help")]
         assert not undocumented, (cls.__name__, undocumented)
 
