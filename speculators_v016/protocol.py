@@ -1,4 +1,10 @@
-"""What the engine and the workers exchange: the ring's description and each step's capture metadata.
+"""What the engine and the workers exchange: the set-up (once), the ring's description, each step's capture.
+
+The engine sends one :class:`WorkerSetup` to every worker, through the set-up
+RPC, right after vLLM loaded the model: the capture's config, the output rank
+and the ring. A setting keeps its name on the way: ``--hidden-states-dtype`` is
+``EngineConfig.hidden_states_dtype``, ``CaptureConfig.hidden_states_dtype`` and
+``RingSpec.hidden_states_dtype``.
 
 Both sides import this module (and :mod:`speculators_v016.shared`, the ring) and
 nothing of each other, so the engine side never loads worker code (aux outputs,
@@ -34,7 +40,7 @@ class RingSpec:
     (a name that vanished or was replaced fails the run, never maps zeros).
 
     A slot is one block of bytes: the states ``[num_ids, max_rows, hidden]``
-    (the engine's dtype, or e4m3 codes with ``storage="fp8_e4m3"``), then,
+    (the engine's dtype, or e4m3 codes with ``hidden_states_dtype="fp8_e4m3"``), then,
     for FP8 only, the scales ``[num_ids, max_rows]`` float32 at
     :attr:`scales_offset`. Slots and scale blocks start on 64-byte boundaries.
     """
@@ -48,7 +54,7 @@ class RingSpec:
     dtype: str  # the engine's dtype, e.g. "bfloat16": what the model's aux states are
     token: str = ""  # hex; the creator's identity token (shared rings)
     directory: str = SHM_DIR  # where a shared ring's file lies
-    storage: str = "auto"  # "auto": states stored in ``dtype``; "fp8_e4m3": codes + scales
+    hidden_states_dtype: str = "auto"  # "auto": states stored in ``dtype``; "fp8_e4m3": codes + scales
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -59,7 +65,7 @@ class RingSpec:
 
     @property
     def fp8(self) -> bool:
-        return self.storage == "fp8_e4m3"
+        return self.hidden_states_dtype == "fp8_e4m3"
 
     @property
     def state_dtype(self) -> torch.dtype:
@@ -106,6 +112,44 @@ class RingSpec:
             f"{self.slots} slots x {self.max_rows} rows x {self.num_ids} layers {per_row} "
             f"= {self.total_bytes / 2**20:,.0f} MiB"
         )
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """What the capture does, the same in every worker (built by the engine from its
+    :class:`~speculators_v016.config.EngineConfig` and layer plan; also in vLLM's
+    ``additional_config``, so compiled graphs cached without these ids are never reused).
+    """
+
+    capture_ids: tuple[int, ...]  # vLLM aux ids, in capture order
+    capture_mode: str = "auto"  # see speculators_v016.config.CaptureMode
+    hidden_states_dtype: str = "auto"  # see speculators_v016.config.HiddenStatesDtype
+
+    @property
+    def fp8(self) -> bool:
+        return self.hidden_states_dtype == "fp8_e4m3"
+
+    def as_dict(self) -> dict:
+        """The config as vLLM's ``additional_config`` entry (JSON: its compile-cache hash)."""
+        return {
+            "capture_ids": list(self.capture_ids),
+            "capture_mode": self.capture_mode,
+            "hidden_states_dtype": self.hidden_states_dtype,
+        }
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """Everything a worker needs for the capture, sent once (the set-up RPC's one argument).
+
+    ``staging``: ``"auto"`` stages on the GPU where it fits, ``"off"`` keeps
+    direct copies (benchmarks and tests compare the two).
+    """
+
+    capture: CaptureConfig
+    output_rank: int  # the rank that holds the ring and replies with captures
+    ring: RingSpec | None = None  # None: the states travel in the reply (Ray)
+    staging: str = "auto"
 
 
 @dataclass

@@ -35,6 +35,7 @@ from speculators_v016.engine.vllm_check import require_vllm
 from speculators_v016.layers import LayerPlan
 from speculators_v016.shared.shm_records import RunRecord, reclaim_and_log
 from speculators_v016.shared.slot_ring import SlotRing
+from speculators_v016.protocol import CaptureConfig
 from speculators_v016.target import PromptError, check_token_ids
 
 __all__ = ["CaptureEngine", "EngineConfig", "EngineDeadError", "PromptError"]
@@ -93,6 +94,8 @@ class CaptureEngine:
                 "states of non-last stages; use tensor parallelism (across nodes: Ray)"
             )
         self.config, self.plan = config, plan
+        #: what every worker's capture does (sent whole, with the ring and the output rank, at set-up)
+        self.capture = CaptureConfig(tuple(plan.capture_ids), config.capture_mode, config.hidden_states_dtype)
         vllm_config = self._vllm_config()
         for attempt in range(1, START_ATTEMPTS + 1):
             try:
@@ -143,13 +146,7 @@ class CaptureEngine:
             worker_extension_cls=EXTENSION,
             # In the config (and so in its hash): compiled graphs cached on disk
             # without these capture ids are never reused for this engine.
-            additional_config={
-                "speculators_v016": {
-                    "capture_ids": list(self.plan.capture_ids),
-                    "capture_mode": s.capture_mode,
-                    "hidden_states_dtype": s.hidden_states_dtype,
-                }
-            },
+            additional_config={"speculators_v016": self.capture.as_dict()},
             **attention_overrides(s.dtype, s.extra_engine_args),
             **s.extra_engine_args,
         )
@@ -185,7 +182,7 @@ class CaptureEngine:
                 with self._recording():  # vLLM's queues and semaphores, recorded as they appear
                     self.core = EngineCore(
                         config,
-                        capture_executor(executor_class, self.ring),
+                        capture_executor(executor_class, self.capture, self.ring),
                         log_stats=False,
                         executor_fail_callback=self._on_executor_failure,
                     )
@@ -248,7 +245,7 @@ class CaptureEngine:
             hidden=config.model_config.get_hidden_size(),
             dtype=config.model_config.dtype,
             shared=not self._in_process,
-            storage=self.config.hidden_states_dtype,
+            hidden_states_dtype=self.capture.hidden_states_dtype,
             created=record.add if record is not None else None,
         )
         logger.debug("capture ring {}: {}", ring.spec.name, ring.spec.describe())

@@ -5,6 +5,7 @@ from __future__ import annotations
 from loguru import logger
 
 from speculators_v016.shared.slot_ring import SlotRing
+from speculators_v016.protocol import CaptureConfig, WorkerSetup
 
 #: vLLM's executor class names, by the kind our settings and summary use.
 KINDS = {"UniProcExecutor": "uni", "MultiprocExecutor": "mp", "RayDistributedExecutor": "ray"}
@@ -46,8 +47,11 @@ def executor_kind(base: type) -> str:
     return base.__name__
 
 
-def capture_executor(base: type, ring: SlotRing | None) -> type:
-    """``base`` executor + capture set-up (and ring mapping) right after model load, + a capture RPC."""
+def capture_executor(base: type, capture: CaptureConfig, ring: SlotRing | None) -> type:
+    """``base`` executor + capture set-up (and ring mapping) right after model load, + a capture RPC.
+
+    The set-up sends every worker one :class:`~speculators_v016.protocol.WorkerSetup`: ``capture``,
+    the output rank (known once vLLM's workers exist) and the ring's spec."""
     one_reply = executor_kind(base) == "mp"  # the multiprocess executor can ask one rank alone
 
     class CaptureExecutor(base):
@@ -55,21 +59,10 @@ def capture_executor(base: type, ring: SlotRing | None) -> type:
 
         def _init_executor(self) -> None:
             super()._init_executor()  # workers exist and hold the loaded model
-            cfg = self.vllm_config.additional_config["speculators_v016"]
             par = self.vllm_config.parallel_config
             self.capture_output_rank = getattr(self, "output_rank", par.world_size - par.tensor_parallel_size)
-            self.capture_info = list(
-                self.collective_rpc(
-                    "speculators_capture_setup",
-                    args=(
-                        cfg["capture_ids"],
-                        self.capture_output_rank,
-                        cfg["capture_mode"],
-                        ring.spec if ring is not None else None,
-                        cfg["hidden_states_dtype"],
-                    ),
-                )
-            )
+            setup = WorkerSetup(capture, self.capture_output_rank, ring.spec if ring is not None else None)
+            self.capture_info = list(self.collective_rpc("speculators_capture_setup", args=(setup,)))
 
         def capture_rpc(self, method: str, args: tuple = (), non_block: bool = False, timeout: float | None = None):
             if one_reply and hasattr(self, "output_rank"):

@@ -87,7 +87,7 @@ def _header(spec: RingSpec) -> bytes:
         spec.max_rows,
         spec.hidden,
         spec.dtype.encode(),
-        spec.storage.encode(),
+        spec.hidden_states_dtype.encode(),
     )
 
 
@@ -129,12 +129,12 @@ class SlotRing:
         dtype: torch.dtype,
         shared: bool,
         directory: str = SHM_DIR,
-        storage: str = "auto",
+        hidden_states_dtype: str = "auto",
         created: Callable[[str, os.stat_result], None] | None = None,
     ) -> SlotRing:
         """Make a ring (the engine). ``shared``: a file in ``directory`` for worker processes.
 
-        ``dtype`` is the engine's; ``storage="fp8_e4m3"`` makes the slots hold codes and scales.
+        ``dtype`` is the engine's; ``hidden_states_dtype="fp8_e4m3"`` makes the slots hold codes and scales.
         ``created(name, stat)`` is called as soon as the file exists, before the
         (slow) space reservation: the run records the name there, so a crash
         at any later point leaves a segment the next run can attribute.
@@ -150,7 +150,7 @@ class SlotRing:
             str(dtype).removeprefix("torch."),
             token=secrets.token_hex(16) if shared else "",
             directory=directory,
-            storage=storage,
+            hidden_states_dtype=hidden_states_dtype,
         )
         if not shared:
             buffer = torch.empty(spec.total_bytes, dtype=torch.uint8)

@@ -60,8 +60,8 @@ from typing import Any
 import torch
 
 from speculators_v016 import fp8
-from speculators_v016.protocol import RingSpec, StepCapture
 from speculators_v016.shared.slot_ring import SlotRing
+from speculators_v016.protocol import RingSpec, StepCapture, WorkerSetup
 from speculators_v016.worker import cpu_async, cpu_rope
 from speculators_v016.worker.aux_outputs import install_aux_outputs
 from speculators_v016.worker.check_forward import engine_check_forward
@@ -103,80 +103,125 @@ def paired_output(output: Any, pending: _Pending | None) -> Any:
     return _paired_class()(output, pending)
 
 
-class CaptureWorkerExtension:
-    """Mixed into vLLM's worker by ``ParallelConfig.worker_extension_cls``."""
+class HostCopy:
+    """``host``: a CPU worker copies each layer's scheduled rows straight into host memory; done on return."""
 
-    def speculators_capture_setup(
-        self,
-        capture_ids: list[int],
-        output_rank: int,
-        mode: str = "auto",
-        ring: RingSpec | None = None,
-        storage: str = "auto",
-        staging: str = "auto",
-    ) -> dict:
-        """Prove the stream, install aux outputs and map the ring; run after model load, before profiling and warm-up.
+    name = "host"
 
-        ``storage``: "auto" (the engine's dtype) or "fp8_e4m3" (quantized here).
-        """
-        runner = self.model_runner
-        rope_native = cpu_rope.install(runner.get_model(), runner.device)
-        info = install_aux_outputs(runner.get_model(), capture_ids, mode, check=engine_check_forward(runner))
-        info["cpu_rope_native"] = rope_native
-        runner.use_aux_hidden_state_outputs = True
-        info["cpu_async_output"] = runner.use_async_scheduling and cpu_async.install(runner.device)
-        info["async_scheduling"] = bool(runner.use_async_scheduling)
-        self.speculators_capture_attach(len(capture_ids), self.rank == output_rank, ring, staging, storage)
-        info["ring"] = ring is not None and self._speculators_is_output
-        info["storage"] = storage
-        info.update(self._speculators_copy_info)
-        return info
+    def copy(self, aux, total: int, dst: torch.Tensor, dst_scales: torch.Tensor | None) -> None:
+        for j, layer in enumerate(aux):  # one contiguous copy per layer, no intermediate buffer
+            dst[j].copy_(layer[:total], non_blocking=False)
 
-    def speculators_capture_attach(
-        self, num_ids: int, is_output: bool, ring: RingSpec | None, staging: str = "auto", storage: str | None = None
-    ) -> None:
-        """Map the ring on the output rank (pinned on GPUs) and choose the copy path; reset the pending capture.
 
-        ``staging``: ``"auto"`` stages on the GPU when :func:`plan_staging`
-        says it fits, ``"off"`` keeps the direct path. ``storage`` ("auto" or
-        "fp8_e4m3") defaults to the ring's; a ring of another storage is
-        refused. Attaching again first releases what the previous attach held.
-        """
-        if staging not in ("auto", "off"):
-            raise ValueError(f"staging {staging!r}: choose 'auto' or 'off'")
-        storage = storage or (ring.storage if ring is not None else "auto")
-        if storage not in ("auto", fp8.NAME):
-            raise ValueError(f"hidden-states storage {storage!r}: expected 'auto' or {fp8.NAME!r}")
-        if ring is not None and ring.storage != storage:
-            raise RuntimeError(f"the capture ring stores {ring.storage!r}, the capture was set up for {storage!r}")
-        if getattr(self, "_speculators_attached", False):
-            self.speculators_capture_close()
-        self._speculators_is_output = is_output
-        self._speculators_num_ids = num_ids
-        self._speculators_fp8 = storage == fp8.NAME
-        self._speculators_quant: Fp8Buffers | None = None  # FP8, direct path: one layer's codes and scales
-        self._speculators_pending: _Pending | None = None
-        self._speculators_ring = None
-        self._speculators_staging: StagingCopier | None = None
-        self._speculators_attached, self._speculators_closed = True, False
-        device = self.model_runner.device
-        path = "none" if not is_output else "direct" if device.type == "cuda" else "host"
-        self._speculators_copy_info = {"copy_path": path}
-        if not (is_output and ring is not None):
+class HostQuantize(HostCopy):
+    """``host`` with FP8 storage: each layer quantized straight into the slot (codes and scales)."""
+
+    def copy(self, aux, total: int, dst: torch.Tensor, dst_scales: torch.Tensor | None) -> None:
+        for j, layer in enumerate(aux):
+            fp8.quantize_into(layer[:total], dst[j], dst_scales[j])
+
+
+class DirectCopy:
+    """``direct``: device-to-host copies enqueued on the compute stream; the event orders them before the next
+    forward and tells the reply when they landed."""
+
+    name = "direct"
+
+    def copy(self, aux, total: int, dst: torch.Tensor, dst_scales: torch.Tensor | None) -> torch.cuda.Event:
+        for j, layer in enumerate(aux):
+            dst[j].copy_(layer[:total], non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()  # on the compute stream: the copy is ordered before the next forward
+        return ready
+
+
+class DirectQuantize(DirectCopy):
+    """``direct`` with FP8 storage: each layer quantized into a device buffer of one layer on the compute
+    stream, which the device-to-host copy reads (the stream orders the next layer's quantization after it)."""
+
+    def __init__(self, buffers: Fp8Buffers | None = None):
+        self.buffers = buffers  # allocated at set-up where the ring bounds the rows; else grown on demand
+
+    def copy(self, aux, total: int, dst: torch.Tensor, dst_scales: torch.Tensor | None) -> torch.cuda.Event:
+        codes, scales = self._buffer(total, aux[0].shape[-1], aux[0].device)
+        for j, layer in enumerate(aux):  # compute stream: quantize, then copy codes and scales to the host
+            fp8.quantize_into(layer[:total], codes, scales)
+            dst[j].copy_(codes, non_blocking=True)
+            dst_scales[j].copy_(scales, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return ready
+
+    def _buffer(self, rows: int, hidden: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device codes ``[rows, hidden]`` and scales ``[rows]`` of one layer (kept)."""
+        have = self.buffers
+        if have is None or have.codes.shape[1] < rows or have.codes.shape[2] != hidden:  # no ring: grow
+            have = self.buffers = Fp8Buffers(
+                torch.empty((1, rows, hidden), dtype=fp8.CODE_DTYPE, device=device),
+                torch.empty((1, rows), dtype=fp8.SCALE_DTYPE, device=device),
+            )
+        return have.codes[0, :rows], have.scales[0, :rows]
+
+
+class StagedCopy:
+    """``staged``: into a GPU staging buffer on the compute stream (quantized there with FP8 storage), then
+    device-to-host on the copy stream (:class:`~speculators_v016.worker.staging.StagingCopier`); the event
+    is on the copy stream."""
+
+    name = "staged"
+
+    def __init__(self, staging: StagingCopier, fp8_storage: bool):
+        self.staging, self.fp8 = staging, fp8_storage
+
+    def copy(self, aux, total: int, dst: torch.Tensor, dst_scales: torch.Tensor | None) -> Any:
+        return self.staging.copy(aux, total, Fp8Buffers(dst, dst_scales) if self.fp8 else dst)
+
+    def close(self) -> None:
+        self.staging.close()
+
+
+class Capture:
+    """One worker's capture, set up once from a :class:`~speculators_v016.protocol.WorkerSetup`: the ring
+    mapped (output rank), the copy path chosen, the step still pending. :class:`CaptureWorkerExtension`
+    holds one; attaching again closes it and makes a new one."""
+
+    def __init__(self, worker: Any, setup: WorkerSetup, accounted: int = 0):
+        capture, ring = setup.capture, setup.ring
+        if setup.staging not in ("auto", "off"):
+            raise ValueError(f"staging {setup.staging!r}: choose 'auto' or 'off'")
+        if capture.hidden_states_dtype not in ("auto", fp8.NAME):
+            raise ValueError(f"hidden_states_dtype {capture.hidden_states_dtype!r}: expected 'auto' or {fp8.NAME!r}")
+        if ring is not None and ring.hidden_states_dtype != capture.hidden_states_dtype:
+            raise RuntimeError(
+                f"the capture ring stores {ring.hidden_states_dtype!r}, "
+                f"the capture was set up for {capture.hidden_states_dtype!r}"
+            )
+        runner = worker.model_runner
+        device = runner.device
+        self.is_output = worker.rank == setup.output_rank
+        self.num_ids = len(capture.capture_ids)
+        self.fp8 = capture.fp8
+        self.pin = device.type == "cuda"  # new host tensors (no ring) are pinned for the device's copies
+        self.pending: _Pending | None = None
+        self.ring: SlotRing | None = None
+        self.closed = False
+        self.accounted = accounted  # bytes counted into the runner's model_memory_usage
+        self.copier = None if not self.is_output else DirectCopy() if device.type == "cuda" else HostCopy()
+        if self.fp8 and self.copier is not None:
+            self.copier = DirectQuantize() if device.type == "cuda" else HostQuantize()
+        self.copy_info: dict = {"copy_path": self.copier.name if self.copier is not None else "none"}
+        if not (self.is_output and ring is not None):
             return
-        self._speculators_ring = SlotRing.attach(ring)
+        self.ring = SlotRing.attach(ring)
         if device.type != "cuda":
             return
-        self._speculators_ring.pin()
-        plan = self._speculators_plan_staging(ring, device, staging)
+        self.ring.pin()
+        plan = self._plan_staging(worker, ring, device, setup.staging)
+        staging = None
         if plan.use:
             try:
-                self._speculators_staging = StagingCopier(
-                    plan,
-                    (ring.num_ids, ring.max_rows, ring.hidden),
-                    ring.torch_dtype,
-                    device,
-                    fp8=self._speculators_fp8,
+                staging = StagingCopier(
+                    plan, (ring.num_ids, ring.max_rows, ring.hidden), ring.torch_dtype, device, fp8=self.fp8
                 )
             except torch.cuda.OutOfMemoryError as exc:
                 plan = StagingPlan(
@@ -186,25 +231,30 @@ class CaptureWorkerExtension:
                     f"staging buffers could not be allocated ({exc}): direct copies",
                 )
         quant_bytes = 0
-        if self._speculators_fp8 and not plan.use:  # allocated now, before vLLM profiles memory
-            self._speculators_quant = Fp8Buffers(
-                torch.empty((1, ring.max_rows, ring.hidden), dtype=fp8.CODE_DTYPE, device=device),
-                torch.empty((1, ring.max_rows), dtype=fp8.SCALE_DTYPE, device=device),
+        if staging is not None:
+            self.copier = StagedCopy(staging, self.fp8)
+        elif self.fp8:  # allocated now, before vLLM profiles memory
+            self.copier = DirectQuantize(
+                Fp8Buffers(
+                    torch.empty((1, ring.max_rows, ring.hidden), dtype=fp8.CODE_DTYPE, device=device),
+                    torch.empty((1, ring.max_rows), dtype=fp8.SCALE_DTYPE, device=device),
+                )
             )
             quant_bytes = ring.max_rows * (ring.hidden + 4)
-        self._speculators_copy_info = {
-            "copy_path": "staged" if plan.use else "direct",
+        self.copy_info = {
+            "copy_path": self.copier.name,
             "staging": plan.describe(),
-            "staging_in_model_memory": self._speculators_account(plan, quant_bytes),
+            "staging_in_model_memory": self._account(runner, plan, quant_bytes),
         }
 
-    def _speculators_plan_staging(self, ring: RingSpec, device: torch.device, staging: str) -> StagingPlan:
+    @staticmethod
+    def _plan_staging(worker: Any, ring: RingSpec, device: torch.device, staging: str) -> StagingPlan:
         """One staging buffer per step in flight (the ring has one slot more), if it fits (see plan_staging)."""
         buffers = max(ring.slots - 1, 1)
         if staging == "off":
             return StagingPlan(False, buffers, ring.slot_bytes, "staging turned off: direct copies")
         free, total = torch.cuda.mem_get_info(device)
-        requested, init = getattr(self, "requested_memory", None), getattr(self, "init_snapshot", None)
+        requested, init = getattr(worker, "requested_memory", None), getattr(worker, "init_snapshot", None)
         budget_left = None
         if requested is not None and init is not None:
             # vLLM's budget (total x gpu_memory_utilization) minus what this instance took since its
@@ -212,72 +262,55 @@ class CaptureWorkerExtension:
             budget_left = int(requested) - ((total - free) - int(init.cuda_memory))
         return plan_staging(buffers, ring.slot_bytes, free, budget_left)
 
-    def _speculators_account(self, plan: StagingPlan, extra: int = 0) -> bool:
+    def _account(self, runner: Any, plan: StagingPlan, extra: int = 0) -> bool:
         """Count the staging bytes (and ``extra``: FP8's one-layer buffer of the direct path) as model
         memory, which vLLM subtracts before it sizes the KV cache."""
-        runner = self.model_runner
         if not hasattr(runner, "model_memory_usage"):
             return False
         nbytes = (plan.nbytes if plan.use else 0) + extra
-        runner.model_memory_usage += nbytes - getattr(self, "_speculators_accounted", 0)
-        self._speculators_accounted = nbytes
+        runner.model_memory_usage += nbytes - self.accounted
+        self.accounted = nbytes
         return plan.use
 
-    def speculators_capture_close(self) -> None:
+    def close(self) -> None:
         """Release what the capture holds: finish copies in flight, drop staging, unregister the ring."""
-        if not getattr(self, "_speculators_attached", False):
+        if self.closed:
             return
-        self._speculators_attached, self._speculators_closed = False, True
-        pending, self._speculators_pending = self._speculators_pending, None
-        staging, self._speculators_staging = self._speculators_staging, None
-        ring, self._speculators_ring = self._speculators_ring, None
-        self._speculators_quant = None
+        self.closed = True
+        pending, self.pending = self.pending, None
+        copier = self.copier
+        ring, self.ring = self.ring, None
+        if isinstance(copier, DirectQuantize):
+            copier.buffers = None
         try:
             if pending is not None and pending.ready is not None:
                 pending.ready.synchronize()  # no copy may land in the slots once they are unregistered
-            if staging is not None:
-                staging.close()
+            if isinstance(copier, StagedCopy):
+                copier.close()
         finally:
             if ring is not None:
                 ring.close()
 
-    def speculators_capture_step(self, step: int, slot: int | None = None) -> StepCapture | None:
-        """Capture step ``step`` (just executed) into ``slot``; return the previous step's capture."""
-        pending = self._speculators_advance(step, slot)
-        return pending.result() if pending is not None else None
-
-    def speculators_capture_sample(self, step: int, slot: int | None, grammar_output: Any) -> Any:
-        """:meth:`speculators_capture_step`, then vLLM's ``sample_tokens``, in one RPC.
-
-        The reply is ``(model runner output, previous step's capture)``. It is
-        built where vLLM builds its own async output (the worker's output
-        thread with async scheduling), so this thread never waits for the
-        previous step's copy, and each step costs the engine two RPCs, not three.
-        """
-        pending = self._speculators_advance(step, slot)
-        return paired_output(self.sample_tokens(grammar_output), pending)
-
-    def _speculators_advance(self, step: int, slot: int | None) -> _Pending | None:
+    def advance(self, runner: Any, step: int, slot: int | None) -> _Pending | None:
         """Start step ``step``'s capture into ``slot``; return the previous step's (still pending)."""
-        if getattr(self, "_speculators_closed", False):
+        if self.closed:
             raise RuntimeError(f"step {step}: the capture was closed (speculators_capture_close)")
-        if not self._speculators_is_output:
+        if not self.is_output:
             return None
-        pending = self._speculators_pending
+        pending = self.pending
         if pending is not None and slot is not None and pending.capture.slot == slot:
             raise RuntimeError(f"step {step}: slot {slot} still holds step {pending.capture.step}")
-        self._speculators_pending = self._speculators_take(step, slot)
+        self.pending = self._take(runner, step, slot)
         return pending
 
-    def speculators_capture_flush(self) -> StepCapture | None:
+    def flush(self) -> StepCapture | None:
         """Return the last pending capture (call when no step is in flight)."""
-        if not getattr(self, "_speculators_is_output", False):
+        if not self.is_output:
             return None
-        previous, self._speculators_pending = self._speculators_pending, None
+        previous, self.pending = self.pending, None
         return previous.result() if previous is not None else None
 
-    def _speculators_take(self, step: int, slot: int | None) -> _Pending:
-        runner = self.model_runner
+    def _take(self, runner: Any, step: int, slot: int | None) -> _Pending:
         state = runner.execute_model_state
         if state is None or state.aux_hidden_states is None:
             raise RuntimeError(
@@ -285,10 +318,8 @@ class CaptureWorkerExtension:
                 "(capture called outside execute_model/sample_tokens?)"
             )
         aux = state.aux_hidden_states
-        if len(aux) != self._speculators_num_ids:
-            raise RuntimeError(
-                f"step {step}: the model returned {len(aux)} aux states, {self._speculators_num_ids} were set up"
-            )
+        if len(aux) != self.num_ids:
+            raise RuntimeError(f"step {step}: the model returned {len(aux)} aux states, {self.num_ids} were set up")
         batch = runner.input_batch
         num_reqs = batch.num_reqs
         bounds = runner.query_start_loc.np[: num_reqs + 1].tolist()
@@ -300,59 +331,26 @@ class CaptureWorkerExtension:
             counts=[b - a for a, b in zip(bounds, bounds[1:])],
             slot=slot,
         )
-        on_gpu = aux[0].device.type == "cuda"
-        dst, dst_scales = self._speculators_destination(step, slot, total, aux[0], on_gpu)
+        dst, dst_scales = self._destination(step, slot, total, aux[0])
         if slot is None:
             capture.states, capture.scales = dst, dst_scales
-        staging = self._speculators_staging
-        if staging is not None and slot is not None:
-            target = Fp8Buffers(dst, dst_scales) if self._speculators_fp8 else dst
-            return _Pending(capture, staging.copy(aux, total, target))  # event on the copy stream
-        if not self._speculators_fp8:
-            for j, layer in enumerate(aux):  # one contiguous copy per layer, no intermediate buffer
-                dst[j].copy_(layer[:total], non_blocking=on_gpu)
-        elif not on_gpu:
-            for j, layer in enumerate(aux):  # quantized straight into the slot
-                fp8.quantize_into(layer[:total], dst[j], dst_scales[j])
-        else:
-            codes, scales = self._speculators_quant_buffer(total, aux[0].shape[-1], aux[0].device)
-            for j, layer in enumerate(aux):  # compute stream: quantize, then copy codes and scales to the host
-                fp8.quantize_into(layer[:total], codes, scales)
-                dst[j].copy_(codes, non_blocking=True)
-                dst_scales[j].copy_(scales, non_blocking=True)
-        if not on_gpu:
-            return _Pending(capture, None)
-        ready = torch.cuda.Event()
-        ready.record()  # on the compute stream: the copy is ordered before the next forward
-        return _Pending(capture, ready)
+        return _Pending(capture, self.copier.copy(aux, total, dst, dst_scales))
 
-    def _speculators_quant_buffer(
-        self, rows: int, hidden: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """FP8, direct path: device codes ``[rows, hidden]`` and scales ``[rows]`` of one layer (kept)."""
-        have = self._speculators_quant
-        if have is None or have.codes.shape[1] < rows or have.codes.shape[2] != hidden:  # no ring: grow
-            have = self._speculators_quant = Fp8Buffers(
-                torch.empty((1, rows, hidden), dtype=fp8.CODE_DTYPE, device=device),
-                torch.empty((1, rows), dtype=fp8.SCALE_DTYPE, device=device),
-            )
-        return have.codes[0, :rows], have.scales[0, :rows]
-
-    def _speculators_destination(
-        self, step: int, slot: int | None, total: int, like: torch.Tensor, on_gpu: bool
+    def _destination(
+        self, step: int, slot: int | None, total: int, like: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Host memory for this step, its ring slot or new tensors: states ``[num_ids, total, hidden]``
         (e4m3 codes with FP8 storage) and FP8 scales ``[num_ids, total]`` (else None)."""
-        ring = self._speculators_ring
+        ring = self.ring
         if ring is None:
             if slot is not None:
                 raise RuntimeError(f"step {step}: slot {slot} given, but this worker has no ring")
-            shape = (self._speculators_num_ids, total, like.shape[-1])
-            if not self._speculators_fp8:
-                return torch.empty(shape, dtype=like.dtype, pin_memory=on_gpu), None
+            shape = (self.num_ids, total, like.shape[-1])
+            if not self.fp8:
+                return torch.empty(shape, dtype=like.dtype, pin_memory=self.pin), None
             return (
-                torch.empty(shape, dtype=fp8.CODE_DTYPE, pin_memory=on_gpu),
-                torch.empty(shape[:2], dtype=fp8.SCALE_DTYPE, pin_memory=on_gpu),
+                torch.empty(shape, dtype=fp8.CODE_DTYPE, pin_memory=self.pin),
+                torch.empty(shape[:2], dtype=fp8.SCALE_DTYPE, pin_memory=self.pin),
             )
         spec = ring.spec
         if slot is None or not 0 <= slot < spec.slots:
@@ -364,3 +362,67 @@ class CaptureWorkerExtension:
             )
         scales = ring.scales(slot)
         return ring.slot(slot)[:, :total], (scales[:, :total] if scales is not None else None)
+
+
+class CaptureWorkerExtension:
+    """Mixed into vLLM's worker by ``ParallelConfig.worker_extension_cls``: the RPC entry points, and one
+    attribute on vLLM's worker, ``_speculators_capture`` (a :class:`Capture`, None until set up)."""
+
+    _speculators_capture: Capture | None = None
+
+    def speculators_capture_setup(self, setup: WorkerSetup) -> dict:
+        """Prove the stream, install aux outputs and map the ring; run after model load, before profiling and warm-up."""
+        runner = self.model_runner
+        capture = setup.capture
+        rope_native = cpu_rope.install(runner.get_model(), runner.device)
+        info = install_aux_outputs(
+            runner.get_model(), list(capture.capture_ids), capture.capture_mode, check=engine_check_forward(runner)
+        )
+        info["cpu_rope_native"] = rope_native
+        runner.use_aux_hidden_state_outputs = True
+        info["cpu_async_output"] = runner.use_async_scheduling and cpu_async.install(runner.device)
+        info["async_scheduling"] = bool(runner.use_async_scheduling)
+        attached = self.speculators_capture_attach(setup)
+        info["ring"] = setup.ring is not None and attached.is_output
+        info["hidden_states_dtype"] = capture.hidden_states_dtype
+        info.update(attached.copy_info)
+        return info
+
+    def speculators_capture_attach(self, setup: WorkerSetup) -> Capture:
+        """Map the ring on the output rank (pinned on GPUs) and choose the copy path, once; no step pending.
+
+        A ring of another ``hidden_states_dtype`` than the capture's is refused.
+        Attaching again first releases what the previous attach held.
+        """
+        previous = self._speculators_capture
+        if previous is not None:
+            previous.close()
+        self._speculators_capture = None
+        self._speculators_capture = Capture(self, setup, previous.accounted if previous is not None else 0)
+        return self._speculators_capture
+
+    def speculators_capture_close(self) -> None:
+        """Release what the capture holds: finish copies in flight, drop staging, unregister the ring."""
+        if self._speculators_capture is not None:
+            self._speculators_capture.close()
+
+    def speculators_capture_step(self, step: int, slot: int | None = None) -> StepCapture | None:
+        """Capture step ``step`` (just executed) into ``slot``; return the previous step's capture."""
+        pending = self._speculators_capture.advance(self.model_runner, step, slot)
+        return pending.result() if pending is not None else None
+
+    def speculators_capture_sample(self, step: int, slot: int | None, grammar_output: Any) -> Any:
+        """:meth:`speculators_capture_step`, then vLLM's ``sample_tokens``, in one RPC.
+
+        The reply is ``(model runner output, previous step's capture)``. It is
+        built where vLLM builds its own async output (the worker's output
+        thread with async scheduling), so this thread never waits for the
+        previous step's copy, and each step costs the engine two RPCs, not three.
+        """
+        pending = self._speculators_capture.advance(self.model_runner, step, slot)
+        return paired_output(self.sample_tokens(grammar_output), pending)
+
+    def speculators_capture_flush(self) -> StepCapture | None:
+        """Return the last pending capture (call when no step is in flight)."""
+        capture = self._speculators_capture
+        return capture.flush() if capture is not None else None

@@ -45,7 +45,9 @@ def test_tp2_equals_tp1(tiny_model, two_cpu_workers):
     with VllmHiddenStatesGenerator(model_dir, **ENGINE) as gen:
         tp1 = gen.generate(prompts)
         worker = gen.engine.executor.driver_worker.worker  # uniprocess: the worker lives here
-    assert worker._speculators_closed and worker._speculators_ring is None  # engine close released the capture
+    assert (
+        worker._speculators_capture.closed and worker._speculators_capture.ring is None
+    )  # engine close released the capture
     worst = max(
         (a - b).abs().max().item() for x, y in zip(tp1, tp2) for a, b in zip(x["hidden_states"], y["hidden_states"])
     )

@@ -41,6 +41,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.capture import worker_setup
 from speculators_v016.shared.slot_ring import RingSpaceError, SlotRing
 from speculators_v016.worker.capture import CaptureWorkerExtension
 
@@ -124,10 +125,10 @@ def make_ring(shared: bool) -> SlotRing:
 
 def attach(runner, ring, staging: str, budget: int | None = 64 * GIB) -> StandInWorker:
     worker = StandInWorker(runner, budget)
-    worker.speculators_capture_attach(LAYERS, True, ring.spec, staging)
+    worker.speculators_capture_attach(worker_setup(LAYERS, ring.spec, staging))
     expected = "staged" if staging == "auto" else "direct"
-    assert worker._speculators_copy_info["copy_path"] == expected, worker._speculators_copy_info
-    assert worker._speculators_ring.pinned
+    assert worker._speculators_capture.copy_info["copy_path"] == expected, worker._speculators_capture.copy_info
+    assert worker._speculators_capture.ring.pinned
     return worker
 
 
@@ -166,7 +167,7 @@ def run_steps(runner, worker, ring, rows_plan=STEP_ROWS):
         if capture.slot is not None:
             ring.release(capture.slot)
 
-    staging = worker._speculators_staging
+    staging = getattr(worker._speculators_capture.copier, "staging", None)  # the staged path's copier
     for step, rows in enumerate(rows_plan, 1):
         x = torch.randn(TOKENS, HIDDEN, device="cuda", generator=gen).to(DTYPE)
         inputs.append(x)
@@ -217,7 +218,7 @@ def test_ring_capture_is_exact_and_fast(runner, shared, staging):
         pytest.skip(f"/dev/shm too small here for the shared ring: {exc}")
     worker = attach(runner, ring, staging)
     try:
-        label = f"ring ({'shm' if shared else 'local'}, {worker._speculators_copy_info['copy_path']})"
+        label = f"ring ({'shm' if shared else 'local'}, {worker._speculators_capture.copy_info['copy_path']})"
         host_ms, rate = check_and_report(label, runner, *run_steps(runner, worker, ring))
     finally:
         worker.speculators_capture_close()
@@ -229,8 +230,8 @@ def test_ring_capture_is_exact_and_fast(runner, shared, staging):
 def test_without_ring_reference(runner):
     """The path without a ring (fresh pinned tensor per step) is exact too; its figures are printed."""
     worker = StandInWorker(runner)
-    worker.speculators_capture_attach(LAYERS, True, None)
-    assert worker._speculators_copy_info == {"copy_path": "direct"}
+    worker.speculators_capture_attach(worker_setup(LAYERS, None))
+    assert worker._speculators_capture.copy_info == {"copy_path": "direct"}
     check_and_report("no ring (fresh pinned tensors)", runner, *run_steps(runner, worker, None))
 
 
@@ -240,15 +241,15 @@ def test_staging_is_accounted_and_falls_back_when_it_does_not_fit(runner):
     try:
         runner.model_memory_usage = 0
         worker = attach(runner, ring, "auto")
-        info = worker._speculators_copy_info
+        info = worker._speculators_capture.copy_info
         assert info["staging"]["bytes"] == 2 * STEP_BYTES and info["staging_in_model_memory"]
         assert runner.model_memory_usage == 2 * STEP_BYTES
         worker.speculators_capture_close()
         small = attach(runner, ring, "off", budget=None)  # re-attach on the same ring: direct, un-accounted
         small.speculators_capture_close()
         tight = StandInWorker(runner, budget=3 * GIB)  # 896 MiB of staging > a quarter of ~3 GiB
-        tight.speculators_capture_attach(LAYERS, True, ring.spec)
-        info = tight._speculators_copy_info
+        tight.speculators_capture_attach(worker_setup(LAYERS, ring.spec))
+        info = tight._speculators_capture.copy_info
         print(f"\nfallback: {info}")
         assert info["copy_path"] == "direct" and not info["staging"]["staged"]
         assert "more than 25% of the" in info["staging"]["reason"]
@@ -279,7 +280,7 @@ def test_two_capture_setups_in_one_process_release_their_registration(runner):
         check_and_report(
             f"set-up {round_ + 1}", runner, *run_steps(runner, worker, ring, STEP_ROWS[:3]), rows_plan=STEP_ROWS[:3]
         )
-        worker.speculators_capture_attach(LAYERS, True, ring.spec, "auto")  # re-attach: no 712
+        worker.speculators_capture_attach(worker_setup(LAYERS, ring.spec, "auto"))  # re-attach: no 712
         assert buffer.is_pinned()
         held = torch.cuda.memory_allocated()
         worker.speculators_capture_close()

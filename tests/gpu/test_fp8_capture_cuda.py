@@ -28,6 +28,7 @@ import time
 import pytest
 import torch
 
+from helpers.capture import worker_setup
 from speculators_v016 import fp8
 from speculators_v016.shared.slot_ring import SlotRing
 
@@ -191,9 +192,9 @@ def run_mode(runner, ring, storage, staging, inputs, offset, rows_plan, store):
     worker = None
     if storage != "none":
         worker = StandInWorker(runner, budget=64 * GIB)
-        worker.speculators_capture_attach(LAYERS, True, ring.spec, staging, storage)
-        path = worker._speculators_copy_info["copy_path"]
-        assert path == ("staged" if staging == "auto" else "direct"), worker._speculators_copy_info
+        worker.speculators_capture_attach(worker_setup(LAYERS, ring.spec, staging, storage))
+        path = worker._speculators_capture.copy_info["copy_path"]
+        assert path == ("staged" if staging == "auto" else "direct"), worker._speculators_capture.copy_info
     codes, scales = store
 
     def take(capture):
@@ -226,7 +227,13 @@ def test_fp8_capture_at_the_real_cadence():
         store.view(torch.uint8).fill_(0xFF)  # NaN everywhere, and every page touched before the timed runs
     rings = {
         storage: SlotRing.create(
-            slots=3, num_ids=LAYERS, max_rows=TOKENS, hidden=HIDDEN, dtype=DTYPE, shared=False, storage=storage
+            slots=3,
+            num_ids=LAYERS,
+            max_rows=TOKENS,
+            hidden=HIDDEN,
+            dtype=DTYPE,
+            shared=False,
+            hidden_states_dtype=storage,
         )
         for storage in ("auto", fp8.NAME)
     }

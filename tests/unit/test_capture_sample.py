@@ -8,8 +8,10 @@ import pytest
 import torch
 from test_ring_registration import Runner, Worker
 
+from helpers.capture import worker_setup
 from speculators_v016.engine.executor import capture_executor
 from speculators_v016.shared.slot_ring import SlotRing
+from speculators_v016.protocol import CaptureConfig
 
 vllm_outputs = pytest.importorskip("vllm.v1.outputs")
 
@@ -49,7 +51,7 @@ def test_capture_runs_before_sampling_and_the_reply_pairs_output_with_the_previo
     runner = Runner("cpu")
     first, second = AsyncOut("out-1"), "out-2"  # async scheduling's output, then a plain one (sync)
     worker = SamplingWorker(runner, ring, [first, second])
-    worker.speculators_capture_attach(2, True, ring.spec)
+    worker.speculators_capture_attach(worker_setup(2, ring.spec))
     aux = runner.step(6, seed=1)
     reply = worker.speculators_capture_sample(1, 0, "grammar-1")
     assert isinstance(reply, vllm_outputs.AsyncModelRunnerOutput)  # vLLM's executors call get_output
@@ -67,7 +69,7 @@ def test_capture_runs_before_sampling_and_the_reply_pairs_output_with_the_previo
 def test_a_closed_capture_refuses_before_sampling(ring):
     """After close, capture-and-sample raises naming the step, and vLLM's sample_tokens is not reached."""
     worker = SamplingWorker(Runner("cpu"), ring, ["never"])
-    worker.speculators_capture_attach(2, True, ring.spec)
+    worker.speculators_capture_attach(worker_setup(2, ring.spec))
     worker.speculators_capture_close()
     with pytest.raises(RuntimeError, match="step 4: the capture was closed"):
         worker.speculators_capture_sample(4, 0, None)
@@ -78,7 +80,7 @@ def test_a_slot_still_held_is_refused_before_sampling(ring):
     """Reusing the slot of the pending step is an error naming both steps; nothing is sampled."""
     runner = Runner("cpu")
     worker = SamplingWorker(runner, ring, ["out-1", "never"])
-    worker.speculators_capture_attach(2, True, ring.spec)
+    worker.speculators_capture_attach(worker_setup(2, ring.spec))
     runner.step(4, seed=1)
     worker.speculators_capture_sample(1, 0, None)
     with pytest.raises(RuntimeError, match="step 2: slot 0 still holds step 1"):
@@ -109,7 +111,7 @@ def fake_executor(name: str, aggregator=None):
         return done(f"sampled {grammar_output}")
 
     base = type(name, (), {"collective_rpc": collective_rpc, "sample_tokens": sample_tokens})
-    executor = capture_executor(base, None)()
+    executor = capture_executor(base, CaptureConfig((0,)), None)()
     executor.calls, executor.kv_output_aggregator = [], aggregator
     if name == "MultiprocExecutor":
         executor.output_rank = 0

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.capture import worker_setup
 from speculators_v016 import fp8
 from speculators_v016.engine.assembly import Assembler, AttributionError
 from speculators_v016.fp8 import Fp8States
@@ -98,7 +99,7 @@ def test_quantize_into_slot_views_equals_quantize():
 def test_fp8_ring_slots_hold_codes_then_aligned_scales(shared):
     """An FP8 ring's slot is codes then 64-byte-aligned scales; a worker's mapping sees the engine's bytes."""
     ring = SlotRing.create(
-        slots=3, num_ids=2, max_rows=5, hidden=7, dtype=torch.bfloat16, shared=shared, storage="fp8_e4m3"
+        slots=3, num_ids=2, max_rows=5, hidden=7, dtype=torch.bfloat16, shared=shared, hidden_states_dtype="fp8_e4m3"
     )
     try:
         ring.buffer.zero_()  # a local ring is not zeroed at creation
@@ -149,7 +150,13 @@ def test_cpu_capture_quantizes_the_scheduled_rows(with_ring):
     """The worker's capture stores quantize(rows) of the scheduled tokens only, in the slot or in the reply."""
     ring = (
         SlotRing.create(
-            slots=3, num_ids=2, max_rows=64, hidden=256, dtype=torch.bfloat16, shared=False, storage="fp8_e4m3"
+            slots=3,
+            num_ids=2,
+            max_rows=64,
+            hidden=256,
+            dtype=torch.bfloat16,
+            shared=False,
+            hidden_states_dtype="fp8_e4m3",
         )
         if with_ring
         else None
@@ -157,7 +164,7 @@ def test_cpu_capture_quantizes_the_scheduled_rows(with_ring):
     if ring:
         ring.buffer.zero_()
     worker = Worker()
-    worker.speculators_capture_attach(2, True, ring.spec if ring else None, storage="fp8_e4m3")
+    worker.speculators_capture_attach(worker_setup(2, ring.spec if ring else None, hidden_states_dtype="fp8_e4m3"))
     aux = [wide_rows(rows=64, seed=s) for s in (1, 2)]  # padded to 64 rows; 30 scheduled
     worker.model_runner.step(aux, [10, 20])
     assert worker.speculators_capture_step(1, 0 if ring else None) is None
@@ -177,7 +184,7 @@ def test_capture_refuses_a_ring_of_other_storage():
     """A worker set up for FP8 does not write into an engine-dtype ring."""
     ring = SlotRing.create(slots=2, num_ids=1, max_rows=4, hidden=8, dtype=torch.bfloat16, shared=False)
     with pytest.raises(RuntimeError, match="the capture ring stores 'auto', the capture was set up for 'fp8_e4m3'"):
-        Worker().speculators_capture_attach(1, True, ring.spec, storage="fp8_e4m3")
+        Worker().speculators_capture_attach(worker_setup(1, ring.spec, hidden_states_dtype="fp8_e4m3"))
     ring.close()
 
 
@@ -259,7 +266,7 @@ def test_fp8_staging_quantizes_as_its_device_step():
     from speculators_v016.worker.staging import Fp8Buffers, StagingCopier, StagingPlan
 
     ring = SlotRing.create(
-        slots=3, num_ids=2, max_rows=40, hidden=256, dtype=torch.bfloat16, shared=False, storage="fp8_e4m3"
+        slots=3, num_ids=2, max_rows=40, hidden=256, dtype=torch.bfloat16, shared=False, hidden_states_dtype="fp8_e4m3"
     )
     plan = StagingPlan(True, 2, ring.spec.slot_bytes, "test")
     copier = StagingCopier(plan, (2, 40, 256), torch.bfloat16, torch.device("cpu"), NoStreams(), fp8=True)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.capture import worker_setup
 from speculators_v016.shared.slot_ring import SlotRing
 from speculators_v016.worker.capture import CaptureWorkerExtension
 
@@ -120,15 +121,15 @@ def test_close_reports_a_failed_unregister(cudart, ring):
 def test_worker_reattach_and_close_release_the_registration(cudart, ring):
     """On a (fake) GPU worker: re-attach unregisters before registering again; close leaves nothing registered."""
     worker = Worker(Runner("cuda"))
-    worker.speculators_capture_attach(2, True, ring.spec, staging="off")
-    assert worker._speculators_copy_info["copy_path"] == "direct"
-    assert worker._speculators_copy_info["staging"]["reason"] == "staging turned off: direct copies"
+    worker.speculators_capture_attach(worker_setup(2, ring.spec, staging="off"))
+    assert worker._speculators_capture.copy_info["copy_path"] == "direct"
+    assert worker._speculators_capture.copy_info["staging"]["reason"] == "staging turned off: direct copies"
     assert worker.model_runner.model_memory_usage == 1000  # nothing staged, nothing accounted
-    worker.speculators_capture_attach(2, True, ring.spec, staging="off")  # no 712
+    worker.speculators_capture_attach(worker_setup(2, ring.spec, staging="off"))  # no 712
     assert [c for c, _ in cudart.calls] == ["register", "unregister", "register"]
     worker.speculators_capture_close()
     worker.speculators_capture_close()  # idempotent
-    assert cudart.registered == {} and worker._speculators_ring is None
+    assert cudart.registered == {} and worker._speculators_capture.ring is None
     with pytest.raises(RuntimeError, match="step 1: the capture was closed"):
         worker.speculators_capture_step(1, 0)
 
@@ -137,8 +138,8 @@ def test_cpu_worker_captures_then_closes_then_attaches_again(ring):
     """A CPU worker's capture is unchanged (host copy, exact rows); after close it refuses steps until re-attached."""
     runner = Runner("cpu")
     worker = Worker(runner)
-    worker.speculators_capture_attach(2, True, ring.spec)
-    assert worker._speculators_copy_info == {"copy_path": "host"}
+    worker.speculators_capture_attach(worker_setup(2, ring.spec))
+    assert worker._speculators_capture.copy_info == {"copy_path": "host"}
     aux = runner.step(6, seed=1)
     assert worker.speculators_capture_step(1, 0) is None
     runner.step(8, seed=2)
@@ -148,7 +149,7 @@ def test_cpu_worker_captures_then_closes_then_attaches_again(ring):
     worker.speculators_capture_close()
     with pytest.raises(RuntimeError, match="step 3: the capture was closed"):
         worker.speculators_capture_step(3, 2)
-    worker.speculators_capture_attach(2, True, ring.spec)
+    worker.speculators_capture_attach(worker_setup(2, ring.spec))
     aux = runner.step(4, seed=3)
     worker.speculators_capture_step(3, 2)
     assert worker.speculators_capture_flush().step == 3

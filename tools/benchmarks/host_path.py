@@ -172,7 +172,7 @@ def make_ring(fp8: bool = False) -> SlotRing:
         hidden=HIDDEN,
         dtype=DTYPE,
         shared=False,
-        storage=fp8_storage.NAME if fp8 else "auto",
+        hidden_states_dtype=fp8_storage.NAME if fp8 else "auto",
     )
     for s in range(2):
         for j in range(LAYERS):

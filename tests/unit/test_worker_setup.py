@@ -1,0 +1,84 @@
+"""What crosses to the workers is one WorkerSetup, sent once; the worker keeps one capture object (CPU, fakes)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_ring_registration import Runner, Worker, cudart  # noqa: F401 - cudart is a fixture
+
+from helpers.capture import worker_setup
+from speculators_v016.engine.executor import capture_executor
+from speculators_v016.engine.slot_ring import SlotRing
+from speculators_v016.protocol import CaptureConfig, WorkerSetup
+from speculators_v016.worker.capture import DirectCopy, DirectQuantize, HostCopy, HostQuantize
+
+
+@pytest.fixture
+def ring():
+    ring = SlotRing.create(slots=3, num_ids=2, max_rows=8, hidden=4, dtype=torch.float32, shared=False)
+    yield ring
+    ring.close()
+
+
+def setup_executor(name: str, ring, capture: CaptureConfig, world_size: int = 2):
+    """A stand-in for one of vLLM's executor classes, set up as vLLM's engine core does: records its RPCs."""
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False, **options):
+        self.calls.append((method, args, kwargs))
+        return [{"num_layers": 2}] * world_size  # each rank's set-up info
+
+    def init(self):
+        self.vllm_config = SimpleNamespace(
+            parallel_config=SimpleNamespace(world_size=world_size, tensor_parallel_size=world_size),
+            additional_config={},  # what vLLM hashes; the set-up does not read it
+        )
+
+    base = type(name, (), {"collective_rpc": collective_rpc, "_init_executor": init})
+    executor = capture_executor(base, capture, ring)()
+    executor.calls = []
+    executor._init_executor()
+    return executor
+
+
+def test_the_setup_rpc_sends_one_worker_setup_with_the_capture_the_rank_and_the_ring(ring):
+    """One RPC, one argument: the engine's CaptureConfig, the output rank and the ring's spec, as one object."""
+    capture = CaptureConfig((3, 9), "taps", "auto")
+    executor = setup_executor("UniProcExecutor", ring, capture)
+    assert executor.calls == [("speculators_capture_setup", (WorkerSetup(capture, 0, ring.spec),), None)]
+    assert executor.capture_info == [{"num_layers": 2}] * 2
+
+
+def test_the_capture_config_is_vllms_additional_config_entry_as_before():
+    """The compile-cache hash sees the same JSON as before the set-up object (the same keys and values)."""
+    capture = CaptureConfig((3, 9), "auto", "fp8_e4m3")
+    assert capture.as_dict() == {"capture_ids": [3, 9], "capture_mode": "auto", "hidden_states_dtype": "fp8_e4m3"}
+
+
+@pytest.mark.parametrize(
+    "dtype, rank, device, expected",
+    [
+        ("auto", 0, "cpu", HostCopy),
+        ("fp8_e4m3", 0, "cpu", HostQuantize),
+        ("auto", 1, "cpu", type(None)),
+        ("auto", 0, "cuda", DirectCopy),
+        ("fp8_e4m3", 0, "cuda", DirectQuantize),  # without the ring: its device buffer is grown on first use
+    ],
+)
+def test_the_worker_holds_one_capture_whose_copy_path_is_chosen_at_setup(cudart, dtype, rank, device, expected):  # noqa: F811
+    """One `_speculators_*` attribute on vLLM's worker; its copy path an object of the device and storage."""
+    ring = SlotRing.create(
+        slots=3, num_ids=2, max_rows=8, hidden=4, dtype=torch.float32, shared=False, hidden_states_dtype=dtype
+    )
+    try:
+        worker = Worker(Runner(device))
+        worker.rank = rank
+        spec = None if (device, dtype) == ("cuda", "fp8_e4m3") else ring.spec  # no device memory to allocate here
+        capture = worker.speculators_capture_attach(worker_setup(2, spec, staging="off", hidden_states_dtype=dtype))
+        assert [k for k in vars(worker) if k.startswith("_speculators")] == ["_speculators_capture"]
+        assert worker._speculators_capture is capture and type(capture.copier) is expected
+        assert capture.is_output == (rank == 0) and capture.fp8 == (dtype == "fp8_e4m3")
+        worker.speculators_capture_close()
+    finally:
+        ring.close()
