@@ -390,22 +390,24 @@ def test_check_replay_finds_a_wrong_intermediate_layer(model_dir, data_file):
 
 def test_shards_default_from_the_launcher(monkeypatch):
     """--num-shards/--shard-index default to torchrun's WORLD_SIZE/RANK, else SLURM's, else 1/0."""
-    import click
-
-    from speculators_v016.run.cli import _shard_defaults
+    from speculators_v016.config import ConfigError, RunConfig, launcher_shards
 
     for name in ("WORLD_SIZE", "RANK", "SLURM_NTASKS", "SLURM_PROCID"):
         monkeypatch.delenv(name, raising=False)
-    assert _shard_defaults(None, None) == (1, 0)
+    assert launcher_shards(None, None) == (1, 0)
     monkeypatch.setenv("SLURM_NTASKS", "4")
     monkeypatch.setenv("SLURM_PROCID", "2")
-    assert _shard_defaults(None, None) == (4, 2)
+    assert launcher_shards(None, None) == (4, 2)
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("RANK", "5")
-    assert _shard_defaults(None, None) == (8, 5)
-    assert _shard_defaults(2, 1) == (2, 1)
-    with pytest.raises(click.BadParameter, match="shard index 3 is not in"):
-        _shard_defaults(2, 3)
+    assert launcher_shards(None, None) == (8, 5)
+    assert launcher_shards(2, 1) == (2, 1)
+    engine = {"model": "m", "tensor_parallel_size": 1}
+    launched = RunConfig.build(engine, train_data_path=("d",), output_dir=Path("o"))  # the run's config asks too
+    assert (launched.num_shards, launched.shard_index) == (8, 5)
+    with pytest.raises(ConfigError, match="shard index 3 is not in") as refused:
+        RunConfig.build(engine, train_data_path=("d",), output_dir=Path("o"), num_shards=2, shard_index=3)
+    assert refused.value.option == "--shard-index"
 
 
 def test_quick_verify_after_a_run_skips_reading_files(reference_run, tmp_path):
