@@ -21,6 +21,18 @@ in :meth:`RunConfig.build`; the run's config is built whole from the command
 line and passed whole: CLI -> pipeline -> engine -> workers
 (:class:`~speculators_v016.protocol.WorkerSetup`).
 
+Adding an option: one field in the class it configures, e.g. in :class:`RunConfig`::
+
+    checksum: Checksum = setting(
+        "sha256", "Digest of each sample file in the manifest: blake3 (faster) or sha256.", section=OUTPUT
+    )
+
+with ``Checksum = Literal["blake3", "sha256"]`` beside the other choices. That
+is ``--checksum [blake3|sha256]`` with its help, default and check at parse
+time, ``SPECULATORS_DATA_GEN_CHECKSUM``, and ``RunConfig.checksum`` where the
+pipeline needs it (``opts.checksum``); a flag is a ``bool`` field, a bound is
+``min=``/``max=``, an engine setting a field of :class:`EngineConfig`.
+
 This module imports nothing of the package or of click (torch only where the GPUs are counted): every
 side may import it.
 """
