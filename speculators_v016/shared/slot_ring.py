@@ -57,7 +57,8 @@ _LOCAL: dict[str, torch.Tensor] = {}  # name -> buffer, for the uniprocess execu
 #: Bytes before the slots in a shared ring's file (one page: the slots stay page-aligned for pinning).
 HEADER_BYTES = 4096
 MAGIC = b"speculators-ring"
-_HEADER = struct.Struct("<16s16sQQQQ16s16s")  # magic, token, slots, num_ids, max_rows, hidden, dtype, storage
+#: magic, token, slots, num_ids, max_rows, hidden, dtype, hidden_states_dtype
+_HEADER = struct.Struct("<16s16sQQQQ16s16s")
 
 
 class RingSpaceError(OSError):
