@@ -4,7 +4,7 @@ The tree::
 
     RunConfig                one run of ``speculators-data-gen`` (the pipeline's input)
       engine: EngineConfig   what the capture engine needs to start vLLM (the generator's keywords)
-    CheckConfig              one ``check`` (speculators_v016.run.fidelity)
+    CheckConfig              one ``check`` (speculators_v016.run.check)
       engine: EngineConfig
     ConsoleConfig            what the terminal shows (the command group's options, for every subcommand)
 

@@ -33,9 +33,9 @@ from speculators_v016.engine.cpu_attention import attention_overrides
 from speculators_v016.engine.executor import capture_executor, executor_kind
 from speculators_v016.engine.vllm_check import require_vllm
 from speculators_v016.layers import LayerPlan
+from speculators_v016.protocol import CaptureConfig
 from speculators_v016.shared.shm_records import RunRecord, reclaim_and_log
 from speculators_v016.shared.slot_ring import SlotRing
-from speculators_v016.protocol import CaptureConfig
 from speculators_v016.target import PromptError, check_token_ids
 
 __all__ = ["CaptureEngine", "EngineConfig", "EngineDeadError", "PromptError"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from loguru import logger
 
-from speculators_v016.shared.slot_ring import SlotRing
 from speculators_v016.protocol import CaptureConfig, WorkerSetup
+from speculators_v016.shared.slot_ring import SlotRing
 
 #: vLLM's executor class names, by the kind our settings and summary use.
 KINDS = {"UniProcExecutor": "uni", "MultiprocExecutor": "mp", "RayDistributedExecutor": "ray"}

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import click
 
-from speculators_v016.exit_codes import ExitCode, help_text
 from speculators_v016.config import (
     CHECK_OPTIONS,
     ENV_PREFIX,
@@ -32,6 +31,7 @@ from speculators_v016.config import (
     option_fields,
     parse_layer_ids,
 )
+from speculators_v016.exit_codes import ExitCode, help_text
 
 EXIT_CODES = f"""\b
 {help_text()}

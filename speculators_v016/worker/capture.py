@@ -60,8 +60,8 @@ from typing import Any
 import torch
 
 from speculators_v016 import fp8
-from speculators_v016.shared.slot_ring import SlotRing
 from speculators_v016.protocol import RingSpec, StepCapture, WorkerSetup
+from speculators_v016.shared.slot_ring import SlotRing
 from speculators_v016.worker import cpu_async, cpu_rope
 from speculators_v016.worker.aux_outputs import install_aux_outputs
 from speculators_v016.worker.check_forward import engine_check_forward

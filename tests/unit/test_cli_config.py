@@ -119,7 +119,7 @@ def test_every_check_option_set_from_its_variable_reaches_the_check_config(field
     seen = {}
     report = type("Report", (), {"ok": True, "lines": lambda self: []})()
     monkeypatch.setattr("speculators_v016.run.console.scratch_log_path", lambda name: tmp_path / name)
-    monkeypatch.setattr("speculators_v016.run.fidelity.check", lambda cfg: seen.setdefault("config", cfg) and report)
+    monkeypatch.setattr("speculators_v016.run.check.check", lambda cfg: seen.setdefault("config", cfg) and report)
     text, expected = _sample_value(field, tmp_path)
     argv = [a for name, flag in CHECK_REQUIRED.items() if name != field.param for a in (flag, str(tmp_path / name))]
     result = invoke(["check", *argv], env={rule(field.flag, "check"): text})

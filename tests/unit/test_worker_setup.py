@@ -10,8 +10,8 @@ from test_ring_registration import Runner, Worker, cudart  # noqa: F401 - cudart
 
 from helpers.capture import worker_setup
 from speculators_v016.engine.executor import capture_executor
-from speculators_v016.engine.slot_ring import SlotRing
 from speculators_v016.protocol import CaptureConfig, WorkerSetup
+from speculators_v016.shared.slot_ring import SlotRing
 from speculators_v016.worker.capture import DirectCopy, DirectQuantize, HostCopy, HostQuantize
 
 
