@@ -60,6 +60,8 @@ HiddenStatesDtype = Literal["auto", "fp8_e4m3"]
 #: vLLM 0.16's model dtypes (``vllm.config.model.ModelDType``).
 ModelDtype = Literal["auto", "bfloat16", "float16", "float32", "half", "float"]
 SampleFormat = Literal["safetensors", "pt"]
+#: The digest of each sample file that the manifest records (speculators_v016.store.checksum).
+Checksum = Literal["blake3", "sha256"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 
 EXECUTORS: tuple[str, ...] = typing.get_args(Executor)
@@ -413,6 +415,12 @@ class RunConfig:
     )
     token_freq_path: str = setting("./token_freq.pt", "Where upstream's token frequency file goes.", section=OUTPUT)
     write_workers: int = setting(DEFAULT_WRITE_WORKERS, "Threads writing sample files.", section=OUTPUT, min=1)
+    checksum: Checksum | None = setting(
+        None,
+        "Digest of each sample file in the manifest (default: blake3 for a new folder, a resumed folder's own; "
+        "sha256 for tooling that wants it).",
+        section=OUTPUT,
+    )
     batch_size: int = setting(
         8, "Prompts admitted ahead of the engine (at least 2 x max-num-seqs).", section=ENGINE, min=1
     )

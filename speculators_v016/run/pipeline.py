@@ -38,6 +38,7 @@ from speculators_v016.engine.buffer_pool import BufferPool
 from speculators_v016.layers import LayerPlan
 from speculators_v016.run.dataset import PreparedSamples, prepare_samples
 from speculators_v016.shared.shm_records import reclaim_and_log
+from speculators_v016.store import checksum as checksums
 from speculators_v016.store import run_config
 from speculators_v016.store.atomic_files import WriteError
 from speculators_v016.store.manifest import Manifest
@@ -146,6 +147,7 @@ def run(opts: RunConfig, progress_to=None) -> RunSummary:
         has_samples = any(parse_sample_name(p.name) for p in directory.iterdir())
         existing = run_config.check_resume(directory, fp, has_samples)
         done = Manifest(directory).reconcile()
+        algorithm = checksum_of_run(directory, existing, done, opts.checksum)
         mine = [i for i in range(len(samples)) if i % opts.num_shards == opts.shard_index]
         pending = [i for i in mine if i + opts.start_idx not in done]
         summary.already_done = len(mine) - len(pending)
@@ -161,9 +163,10 @@ def run(opts: RunConfig, progress_to=None) -> RunSummary:
         generator = VllmHiddenStatesGenerator.from_config(opts.engine, plan)
         try:
             config = existing or _new_config(generator, opts, samples, fp, len(mine))
+            config["speculators_v016"]["checksum"] = algorithm  # an earlier release's folder: now said
             run_config.save(directory, config)
             _announce(generator, opts, len(pending), summary.already_done)
-            _generate(generator, samples, pending, directory, opts, summary, progress_to, cpus)
+            _generate(generator, samples, pending, directory, opts, summary, progress_to, cpus, algorithm)
         finally:
             generator.shutdown()
         summary.seconds = time.monotonic() - started
@@ -203,6 +206,7 @@ def _generate(
     summary: RunSummary,
     progress_to=None,
     cpus=None,
+    algorithm: str = checksums.DEFAULT,
 ) -> None:
     layer_ids = list(generator.plan.layer_ids)
     engine = generator.engine
@@ -216,7 +220,13 @@ def _generate(
     held: list[tuple[int, dict]] = []
 
     writer = SampleWriter(
-        directory, opts.format, layer_ids, workers=opts.write_workers, reject=reject_non_finite(layer_ids), cpus=cpus
+        directory,
+        opts.format,
+        layer_ids,
+        workers=opts.write_workers,
+        reject=reject_non_finite(layer_ids),
+        cpus=cpus,
+        checksum=algorithm,
     )
 
     def put(name: int, sample: dict) -> None:
@@ -278,6 +288,35 @@ def _generate(
         summary.skipped["NaN/Inf hidden states"] = len(summary.non_finite)
     if checker is not None:
         summary.logit_check = {"ok": not checker.result.failures, "line": checker.result.line()}
+
+
+def checksum_of_run(directory: Path, existing: dict | None, done: dict, asked: str | None) -> str:
+    """The manifest digest this run writes: a folder keeps the algorithm of the entries it holds.
+
+    ``existing``: the folder's ``data_config.json`` (None: a new folder); one
+    without a ``checksum`` field was written by an earlier release, with
+    sha256. ``asked`` (``--checksum``; None when not given) that differs from
+    a folder with entries is refused naming both: a user who asks for sha256
+    because their tooling wants it must not get a folder of BLAKE3 digests.
+    """
+    if existing is None or not done:  # nothing listed yet: this run decides
+        return asked or checksums.DEFAULT
+    held = existing.get("speculators_v016", {}).get("checksum", checksums.LEGACY)
+    listed = sorted({e.algorithm for e in done.values()})
+    if listed != [held]:
+        raise run_config.ResumeMismatchError(
+            f"{directory}: manifest.jsonl lists {' and '.join(listed)} digests, data_config.json says {held}: "
+            "not a folder this tool wrote as it is; use another --output-dir"
+        )
+    if asked is not None and asked != held:
+        raise run_config.ResumeMismatchError(
+            f"{directory} holds {len(done)} samples listed with {held} digests; this run asks for --checksum "
+            f"{asked}. A folder keeps one algorithm: resume without --checksum (or with --checksum {held}), "
+            "or use another --output-dir"
+        )
+    if held != checksums.DEFAULT:
+        logger.info("resuming a folder of {} digests: the new samples are listed with {} too", held, held)
+    return held
 
 
 def reject_non_finite(layer_ids: list[int]):
@@ -379,6 +418,7 @@ def _new_config(generator, opts: RunConfig, samples: PreparedSamples, fp: dict, 
         "format": opts.format,
         "dtype": str(generator.engine.dtype).removeprefix("torch."),
         "hidden_states_dtype": opts.engine.hidden_states_dtype,
+        "checksum": opts.checksum or checksums.DEFAULT,  # of manifest.jsonl's digests (speculators_v016.store.checksum)
         "target_quantization": generator.quantization,  # None: unquantized
         "start_idx": opts.start_idx,
         "shard": {"index": opts.shard_index, "count": opts.num_shards, "samples": shard_samples},

@@ -1,16 +1,19 @@
 """Files that are either absent, old, or complete: temporary name, fsync, rename, fsync the folder.
 
 Contents are given as a sequence of buffers (bytes, memoryviews of tensors)
-and written as they are, hashed on the way: no joined copy of the file is
-ever made.
+and written as they are, hashed on the way (BLAKE3 or sha256:
+:mod:`~speculators_v016.store.checksum`): each byte is hashed from the buffer
+it is written from, no joined copy of the file is ever made, and the file is
+never read back.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
+
+from speculators_v016.store import checksum
 
 TMP_PREFIX = ".tmp-"
 
@@ -35,25 +38,42 @@ def drop_pages(fd: int) -> None:
         pass
 
 
+#: Bytes written and hashed at a time: the hash reads what the write just read, from the core's cache
+#: (whole 14 MiB parts: the hash read every byte from memory once more; tools/benchmarks/host_path.py).
+WRITE_CHUNK = 1 << 19
+
+
 def write_parts(fh, parts: Sequence, digest) -> int:
     """Write ``parts`` in order to ``fh``, hashing on the way; return the bytes written.
 
-    Both release the GIL for large buffers, so writers in several threads
-    hash and write on several cores.
+    Each ``WRITE_CHUNK`` of a part is written, then hashed while it is still in
+    the core's cache. Both release the GIL for large buffers, so writers in
+    several threads hash and write on several cores.
     """
     size = 0
     for part in parts:
         view = memoryview(part).cast("B")
-        while view:  # an unbuffered file may write less than asked
-            written = fh.write(view)
-            view = view[written:]
-        digest.update(part)
-        size += len(part)
+        for start in range(0, len(view), WRITE_CHUNK):
+            chunk = rest = view[start : start + WRITE_CHUNK]
+            while rest:  # an unbuffered file may write less than asked
+                rest = rest[fh.write(rest) :]
+            digest.update(chunk)
+        size += len(view)
     return size
 
 
-def write_durable(directory: Path, name: str, parts: bytes | Sequence, *, drop_cache: bool = False) -> tuple[int, str]:
-    """Write ``parts`` (in order) to ``directory/name``: temporary name, fsync, rename; return (bytes, sha256 hex).
+def write_durable(
+    directory: Path,
+    name: str,
+    parts: bytes | Sequence,
+    *,
+    drop_cache: bool = False,
+    algorithm: str = checksum.DEFAULT,
+) -> tuple[int, str]:
+    """Write ``parts`` (in order) to ``directory/name``: temporary name, fsync, rename; return (bytes, hex digest).
+
+    The digest is ``algorithm``'s (:mod:`~speculators_v016.store.checksum`) of
+    exactly the bytes written.
 
     The file's contents are on disk before it gets its final name, so the name
     never shows a partial file; the rename itself is durable once the folder is
@@ -62,8 +82,8 @@ def write_durable(directory: Path, name: str, parts: bytes | Sequence, *, drop_c
     (``POSIX_FADV_DONTNEED``; advice only, never an error).
     """
     parts = [memoryview(p).cast("B") for p in ([parts] if isinstance(parts, (bytes, bytearray)) else parts)]
+    digest = checksum.new(algorithm)  # an unknown algorithm fails before any file is made
     tmp = directory / f"{TMP_PREFIX}{name}.{os.getpid()}"
-    digest = hashlib.sha256()
     try:
         with tmp.open("wb", buffering=0) as fh:
             size = write_parts(fh, parts, digest)
@@ -77,9 +97,11 @@ def write_durable(directory: Path, name: str, parts: bytes | Sequence, *, drop_c
     return size, digest.hexdigest()
 
 
-def write_atomic(directory: Path, name: str, parts: bytes | Sequence) -> tuple[int, str]:
+def write_atomic(
+    directory: Path, name: str, parts: bytes | Sequence, *, algorithm: str = checksum.DEFAULT
+) -> tuple[int, str]:
     """:func:`write_durable`, then the folder fsynced: the new name is on disk too."""
-    result = write_durable(directory, name, parts)
+    result = write_durable(directory, name, parts, algorithm=algorithm)
     try:
         fsync_dir(directory)
     except OSError as exc:

@@ -9,6 +9,10 @@ resume) or a torn last line (ignored, and cut off by the next run's
 :meth:`Manifest.reconcile`, even when it is the only line), never the reverse.
 Any other line that is not an entry (garbage, bytes that are not UTF-8) means
 something else changed the file: :class:`ManifestError`, naming the line.
+
+A line is ``{"bytes", "file", "index", <algorithm>, "tokens"}``: the key of the
+file's digest names its algorithm (``blake3``, or ``sha256`` as every earlier
+release wrote: their lines read as they are; :mod:`~speculators_v016.store.checksum`).
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from __future__ import annotations
 import json
 import os
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
+from speculators_v016.store import checksum
 from speculators_v016.store.atomic_files import write_atomic
 
 NAME = "manifest.jsonl"
@@ -33,16 +38,44 @@ class Entry:
     index: int
     file: str
     bytes: int
-    sha256: str
+    digest: str  # hex, of the file's bytes
     tokens: int
+    algorithm: str  # of ``digest``: one of checksum.ALGORITHMS
 
     def __post_init__(self) -> None:
         for name in ("index", "bytes", "tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise TypeError(f"{name} must be a whole number, got {value!r}")
-        if not isinstance(self.file, str) or not isinstance(self.sha256, str):
-            raise TypeError("file and sha256 must be strings")
+        if not isinstance(self.file, str) or not isinstance(self.digest, str):
+            raise TypeError("file and digest must be strings")
+        if self.algorithm not in checksum.ALGORITHMS:
+            raise TypeError(f"unknown checksum algorithm {self.algorithm!r}")
+
+    def record(self) -> dict:
+        """The manifest line's fields: the digest under its algorithm's name."""
+        return {
+            "index": self.index,
+            "file": self.file,
+            "bytes": self.bytes,
+            self.algorithm: self.digest,
+            "tokens": self.tokens,
+        }
+
+    def line(self) -> str:
+        return json.dumps(self.record(), sort_keys=True) + "\n"
+
+    @classmethod
+    def parse(cls, record) -> Entry:
+        """The entry of a manifest line's fields; TypeError unless exactly one digest of a known algorithm."""
+        if not isinstance(record, dict):
+            raise TypeError(f"a manifest line is an object, got {type(record).__name__}")
+        fields = dict(record)
+        named = [a for a in checksum.ALGORITHMS if a in fields]
+        if len(named) != 1:
+            raise TypeError(f"a manifest line holds one digest of {list(checksum.ALGORITHMS)}, got {named}")
+        digest = fields.pop(named[0])
+        return cls(**fields, digest=digest, algorithm=named[0])
 
 
 class Manifest:
@@ -64,7 +97,7 @@ class Manifest:
             if not line.strip():
                 continue
             try:
-                entry = Entry(**json.loads(line.decode("utf-8")))
+                entry = Entry.parse(json.loads(line.decode("utf-8")))
             except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as exc:
                 if number == len(lines):  # last line without newline: torn append
                     break
@@ -80,7 +113,7 @@ class Manifest:
 
     def append(self, *entries: Entry) -> None:
         """Append the lines of ``entries`` in one write, then fsync (one commit for a batch of files)."""
-        text = "".join(json.dumps(asdict(e), sort_keys=True) + "\n" for e in entries)
+        text = "".join(e.line() for e in entries)
         with self._lock, self.path.open("a") as fh:
             fh.write(text)
             fh.flush()
@@ -103,6 +136,6 @@ class Manifest:
 
     def compact(self, keep: dict[int, Entry]) -> None:
         """Rewrite the manifest with exactly ``keep`` (atomically): drops torn or stale lines."""
-        text = "".join(json.dumps(asdict(keep[i]), sort_keys=True) + "\n" for i in sorted(keep))
+        text = "".join(keep[i].line() for i in sorted(keep))
         with self._lock:
             write_atomic(self.path.parent, NAME, text.encode())

@@ -3,7 +3,7 @@
 Checks, per folder (or per shard folder, plus their union): ``data_config.json``
 is present; no temporary leftovers and no foreign files (those are reported,
 never opened); every manifest entry's file exists with the recorded size and
-sha256; every file parses (safetensors, or ``.pt`` with ``weights_only``),
+digest (BLAKE3 or sha256, the algorithm the entry names); every file parses (safetensors, or ``.pt`` with ``weights_only``),
 has the recorded number of layers, ``[T, hidden_size]`` states of the recorded
 dtype, a 0/1 loss mask as long as ``input_ids``, no NaN/Inf (FP8 storage:
 e4m3 codes ``[T, hidden_size]``, float32 scales ``[T]`` that are finite and
@@ -22,7 +22,6 @@ each a finding naming the file.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ import torch
 
 from speculators_v016 import fp8
 from speculators_v016.checks.degenerate import degenerate_layers
+from speculators_v016.store import checksum
 from speculators_v016.store.atomic_files import TMP_PREFIX
 from speculators_v016.store.manifest import Manifest, ManifestError
 from speculators_v016.store.outdir import CONFIG, SHARD_DIR, is_ours, unsharded_run_files
@@ -253,8 +253,8 @@ def _verify_folder(
             report.tokens += entry.tokens
             continue
         data = path.read_bytes()
-        if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
-            report.problems.append(f"{path}: size or sha256 differs from the manifest")
+        if len(data) != entry.bytes or checksum.of_bytes(data, entry.algorithm) != entry.digest:
+            report.problems.append(f"{path}: size or {entry.algorithm} differs from the manifest")
             continue
         length, problems = _check_sample(path, settings.layer_ids, hidden, dtype, settings.storage)
         report.problems += problems
@@ -269,7 +269,7 @@ def verify(root: str | Path, partial: bool = False, deep: bool = True) -> Report
     """Check a folder (and its shard folders).
 
     ``partial`` skips the completeness checks (an interrupted run); ``deep=False``
-    skips reading the files (sha256, parsing, shapes, NaN): what a run does right
+    skips reading the files (digests, parsing, shapes, NaN): what a run does right
     after writing, since re-reading terabytes there would double the I/O.
     """
     root, report, seen = Path(root), Report(), {}

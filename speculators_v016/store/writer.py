@@ -10,7 +10,8 @@ renames durable and appends the manifest lines, a batch at a time. Once a
 sample is written (or rejected, or dropped after an error) its ``done``
 callback runs, e.g. to give its buffers back to a pool.
 
-sha256 and file writes release the GIL, so ``workers`` threads hash and write
+The digest (BLAKE3 by default, or sha256: ``checksum``,
+:mod:`~speculators_v016.store.checksum`) and file writes release the GIL, so ``workers`` threads hash and write
 on as many cores. They run ``nice`` levels below the process, so a contended
 core goes to the engine first, and drop each file's pages from the page cache
 once it is durable: a run writes far more than memory holds, and what the
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from speculators_v016.config import DEFAULT_WRITE_WORKERS, WRITER_NICE_INCREMENT
+from speculators_v016.store import checksum as checksums
 from speculators_v016.store.atomic_files import WriteError, write_durable
 from speculators_v016.store.group_commit import DEFAULT_COMMIT_INTERVAL, GroupCommit
 from speculators_v016.store.manifest import Entry, Manifest
@@ -53,7 +55,8 @@ class SampleWriter:
     ``cpus``: the CPUs the workers may run on (default: those of the thread that
     makes the writer). vLLM's CPU worker pins the thread it runs on to one core,
     and threads inherit that pin, so a writer made after a uniprocess engine
-    started would otherwise hash and write on that one core.
+    started would otherwise hash and write on that one core. ``checksum``: the
+    manifest's digest algorithm (a resumed folder's own, :mod:`~speculators_v016.store.checksum`).
     """
 
     def __init__(
@@ -68,9 +71,12 @@ class SampleWriter:
         cpus: Iterable[int] | None = None,
         commit_interval: float = DEFAULT_COMMIT_INTERVAL,
         nice: int = WRITER_NICE_INCREMENT,
+        checksum: str = checksums.DEFAULT,
     ):
         if workers < 1:
             raise ValueError(f"write workers must be at least 1, got {workers}")
+        checksums.new(checksum)  # an unknown algorithm is refused here, not in a worker
+        self.checksum = checksum
         self.directory, self.fmt, self.layer_ids = Path(directory), fmt, layer_ids
         self.manifest = Manifest(self.directory)
         self.queue: queue.Queue = queue.Queue(maxsize=bound)
@@ -113,10 +119,9 @@ class SampleWriter:
                 self._rejected.append((index, reason))
             return
         name = sample_name(index, self.fmt)
-        size, sha256 = write_durable(
-            self.directory, name, encode_parts(sample, self.fmt, self.layer_ids), drop_cache=True
-        )
-        self.commit.add(Entry(index, name, size, sha256, int(sample["input_ids"].shape[0])))
+        parts = encode_parts(sample, self.fmt, self.layer_ids)
+        size, digest = write_durable(self.directory, name, parts, drop_cache=True, algorithm=self.checksum)
+        self.commit.add(Entry(index, name, size, digest, int(sample["input_ids"].shape[0]), self.checksum))
 
     def _count(self, batch: list[Entry]) -> None:
         with self._lock:

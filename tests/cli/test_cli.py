@@ -256,6 +256,60 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, model_dir, data_file
             assert (a - b).abs().max().item() < TOLERANCE
 
 
+def test_a_default_run_lists_standard_blake3_digests(reference_run):
+    """Every manifest line of a default run holds the BLAKE3 of its file's bytes, and data_config.json says so."""
+    import blake3
+
+    config = json.loads((reference_run / "data_config.json").read_text())
+    assert config["speculators_v016"]["checksum"] == "blake3"
+    lines = [json.loads(line) for line in (reference_run / "manifest.jsonl").read_text().splitlines()]
+    assert len(lines) == 40
+    for line in lines:
+        assert "sha256" not in line
+        assert line["blake3"] == blake3.blake3((reference_run / line["file"]).read_bytes()).hexdigest()
+
+
+def test_an_earlier_releases_sha256_folder_resumes_as_sha256(tmp_path, model_dir, data_file, reference_run):
+    """A sha256 folder as earlier releases left it resumes with sha256; asking for blake3 on it is refused."""
+    out = tmp_path / "old"
+    args = ("--target-model-path", model_dir, "--train-data-path", data_file, "--output-dir", out)
+    args += ("--seq-length", 256, "--token-freq-path", "")
+    result = invoke(*args, env={"SPECULATORS_DATA_GEN_CHECKSUM": "sha256"})
+    assert result.exit_code == 0, result.output
+    # what an earlier release leaves after an interrupted run: no checksum field, sha256 lines, samples to redo
+    config = json.loads((out / "data_config.json").read_text())
+    assert config["speculators_v016"].pop("checksum") == "sha256"
+    (out / "data_config.json").write_text(json.dumps(config, indent=2))
+    manifest = Manifest(out)
+    kept = {i: e for i, e in manifest.entries().items() if i < 10}
+    for i in range(10, 40):
+        (out / f"data_{i}.safetensors").unlink()
+    manifest.compact(kept)
+    old = (out / "manifest.jsonl").read_bytes()
+    assert old.count(b'"sha256": "') == 10 and b"blake3" not in old
+
+    refused = invoke(*args, "--checksum", "blake3")
+    assert refused.exit_code == 4, refused.output
+    assert "holds 10 samples listed with sha256 digests; this run asks for --checksum blake3" in refused.output
+    assert (out / "manifest.jsonl").read_bytes() == old
+
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    assert "(10 already done before this run)" in result.output
+    assert (out / "manifest.jsonl").read_bytes().startswith(old)  # the old lines stay as they were
+    entries = Manifest(out).entries()
+    assert sorted(entries) == list(range(40)) and {e.algorithm for e in entries.values()} == {"sha256"}
+    assert json.loads((out / "data_config.json").read_text())["speculators_v016"]["checksum"] == "sha256"
+    verified = invoke("verify", out)
+    assert verified.exit_code == 0, verified.output
+    target = out / "data_20.safetensors"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    target.write_bytes(bytes(data))
+    corrupted = invoke("verify", out)
+    assert corrupted.exit_code == 1 and f"{target}: size or sha256 differs from the manifest" in corrupted.output
+
+
 def test_trainer_dataset_reads_both_formats(reference_run, tmp_path, model_dir, data_file):
     """upstream's Eagle3SampleFileDataset loads our safetensors and pt folders."""
     from speculators.train.data import Eagle3SampleFileDataset
@@ -424,4 +478,4 @@ def test_quick_verify_after_a_run_skips_reading_files(reference_run, tmp_path):
     target.write_bytes(bytes(data))
     assert verify(copy, deep=False).ok
     deep = verify(copy)
-    assert not deep.ok and deep.problems == [f"{target}: size or sha256 differs from the manifest"]
+    assert not deep.ok and deep.problems == [f"{target}: size or blake3 differs from the manifest"]

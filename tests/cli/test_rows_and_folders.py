@@ -205,10 +205,12 @@ def test_hostile_pt_is_never_unpickled(tmp_path, model_dir, data_file):
     (out / "data_1.pt").write_bytes(hostile)
     manifest = Manifest(out)
     entries = manifest.entries()  # make the manifest agree, so verify gets as far as loading it
-    import hashlib
     from dataclasses import replace
 
-    entries[1] = replace(entries[1], bytes=len(hostile), sha256=hashlib.sha256(hostile).hexdigest())
+    from speculators_v016.store import checksum
+
+    digest = checksum.of_bytes(hostile, entries[1].algorithm)
+    entries[1] = replace(entries[1], bytes=len(hostile), digest=digest)
     manifest.compact(entries)
     (out / "evil.pt").write_bytes(hostile)
     result = invoke("verify", out)

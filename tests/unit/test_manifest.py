@@ -8,12 +8,13 @@ import pytest
 from speculators_v016.store.manifest import NAME, Entry, Manifest, ManifestError
 
 
-def entry(i: int) -> Entry:
-    return Entry(i, f"data_{i}.safetensors", 10, "ab" * 32, 5)
+def entry(i: int, algorithm: str = "blake3") -> Entry:
+    return Entry(i, f"data_{i}.safetensors", 10, "ab" * 32, 5, algorithm)
 
 
 def line(i: int) -> bytes:
-    return (json.dumps(entry(i).__dict__, sort_keys=True) + "\n").encode()
+    record = {"index": i, "file": f"data_{i}.safetensors", "bytes": 10, "blake3": "ab" * 32, "tokens": 5}
+    return (json.dumps(record, sort_keys=True) + "\n").encode()
 
 
 def test_a_torn_first_line_is_cut_off_so_the_next_append_is_readable(tmp_path):

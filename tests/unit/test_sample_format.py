@@ -1,7 +1,6 @@
 """Sample files: streamed safetensors written from the tensors' memory, read back exactly."""
 
-import hashlib
-
+import blake3
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -23,9 +22,9 @@ def sample(dtype, length=7, hidden=5, layers=3):
 def test_streamed_safetensors_reads_back_exactly(tmp_path, dtype):
     """A file written part by part loads with safetensors itself, bit for bit, with our metadata."""
     data = sample(dtype)
-    size, sha = write_atomic(tmp_path, "data_0.safetensors", encode_parts(data, "safetensors", [2, 4, 7]))
+    size, digest = write_atomic(tmp_path, "data_0.safetensors", encode_parts(data, "safetensors", [2, 4, 7]))
     raw = (tmp_path / "data_0.safetensors").read_bytes()
-    assert size == len(raw) and sha == hashlib.sha256(raw).hexdigest()
+    assert size == len(raw) and digest == blake3.blake3(raw).hexdigest()
     loaded = load_file(str(tmp_path / "data_0.safetensors"))
     assert torch.equal(loaded["input_ids"], data["input_ids"])
     for j, h in enumerate(data["hidden_states"]):

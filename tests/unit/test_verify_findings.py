@@ -34,7 +34,7 @@ def states(length: int, seed: int) -> list[torch.Tensor]:
     return [torch.randn(length, HIDDEN, generator=gen) for _ in LAYERS]
 
 
-def make_folder(folder, count=3, make_states=states, shard=(0, 1), indices=None):
+def make_folder(folder, count=3, make_states=states, shard=(0, 1), indices=None, algorithm="blake3"):
     """A folder as a run writes it: data_config.json, sample files, their manifest lines."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "data_config.json").write_text(json.dumps(config(count, shard)))
@@ -47,8 +47,8 @@ def make_folder(folder, count=3, make_states=states, shard=(0, 1), indices=None)
             "hidden_states": make_states(length, i),
         }
         name = sample_name(i, "safetensors")
-        size, sha = write_atomic(folder, name, encode_parts(sample, "safetensors", LAYERS))
-        manifest.append(Entry(i, name, size, sha, length))
+        size, digest = write_atomic(folder, name, encode_parts(sample, "safetensors", LAYERS), algorithm=algorithm)
+        manifest.append(Entry(i, name, size, digest, length, algorithm))
     return folder
 
 
@@ -56,6 +56,23 @@ def test_a_crafted_good_folder_verifies(tmp_path):
     """The crafted folder is valid: the findings below come from the defect alone."""
     report = verify(make_folder(tmp_path / "out"))
     assert report.ok and report.samples == 3, report.problems
+
+
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+def test_a_flipped_byte_anywhere_in_any_file_fails_verify(tmp_path, algorithm):
+    """One byte changed (header, states, last byte) in any one file: verify names that file's digest, only it."""
+    good = make_folder(tmp_path / "good", algorithm=algorithm)
+    assert verify(good).ok, verify(good).problems
+    for i in range(3):
+        size = (good / f"data_{i}.safetensors").stat().st_size
+        for where in (3, size // 2, size - 1):
+            out = tmp_path / f"bad-{i}-{where}"
+            shutil.copytree(good, out)
+            target = out / f"data_{i}.safetensors"
+            data = bytearray(target.read_bytes())
+            data[where] ^= 0x01
+            target.write_bytes(bytes(data))
+            assert verify(out).problems == [f"{target}: size or {algorithm} differs from the manifest"]
 
 
 def test_all_zero_states_are_named_by_sample_and_layer(tmp_path):
@@ -99,7 +116,7 @@ def test_identical_rows_for_identical_tokens_are_not_flagged(tmp_path):
         "hidden_states": [torch.ones(5, HIDDEN) for _ in LAYERS],
     }
     size, sha = write_atomic(out, "data_0.safetensors", encode_parts(sample, "safetensors", LAYERS))
-    Manifest(out).compact({0: Entry(0, "data_0.safetensors", size, sha, 5)})
+    Manifest(out).compact({0: Entry(0, "data_0.safetensors", size, sha, 5, "blake3")})
     assert verify(out).ok, verify(out).problems
 
 

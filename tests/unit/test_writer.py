@@ -1,10 +1,10 @@
 """The sample writer: workers, rejection, group commit order, errors (real files in a temp folder)."""
 
 import errno
-import hashlib
 import os
 import threading
 
+import blake3
 import pytest
 import torch
 
@@ -24,7 +24,7 @@ def sample(index, tokens=6, hidden=4, layers=2):
 
 
 def test_every_sample_is_written_listed_and_hashed(tmp_path):
-    """N samples through 3 workers: N files, N manifest lines whose sizes and sha256 match the bytes."""
+    """N samples through 3 workers: N files, N manifest lines whose sizes and BLAKE3 digests match the bytes."""
     done = []
     writer = SampleWriter(tmp_path, "safetensors", [1, 2], workers=3)
     for i in range(20):
@@ -34,7 +34,8 @@ def test_every_sample_is_written_listed_and_hashed(tmp_path):
     assert sorted(entries) == list(range(20)) and sorted(done) == list(range(20))
     for i, entry in entries.items():
         data = (tmp_path / entry.file).read_bytes()
-        assert len(data) == entry.bytes and hashlib.sha256(data).hexdigest() == entry.sha256
+        assert len(data) == entry.bytes and entry.algorithm == "blake3"
+        assert blake3.blake3(data).hexdigest() == entry.digest
         assert torch.equal(load_sample(tmp_path / entry.file)["hidden_states"][1], sample(i)["hidden_states"][1])
     assert (writer.written, writer.bytes) == (20, sum(e.bytes for e in entries.values()))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
