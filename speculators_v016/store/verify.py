@@ -3,8 +3,8 @@
 Checks, per folder (or per shard folder, plus their union): ``data_config.json``
 is present; no temporary leftovers and no foreign files (those are reported,
 never opened); every manifest entry's file exists with the recorded size and
-digest (BLAKE3 or sha256, the algorithm the entry names); every file parses (safetensors, or ``.pt`` with ``weights_only``),
-has the recorded number of layers, ``[T, hidden_size]`` states of the recorded
+digest (BLAKE3 or sha256, as the entry names it); every file parses
+(safetensors, or ``.pt`` with ``weights_only``), has the recorded number of layers, ``[T, hidden_size]`` states of the recorded
 dtype, a 0/1 loss mask as long as ``input_ids``, no NaN/Inf (FP8 storage:
 e4m3 codes ``[T, hidden_size]``, float32 scales ``[T]`` that are finite and
 > 0, no NaN code, finite once dequantized), and no layer that

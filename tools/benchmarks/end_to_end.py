@@ -16,6 +16,10 @@ cancels out, as it does over the hundreds of thousands of samples of a real run.
 
     python tools/benchmarks/end_to_end.py [--samples 256] [--rounds 2] [--eager] [--before CHECKOUT]
     python tools/benchmarks/end_to_end.py --shape wide --samples 128 --steady 32 --batched-tokens 2048 --eager
+        [--sha256]
+
+``--sha256`` also runs this checkout's CLI with ``--checksum sha256``, interleaved
+(the hash alone, side by side). The figures go to docs/benchmarks/end_to_end.md (report.py).
 """
 
 from __future__ import annotations
@@ -89,8 +93,11 @@ def generator_alone(args: dict) -> dict:
     }
 
 
-def end_to_end(model: str, data: Path, eager: bool, batched_tokens: int | None, code_from: str | None = None) -> dict:
-    """The CLI's generation phase, as its summary reports it (``code_from``: another checkout's code)."""
+def end_to_end(
+    model: str, data: Path, eager: bool, batched_tokens: int | None, code_from: str | None = None, extra: tuple = ()
+) -> dict:
+    """The CLI's generation phase, as its summary reports it (``code_from``: another checkout's code;
+    ``extra``: more CLI arguments)."""
     with tempfile.TemporaryDirectory() as tmp:
         # speculators_v016.cli (not .run.cli): the path older checkouts (--before) have too
         cmd = [
@@ -115,6 +122,7 @@ def end_to_end(model: str, data: Path, eager: bool, batched_tokens: int | None, 
         ]
         cmd += ["--enforce-eager"] if eager else []
         cmd += ["--max-num-batched-tokens", str(batched_tokens)] if batched_tokens else []
+        cmd += list(extra)
         # cwd: `python -m` puts the working folder first on sys.path, ahead of code_from's PYTHONPATH
         proc = subprocess.run(cmd, capture_output=True, text=True, env=engine_env(code_from), cwd=tmp)
         if proc.returncode != 0:
@@ -160,6 +168,9 @@ def main() -> None:
         metavar="CHECKOUT",
         help="also run the CLI with the speculators_v016 of this checkout, interleaved",
     )
+    ap.add_argument(
+        "--sha256", action="store_true", help="also this checkout's CLI with --checksum sha256, interleaved"
+    )
     opts = ap.parse_args()
     shape = dict(SHAPES[opts.shape])
     where = Path(opts.model_dir or f"/tmp/speculators-v016-bench/{opts.shape}")
@@ -170,56 +181,73 @@ def main() -> None:
         if opts.steady:
             lengths["short "] = Path(tmp) / "short.jsonl"
             lengths["short "].write_text("".join(data.read_text().splitlines(keepends=True)[: opts.steady]))
-        runs = {f"{n}{k}": [] for n in lengths for k in ["cli", "gen"] + (["before"] if opts.before else [])}
+        kinds = ["cli", "gen"] + (["sha256"] if opts.sha256 else []) + (["before"] if opts.before else [])
+        runs = {f"{n}{k}": [] for n in lengths for k in kinds}
         gen_args = {"model": model, "eager": opts.eager, "batched_tokens": opts.batched_tokens}
         for _ in range(opts.rounds):
             for name, path in lengths.items():
                 runs[f"{name}cli"].append(end_to_end(model, path, opts.eager, opts.batched_tokens))
+                if opts.sha256:
+                    extra = ("--checksum", "sha256")
+                    runs[f"{name}sha256"].append(end_to_end(model, path, opts.eager, opts.batched_tokens, None, extra))
                 if opts.before:
                     runs[f"{name}before"].append(end_to_end(model, path, opts.eager, opts.batched_tokens, opts.before))
                 runs[f"{name}gen"].append(child(__file__, gen_args | {"data": str(path)}))
         if opts.steady:
             for key in [k for k in runs if not k.startswith("short ")]:
                 runs[f"steady {key}"] = [steady(a, b) for a, b in zip(runs[key], runs[f"short {key}"])]
+    out: list[str] = []
     med = {
         k: {m: statistics.median(r[m] for r in v) for m in ("samples_per_s", "tokens_per_s")} for k, v in runs.items()
     }
-    with recording(__file__):
-        print(
-            f"{opts.shape} model ({SHAPES[opts.shape]}), {opts.samples} conversations, seq length {SEQ}, "
-            f"{'eager' if opts.eager else 'compiled'}, max_num_batched_tokens {opts.batched_tokens or 'default'}, "
-            f"{opts.rounds} round(s), medians"
-        )
-        for key, values in runs.items():
-            rates = ", ".join(f"{r['tokens_per_s']:,.0f}" for r in values)
-            print(f"  runs {key}: {rates} tokens/s")
-        for prefix, what in (
-            ("", f"{opts.samples} conversations"),
-            ("short ", f"the first {opts.steady}"),
-            ("steady ", f"steady: {opts.samples} minus the first {opts.steady}"),
+    out.append(
+        f"{opts.shape} model ({SHAPES[opts.shape]}), {opts.samples} conversations, seq length {SEQ}, "
+        f"{'eager' if opts.eager else 'compiled'}, max_num_batched_tokens {opts.batched_tokens or 'default'}, "
+        f"{opts.rounds} round(s), medians"
+    )
+    for key, values in runs.items():
+        rates = ", ".join(f"{r['tokens_per_s']:,.0f}" for r in values)
+        out.append(f"  runs {key}: {rates} tokens/s")
+    for prefix, what in (
+        ("", f"{opts.samples} conversations"),
+        ("short ", f"the first {opts.steady}"),
+        ("steady ", f"steady: {opts.samples} minus the first {opts.steady}"),
+    ):
+        if f"{prefix}cli" not in med:
+            continue
+        out.append(f"  {what}:")
+        for key, label in (
+            ("cli", "speculators-data-gen (written)"),
+            ("sha256", "  the same, --checksum sha256"),
+            ("before", "  the same, before"),
+            ("gen", "generator alone (dropped)"),
         ):
-            if f"{prefix}cli" not in med:
-                continue
-            print(f"  {what}:")
-            for key, label in (
-                ("cli", "speculators-data-gen (written)"),
-                ("before", "  the same, before"),
-                ("gen", "generator alone (dropped)"),
-            ):
-                if f"{prefix}{key}" in med:
-                    print(
-                        f"    {label:32} {med[prefix + key]['samples_per_s']:8.1f} samples/s "
-                        f"{med[prefix + key]['tokens_per_s']:10,.0f} tokens/s"
-                    )
-            print(
-                f"    ratio end-to-end / generator   "
-                f"{med[prefix + 'cli']['tokens_per_s'] / med[prefix + 'gen']['tokens_per_s']:.2f}x"
-            )
-            if f"{prefix}before" in med:
-                print(
-                    f"    ratio end-to-end after / before "
-                    f"{med[prefix + 'cli']['tokens_per_s'] / med[prefix + 'before']['tokens_per_s']:.2f}x"
+            if f"{prefix}{key}" in med:
+                out.append(
+                    f"    {label:32} {med[prefix + key]['samples_per_s']:8.1f} samples/s "
+                    f"{med[prefix + key]['tokens_per_s']:10,.0f} tokens/s"
                 )
+        out.append(
+            f"    ratio end-to-end / generator   "
+            f"{med[prefix + 'cli']['tokens_per_s'] / med[prefix + 'gen']['tokens_per_s']:.2f}x"
+        )
+        per_round = [c["tokens_per_s"] / g["tokens_per_s"] for c, g in zip(runs[prefix + "cli"], runs[prefix + "gen"])]
+        out.append(
+            f"    per round (each CLI run / the generator run beside it): {', '.join(f'{r:.2f}' for r in per_round)}"
+            f"; median {statistics.median(per_round):.2f}x"
+        )
+        if f"{prefix}sha256" in med:
+            out.append(
+                f"    ratio sha256 end-to-end / generator "
+                f"{med[prefix + 'sha256']['tokens_per_s'] / med[prefix + 'gen']['tokens_per_s']:.2f}x"
+            )
+        if f"{prefix}before" in med:
+            out.append(
+                f"    ratio end-to-end after / before "
+                f"{med[prefix + 'cli']['tokens_per_s'] / med[prefix + 'before']['tokens_per_s']:.2f}x"
+            )
+    with recording(__file__):
+        print("\n".join(out))
 
 
 if __name__ == "__main__":

@@ -4,13 +4,16 @@
 Synthetic steps of 8192 tokens x 4 layers x 7168 (bf16, 448 MiB) sit in the
 slots of a real :class:`SlotRing`, as the worker leaves them; the engine-side
 :class:`Assembler` copies each request's rows into the run's buffer pool, and
-the run's :class:`SampleWriter` (NaN/Inf check, sha256, write, fsync, rename,
+the run's :class:`SampleWriter` (NaN/Inf check, digest, write, fsync, rename,
 group commit) puts them in a real folder. Samples have 1536-2560 tokens (2k on
 average), so some straddle two steps. Printed, interleaved over --rounds
 (medians): GiB/s of samples made durable and listed, for each --workers count,
 against raw ``write`` + ``fsync`` of the same bytes to the same folder (one
-stream, and as many streams as the most workers) and against sha256 alone;
-the cores the process used (CPU time / wall); the engine thread's copy per
+stream, and as many streams as the most workers) and against each piece of the
+writer's CPU alone on one thread (BLAKE3, sha256, the NaN/Inf check); the
+writer with BLAKE3 (the default) and with sha256 side by side, and with whole
+parts hashed after their write instead of chunk by chunk; the cores the process
+used (CPU time / wall) and CPU-seconds per GiB; the engine thread's copy per
 448 MiB step into pooled blocks and into fresh memory. The copies run on the
 torch threads a GPU engine gives them (``DEFAULT_COPY_THREADS``); where torch
 has more, the default workers also run with the copies on all of them (the
@@ -30,7 +33,6 @@ NaN check on the engine thread, three fsyncs per sample), in a child process.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import inspect
 import json
 import os
@@ -59,6 +61,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import recording  # noqa: E402
 
 CURRENT = "reject" in inspect.signature(SampleWriter.__init__).parameters  # False: an earlier checkout's writer
+CHECKSUMS = "checksum" in inspect.signature(SampleWriter.__init__).parameters
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+if CHECKSUMS:
+    from speculators_v016.store import atomic_files, checksum
 if CURRENT:
     from speculators_v016.engine.assembly import copy_threads
     from speculators_v016.engine.buffer_pool import BufferPool
@@ -95,17 +102,30 @@ def steps(lengths: list[int]):
 
 
 def through_writer(
-    ring: SlotRing, lengths: list[int], folder: Path, workers: int, pool, fp8: bool = False, threads: str = "engine"
+    ring: SlotRing,
+    lengths: list[int],
+    folder: Path,
+    workers: int,
+    pool,
+    fp8: bool = False,
+    threads: str = "engine",
+    algorithm: str | None = None,
+    whole_parts: bool = False,
 ) -> dict:
     """Slots -> assembler -> writer -> durable files, as the pipeline runs them; bytes, seconds, CPU, copy time.
 
     The copies out of the slots run on the torch threads a GPU engine gives them
     (``threads="engine"``) or on all of torch's (``"torch"``, as before). With an
     earlier checkout's writer (``CURRENT`` False): its pipeline's way, fresh
-    tensors, the NaN check on this thread, ``put(index, sample)``.
+    tensors, the NaN check on this thread, ``put(index, sample)``. ``algorithm``:
+    the manifest's digest (None: the writer's default); ``whole_parts``: each
+    part written whole, then hashed (the previous release's way).
     """
+    options = {"checksum": algorithm} if algorithm else {}
     if CURRENT:
-        writer = SampleWriter(folder, "safetensors", LAYER_IDS, workers=workers, reject=reject_non_finite(LAYER_IDS))
+        writer = SampleWriter(
+            folder, "safetensors", LAYER_IDS, workers=workers, reject=reject_non_finite(LAYER_IDS), **options
+        )
         assembler = Assembler(
             tuple(range(LAYERS)),
             allocate=pool.take if pool else None,
@@ -118,6 +138,9 @@ def through_writer(
     for i, n in enumerate(lengths):
         assembler.add_request(f"r{i}", i, n)
     copy = 0.0
+    chunk = atomic_files.WRITE_CHUNK if CHECKSUMS else None
+    if whole_parts:
+        atomic_files.WRITE_CHUNK = 1 << 40
     start, cpu = time.perf_counter(), cpu_seconds()
     try:
         for number, parts in enumerate(steps(lengths), 1):
@@ -150,6 +173,8 @@ def through_writer(
                     writer.put(index, sample, done=(lambda s=blocks: pool.give_back(s)) if pool else None)
     finally:
         writer.close()
+        if chunk is not None:
+            atomic_files.WRITE_CHUNK = chunk
     seconds = time.perf_counter() - start
     if (CURRENT and writer.take_rejected()) or writer.written != len(lengths):
         raise RuntimeError("the writer did not write every sample")
@@ -231,10 +256,21 @@ def raw_write(buffers: list[memoryview], folder: Path, streams: int) -> dict:
     return {"bytes": sum(len(b) for b in buffers), "seconds": time.perf_counter() - start, "cpu": cpu_seconds() - cpu}
 
 
-def sha_alone(buffers: list[memoryview]) -> dict:
+def hash_alone(buffers: list[memoryview], algorithm: str) -> dict:
     start, cpu = time.perf_counter(), cpu_seconds()
     for b in buffers:
-        hashlib.sha256(b).hexdigest()
+        checksum.of_bytes(b, algorithm)
+    return {"bytes": sum(len(b) for b in buffers), "seconds": time.perf_counter() - start, "cpu": cpu_seconds() - cpu}
+
+
+def finite_alone(buffers: list[memoryview]) -> dict:
+    """The writer's NaN/Inf check of the same bytes, as bf16 states, on this thread."""
+    from speculators_v016.store.finite import all_finite
+
+    start, cpu = time.perf_counter(), cpu_seconds()
+    for b in buffers:
+        if not all_finite(torch.frombuffer(b, dtype=DTYPE)):
+            raise RuntimeError("NaN in synthetic states")
     return {"bytes": sum(len(b) for b in buffers), "seconds": time.perf_counter() - start, "cpu": cpu_seconds() - cpu}
 
 
@@ -284,10 +320,26 @@ def main() -> None:
         configs = [
             ("raw write+fsync, 1 stream", lambda: raw_write(buffers, base, 1)),
             (f"raw write+fsync, {max(workers)} streams", lambda: raw_write(buffers, base, max(workers))),
-            ("sha256 alone, 1 thread", lambda: sha_alone(buffers)),
+            ("blake3 alone, 1 thread", lambda: hash_alone(buffers, "blake3")),
+            ("sha256 alone, 1 thread", lambda: hash_alone(buffers, "sha256")),
+            ("NaN/Inf check alone, 1 thread", lambda: finite_alone(buffers)),
         ]
         configs += [
-            (f"writer, {w} worker(s)", lambda w=w: through_writer(ring, lengths, base, w, pool)) for w in workers
+            (
+                f"writer, {w} worker(s), blake3",
+                lambda w=w: through_writer(ring, lengths, base, w, pool, algorithm="blake3"),
+            )
+            for w in workers
+        ]
+        configs += [
+            (
+                f"writer, {DEFAULT_WRITE_WORKERS} worker(s), sha256",
+                lambda: through_writer(ring, lengths, base, DEFAULT_WRITE_WORKERS, pool, algorithm="sha256"),
+            ),
+            (
+                f"writer, {DEFAULT_WRITE_WORKERS} worker(s), blake3, whole parts",
+                lambda: through_writer(ring, lengths, base, DEFAULT_WRITE_WORKERS, pool, whole_parts=True),
+            ),
         ]
         if opts.before:
             configs.append(("before: writer, its default workers", lambda: before(opts.before, lengths, base)))
@@ -327,29 +379,34 @@ def main() -> None:
             fp8_ring.close()
     rate = {k: statistics.median(r["bytes"] / r["seconds"] / 2**30 for r in v) for k, v in runs.items()}
     cores = {k: statistics.median(r["cpu"] / r["seconds"] for r in v) for k, v in runs.items()}
-    with recording(__file__):
-        print(
-            f"{len(lengths)} samples of 1536-2560 tokens x {LAYERS} layers x {HIDDEN} bf16 "
-            f"({total / 2**30:.2f} GiB) per measurement, steps of {STEP} tokens, folder on {opts.dir}, "
-            f"{os.cpu_count()} CPUs, {opts.rounds} round(s), medians"
+    per_gib = {k: statistics.median(r["cpu"] / (r["bytes"] / 2**30) for r in v) for k, v in runs.items()}
+    out = []
+    out.append(
+        f"{len(lengths)} samples of 1536-2560 tokens x {LAYERS} layers x {HIDDEN} bf16 "
+        f"({total / 2**30:.2f} GiB) per measurement, steps of {STEP} tokens, folder on {opts.dir}, "
+        f"{os.cpu_count()} CPUs, {opts.rounds} round(s), medians"
+    )
+    raw1 = rate["raw write+fsync, 1 stream"]
+    for name in runs:
+        extra = ""
+        if "writer" in name:
+            copy = statistics.median(r["copy_ms_per_step"] for r in runs[name])
+            commits = statistics.median(r["commits"] for r in runs[name])
+            per_token = statistics.median(r["bytes"] / r["tokens"] for r in runs[name])
+            source = statistics.median(
+                r["tokens"] * LAYERS * HIDDEN * DTYPE.itemsize / r["seconds"] / 2**30 for r in runs[name]
+            )
+            extra = (
+                f"  {rate[name] / raw1:.2f}x raw 1 stream; {per_token / 1024:.1f} KiB/token on disk, "
+                f"{source:.2f} GiB/s of bf16 states; copy {copy:.0f} ms per step; "
+                f"{commits:.0f} commits for {len(lengths)} samples"
+            )
+        out.append(
+            f"  {name:44} {rate[name]:6.2f} GiB/s  {cores[name]:4.2f} cores  {per_gib[name]:5.2f} CPU-s/GiB{extra}"
         )
-        raw1 = rate["raw write+fsync, 1 stream"]
-        for name in runs:
-            extra = ""
-            if "writer" in name:
-                copy = statistics.median(r["copy_ms_per_step"] for r in runs[name])
-                commits = statistics.median(r["commits"] for r in runs[name])
-                per_token = statistics.median(r["bytes"] / r["tokens"] for r in runs[name])
-                source = statistics.median(
-                    r["tokens"] * LAYERS * HIDDEN * DTYPE.itemsize / r["seconds"] / 2**30 for r in runs[name]
-                )
-                extra = (
-                    f"  {rate[name] / raw1:.2f}x raw 1 stream; {per_token / 1024:.1f} KiB/token on disk, "
-                    f"{source:.2f} GiB/s of bf16 states; copy {copy:.0f} ms per step; "
-                    f"{commits:.0f} commits for {len(lengths)} samples"
-                )
-            print(f"  {name:44} {rate[name]:6.2f} GiB/s  {cores[name]:4.2f} cores{extra}")
-        print(f"  pool: {pool.allocated} blocks made, {pool.reused} reuses")
+    out.append(f"  pool: {pool.allocated} blocks made, {pool.reused} reuses")
+    with recording(__file__):
+        print("\n".join(out))
 
 
 if __name__ == "__main__":
