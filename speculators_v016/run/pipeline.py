@@ -315,7 +315,9 @@ def checksum_of_run(directory: Path, existing: dict | None, done: dict, asked: s
             "or use another --output-dir"
         )
     if held != checksums.DEFAULT:
-        logger.info("resuming a folder of {} digests: the new samples are listed with {} too", held, held)
+        logger.bind(terminal=True).info(
+            "resuming a folder of {} digests: its new samples are listed with {} too", held, held
+        )
     return held
 
 

@@ -296,6 +296,7 @@ def test_an_earlier_releases_sha256_folder_resumes_as_sha256(tmp_path, model_dir
     result = invoke(*args)
     assert result.exit_code == 0, result.output
     assert "(10 already done before this run)" in result.output
+    assert "resuming a folder of sha256 digests: its new samples are listed with sha256 too" in result.output
     assert (out / "manifest.jsonl").read_bytes().startswith(old)  # the old lines stay as they were
     entries = Manifest(out).entries()
     assert sorted(entries) == list(range(40)) and {e.algorithm for e in entries.values()} == {"sha256"}
