@@ -21,11 +21,9 @@ in :meth:`RunConfig.build`; the run's config is built whole from the command
 line and passed whole: CLI -> pipeline -> engine -> workers
 (:class:`~speculators_v016.protocol.WorkerSetup`).
 
-Adding an option: one field in the class it configures, e.g. in :class:`RunConfig`::
+Adding an option: one field in the class it configures, as ``--checksum`` is in :class:`RunConfig`::
 
-    checksum: Checksum = setting(
-        "sha256", "Digest of each sample file in the manifest: blake3 (faster) or sha256.", section=OUTPUT
-    )
+    checksum: Checksum | None = setting(None, "Digest of each sample file in the manifest ...", section=OUTPUT)
 
 with ``Checksum = Literal["blake3", "sha256"]`` beside the other choices. That
 is ``--checksum [blake3|sha256]`` with its help, default and check at parse
