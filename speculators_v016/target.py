@@ -13,6 +13,10 @@ class RemoteCodeError(ValueError):
     """The model needs code from its own folder or repository, and the user did not allow it."""
 
 
+class ContextLengthError(ValueError):
+    """The run's --seq-length (plus the one sampled token) is longer than the model's context."""
+
+
 @dataclass(frozen=True)
 class TargetInfo:
     """The target's decoder depth and vocabulary, from its config (text config for multimodal models)."""

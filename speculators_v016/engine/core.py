@@ -29,6 +29,7 @@ from loguru import logger
 
 from speculators_v016.config import EngineConfig
 from speculators_v016.engine.assembly import Allocate, Assembler, AttributionError, copy_threads, expected_rows
+from speculators_v016.engine.context_length import context_length_error
 from speculators_v016.engine.cpu_attention import attention_overrides
 from speculators_v016.engine.executor import capture_executor, executor_kind
 from speculators_v016.engine.vllm_check import require_vllm
@@ -150,7 +151,13 @@ class CaptureEngine:
             **attention_overrides(s.dtype, s.extra_engine_args),
             **s.extra_engine_args,
         )
-        config = args.create_engine_config()
+        try:
+            config = args.create_engine_config()
+        except Exception as exc:
+            too_long = context_length_error(exc)
+            if too_long is not None:
+                raise too_long from None
+            raise
         use_async = s.async_scheduling
         if use_async and config.parallel_config.distributed_executor_backend == "ray":
             logger.warning("vLLM 0.16's Ray executor does not support async scheduling: running sync")

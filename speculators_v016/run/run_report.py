@@ -19,9 +19,9 @@ def exit_code(exc: BaseException) -> ExitCode:
     from speculators_v016.store.manifest import ManifestError
     from speculators_v016.store.outdir import OutputDirError
     from speculators_v016.store.run_config import ResumeMismatchError
-    from speculators_v016.target import PromptError, RemoteCodeError
+    from speculators_v016.target import ContextLengthError, PromptError, RemoteCodeError
 
-    if isinstance(exc, (BadRowError, PromptError, LayerIdError, RemoteCodeError)):
+    if isinstance(exc, (BadRowError, PromptError, LayerIdError, RemoteCodeError, ContextLengthError)):
         return ExitCode.BAD_INPUT
     if isinstance(exc, (OutputDirError, ResumeMismatchError, ManifestError)):
         return ExitCode.OUTPUT_REFUSED
