@@ -18,7 +18,11 @@ once it is durable: a run writes far more than memory holds, and what the
 cache would evict for it (model weights, the dataset) is worth more. The
 queue between the engine and the workers is bounded, so a slow disk slows
 generation instead of filling memory. The first write error stops the run:
-:meth:`SampleWriter.put` raises :class:`WriteError` naming the path.
+:meth:`SampleWriter.put` raises :class:`WriteError` naming the path. Any other
+failure on a writer thread (a ``reject`` or ``done`` callback raising, a bug)
+stops it the same way, as :class:`WriterThreadError`: every exception of a
+worker is caught and handed to the producer, and a producer waiting on a full
+queue whose workers are all gone is told so, never left waiting.
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ from speculators_v016.store.atomic_files import WriteError, write_durable
 from speculators_v016.store.group_commit import DEFAULT_COMMIT_INTERVAL, GroupCommit
 from speculators_v016.store.manifest import Entry, Manifest
 from speculators_v016.store.sample_format import encode_parts, sample_name
+
+
+class WriterThreadError(RuntimeError):
+    """A writer thread failed for a reason other than a file that could not be written (a bug, said so)."""
 
 
 def lower_this_thread(increment: int) -> None:
@@ -88,6 +96,7 @@ class SampleWriter:
         self.bytes = 0
         self._rejected: list[tuple[int, Any]] = []
         self._lock = threading.Lock()
+        self._closed = False
         self.commit = GroupCommit(self.directory, self.manifest, interval=commit_interval, on_commit=self._count)
         self._threads = [
             threading.Thread(target=self._work, name=f"sample-writer-{i}", daemon=True) for i in range(workers)
@@ -95,21 +104,30 @@ class SampleWriter:
         for thread in self._threads:
             thread.start()
 
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            self.error = self.error or exc
+
     def _work(self) -> None:
-        if self.cpus:
-            os.sched_setaffinity(0, self.cpus)  # this thread only
-        lower_this_thread(self.nice)
+        try:
+            if self.cpus:
+                os.sched_setaffinity(0, self.cpus)  # this thread only
+            lower_this_thread(self.nice)
+        except BaseException as exc:  # noqa: BLE001 - handed to the producer; the thread still drains the queue
+            self._fail(exc)
         while (job := self.queue.get()) is not None:
             index, sample, done = job
             try:
                 if self.error is None:
                     self._write(index, sample)
             except BaseException as exc:  # noqa: BLE001 - handed to the producer
-                self.error = self.error or exc
-            finally:
+                self._fail(exc)
+            try:
                 if done is not None:
                     done()
-                self.queue.task_done()
+            except BaseException as exc:  # noqa: BLE001 - a failing callback stops the run, never this thread
+                self._fail(exc)
+            self.queue.task_done()
         self.queue.task_done()
 
     def _write(self, index: int, sample: dict) -> None:
@@ -136,10 +154,18 @@ class SampleWriter:
 
     def _raise_if_failed(self) -> None:
         error = self.error or self.commit.error
-        if error is not None:
-            if isinstance(error, WriteError):
-                raise error
-            raise WriteError(f"writing samples to {self.directory} failed: {error!r}") from error
+        if error is None and not self._closed and not any(t.is_alive() for t in self._threads):
+            error = WriterThreadError("every sample-writer thread has ended")
+        if error is None:
+            return
+        if isinstance(error, WriteError):
+            raise error
+        if isinstance(error, OSError):
+            raise WriteError(error.errno, f"writing samples to {self.directory} failed: {error}") from error
+        raise WriterThreadError(
+            f"a sample-writer thread failed ({type(error).__name__}: {error}); the run stops. Samples listed in "
+            f"{self.manifest.path} are complete and kept; a resume writes the rest. Please report it with the log"
+        ) from error
 
     def put(self, index: int, sample: dict, done: Callable[[], None] | None = None) -> None:
         """Queue a sample (blocks while the queue is full); raise the first write error.
@@ -158,9 +184,15 @@ class SampleWriter:
         """Wait for every queued sample and commit every written one; raise the first write error."""
         try:
             for _ in self._threads:
-                self.queue.put(None)
+                while any(t.is_alive() for t in self._threads):
+                    try:
+                        self.queue.put(None, timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
             for thread in self._threads:
                 thread.join()
         finally:
+            self._closed = True
             self.commit.close()
         self._raise_if_failed()

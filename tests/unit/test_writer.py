@@ -3,16 +3,18 @@
 import errno
 import os
 import threading
+import time
 
 import blake3
 import pytest
 import torch
 
+from speculators_v016.run.run_report import exit_code
 from speculators_v016.store import atomic_files, group_commit
 from speculators_v016.store.atomic_files import WriteError
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.sample_format import load_sample
-from speculators_v016.store.writer import SampleWriter
+from speculators_v016.store.writer import SampleWriter, WriterThreadError
 
 
 def sample(index, tokens=6, hidden=4, layers=2):
@@ -177,3 +179,64 @@ def test_a_refused_cache_drop_is_not_a_write_error(tmp_path, monkeypatch):
     writer.put(0, sample(0))
     writer.close()
     assert list(Manifest(tmp_path).entries()) == [0]
+
+
+def _produce(writer, count, done=None):
+    """Put ``count`` samples then close, in a thread; (error raised or None, seconds taken, whether it ended)."""
+    outcome = {}
+
+    def producer():
+        started = time.monotonic()
+        try:
+            try:
+                for i in range(count):
+                    writer.put(i, sample(i), done=done)
+            finally:
+                writer.close()
+        except BaseException as exc:  # noqa: BLE001 - what the producer sees is the result
+            outcome["error"] = exc
+        outcome["seconds"] = time.monotonic() - started
+
+    thread = threading.Thread(target=producer, daemon=True)
+    thread.start()
+    thread.join(timeout=20)
+    return outcome.get("error"), outcome.get("seconds"), not thread.is_alive()
+
+
+def test_a_failing_done_callback_stops_the_run_within_seconds(tmp_path):
+    """done() raising on a writer thread (a tensor not from the pool): put/close raise WriterThreadError, no hang."""
+
+    def done():
+        raise RuntimeError("these tensors were not taken from this pool, or were given back twice")
+
+    writer = SampleWriter(tmp_path, "safetensors", [1, 2], workers=2, bound=2)
+    error, seconds, ended = _produce(writer, 40, done=done)
+    assert ended and seconds < 5, "the producer hung"
+    assert isinstance(error, WriterThreadError) and not isinstance(error, WriteError)
+    assert "a sample-writer thread failed (RuntimeError: these tensors were not taken from this pool" in str(error)
+    assert exit_code(error) == 5
+    listed = Manifest(tmp_path).entries()
+    for entry in listed.values():  # what was listed before the failure is complete
+        assert (tmp_path / entry.file).stat().st_size == entry.bytes
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_writer_threads_that_died_are_reported_not_waited_for(tmp_path, monkeypatch):
+    """Every worker gone without an error (killed outside its guard): put raises WriterThreadError, no hang."""
+    monkeypatch.setattr(SampleWriter, "_work", lambda self: None)  # the threads end at once, silently
+    writer = SampleWriter(tmp_path, "safetensors", [1, 2], workers=2, bound=2)
+    error, seconds, ended = _produce(writer, 10)
+    assert ended and seconds < 5, "the producer hung"
+    assert isinstance(error, WriterThreadError) and "every sample-writer thread has ended" in str(error)
+
+
+def test_a_failing_reject_check_is_a_writer_thread_error(tmp_path):
+    """reject() raising (not a disk error): WriterThreadError (exit 5), not WriteError (exit 6, disk full)."""
+
+    def reject(s):
+        raise TypeError("bad sample dict")
+
+    writer = SampleWriter(tmp_path, "safetensors", [1, 2], workers=1, reject=reject)
+    error, seconds, ended = _produce(writer, 4)
+    assert ended and isinstance(error, WriterThreadError) and "TypeError: bad sample dict" in str(error)
+    assert exit_code(error) == 5 and Manifest(tmp_path).entries() == {}
