@@ -147,7 +147,31 @@ class Fp8States:
             out.append("scales <= 0")
         if bool(code_is_nan(self.codes).any()):
             out.append("NaN codes")
+        return out or self.invariant_problems()
+
+    def invariant_problems(self) -> list[str]:
+        """What the quantizer never produces, in finite codes and scales: a scale below 2**-126, a row of zero
+        codes under a scale other than 1, a nonzero row whose largest |code| is not 448 (``scale = amax/448``
+        puts the row's amax on 448, unless the scale was floored at 2**-126). Each names its first rows.
+        A scale multiplied by a constant along with nothing else cannot be told from content, and is not here."""
+        out = []
+        small = torch.nonzero(self.scales < MIN_SCALE).flatten().tolist()
+        if small:
+            out.append(f"scales below 2^-126 in {_rows(small)}")
+        amax = self.codes.to(SCALE_DTYPE).abs().amax(dim=-1) if self.codes.shape[1] else torch.zeros_like(self.scales)
+        zero = amax == 0
+        bad_zero = torch.nonzero(zero & (self.scales != 1)).flatten().tolist()
+        if bad_zero:
+            out.append(f"{_rows(bad_zero)} of zero codes under a scale other than 1")
+        floored = self.scales == MIN_SCALE
+        short = torch.nonzero(~zero & (amax != E4M3_MAX) & ~(floored & (amax < E4M3_MAX))).flatten().tolist()
+        if short:
+            out.append(f"{_rows(short)} whose largest |code| is not {E4M3_MAX:g} (the quantizer's scale = amax/448)")
         return out
+
+
+def _rows(rows: list[int], shown: int = 8) -> str:
+    return f"rows [{', '.join(map(str, rows[:shown]))}{', ...' if len(rows) > shown else ''}] ({len(rows)})"
 
 
 def is_finite(states: torch.Tensor | Fp8States) -> bool:

@@ -1,16 +1,21 @@
-"""Hidden states a real model never produces: a layer all zeros, or one row repeated at every position.
+"""Hidden states a real model never produces: rows of exact zeros, or one row repeated for different tokens.
 
 Such states come from a broken capture (a ring replaced by an empty file, a
-copy that never happened), not from a model: every decoder layer's output
-carries its token's embedding and, through attention, its position. They are
-also invisible to the NaN/Inf check and to the logit check when the last layer
-is not captured. A layer counts as repeated only where the prompt has at least
-two distinct tokens (identical tokens may legitimately give identical rows in a
-model without positional encoding).
+copy that never happened or stopped half way), not from a model: every decoder
+layer's output carries its token's embedding and, through attention, its
+position. They are also invisible to the NaN/Inf check and to the logit check
+when the last layer is not captured. The screen is per row, so a layer with
+only some rows zeroed (or copied) is caught like a whole layer: a row counts as
+repeated only where another row holds the same values for a different token
+(identical tokens may legitimately give identical rows in a model without
+positional encoding).
 
-:func:`degenerate_layers` reads every value (``verify``); :func:`may_be_degenerate`
-looks at two rows per layer, what a run can afford per sample: no degenerate
-layer passes it, and what it flags is confirmed by :func:`degenerate_layers`.
+Both functions are exact. :func:`may_be_degenerate` reads a few columns of
+every row (what a run can afford per sample): a zero row is zero in those
+columns, and two equal rows are equal there, so False proves there is nothing
+to find. :func:`degenerate_layers` confirms each candidate row on all of its
+values and names layer and rows (``verify``, and the run's self-check once the
+screen flagged a sample).
 """
 
 from __future__ import annotations
@@ -19,36 +24,124 @@ from collections.abc import Sequence
 
 import torch
 
-from speculators_v016.fp8 import Fp8States, row_values
+from speculators_v016.fp8 import Fp8States
+
+_COLUMNS = 16  # columns of every row the screen reads
+_NAMED = 8  # rows named in a finding at most
 
 
-def _distinct_tokens(input_ids: torch.Tensor) -> bool:
-    return input_ids.numel() > 1 and bool((input_ids != input_ids.reshape(-1)[0]).any())
+def _columns(hidden: int) -> torch.Tensor:
+    return torch.linspace(0, max(hidden - 1, 0), min(hidden, _COLUMNS)).round().long().unique()
 
 
-def may_be_degenerate(input_ids: torch.Tensor, states: Sequence[torch.Tensor]) -> bool:
-    """Cheap screen (two rows per layer): False proves no layer is all zeros or one repeated row."""
-    distinct = _distinct_tokens(input_ids)
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(h: torch.Tensor | Fp8States, rows=slice(None)) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rows' values as integers, FP8 scales as integers or None): equal rows have equal bits."""
+    if isinstance(h, Fp8States):
+        return h.codes[rows].view(torch.uint8), h.scales[rows].contiguous().view(torch.int32)
+    values = h[rows].contiguous()
+    return values.view(_INT[values.element_size()]), None
+
+
+def _zero(h: torch.Tensor | Fp8States, rows=slice(None)) -> torch.Tensor:
+    """Per row: every value is +0 or -0 (FP8: every code, whatever the scale)."""
+    if isinstance(h, Fp8States):
+        return ((h.codes[rows].view(torch.uint8) & 0x7F) == 0).all(dim=-1)
+    return (h[rows] == 0).all(dim=-1)
+
+
+def _candidates(h: torch.Tensor | Fp8States) -> tuple[list[int], list[list[int]]]:
+    """(rows that may be zero, groups of rows that may be equal), from a few columns of every row.
+
+    Rows are grouped by a hash of those columns' bits (and FP8 scales): equal rows always share a group; a
+    collision only adds a candidate, which :func:`_equal_classes` then tells apart.
+    """
+    columns = _columns(h.shape[1])
+    if isinstance(h, Fp8States):
+        sub = Fp8States(h.codes.index_select(1, columns), h.scales)
+    else:
+        sub = h.index_select(1, columns)
+    zero = torch.nonzero(_zero(sub)).flatten().tolist()
+    values, scales = _bits(sub)
+    key = (values.to(torch.int64) * _MIX[: values.shape[1]]).sum(dim=-1)
+    if scales is not None:
+        key = key * _MIX[-1] + scales.to(torch.int64)
+    order = torch.argsort(key)
+    ranked = key[order]
+    same = ranked[1:] == ranked[:-1]
+    if not bool(same.any()):
+        return zero, []
+    starts = torch.nonzero(torch.cat([torch.tensor([True]), ~same])).flatten()
+    bounds = starts.tolist() + [len(ranked)]
+    groups = [order[a:b].sort().values.tolist() for a, b in zip(bounds, bounds[1:]) if b - a > 1]
+    return zero, groups
+
+
+#: Odd multipliers of the row hash (fixed, so a run and verify group alike).
+_MIX = torch.randint(-(2**62), 2**62, (_COLUMNS + 1,), generator=torch.Generator().manual_seed(29)) | 1
+
+
+def _name(rows: list[int], length: int) -> str:
+    shown = ", ".join(map(str, rows[:_NAMED])) + (", ..." if len(rows) > _NAMED else "")
+    return f"rows [{shown}] ({len(rows)} of {length})"
+
+
+def may_be_degenerate(input_ids: torch.Tensor, states: Sequence[torch.Tensor | Fp8States]) -> bool:
+    """Cheap screen (a few columns per row): False proves no row is all zeros or repeats another token's."""
+    ids = input_ids.reshape(-1)
     for h in states:
         if h.shape[0] == 0:
             continue
-        first, last = row_values(h, 0), row_values(h, -1)
-        if not bool(last.any()) or (distinct and torch.equal(first, last)):
+        zero, groups = _candidates(h)
+        if zero or any(bool((ids[g] != ids[g[0]]).any()) for g in groups):
             return True
     return False
 
 
-def degenerate_layers(input_ids: torch.Tensor, states: Sequence[torch.Tensor]) -> list[tuple[int, str]]:
-    """``(position in states, what is wrong)`` for each layer that no real model produces."""
-    distinct = _distinct_tokens(input_ids)
+def _equal_classes(h: torch.Tensor | Fp8States, group: list[int]) -> list[list[int]]:
+    """The rows of ``group`` split into classes of rows equal in every value (classes of one row left out)."""
+    values, scales = _bits(h, rows=group)
+    classes, left = [], torch.arange(len(group))
+    while len(left) > 1:
+        same = (values[left] == values[left[0]]).all(dim=-1)
+        if scales is not None:
+            same &= scales[left] == scales[left[0]]
+        if int(same.sum()) > 1:
+            classes.append([group[k] for k in left[same].tolist()])
+        left = left[~same]
+    return classes
+
+
+def degenerate_layers(input_ids: torch.Tensor, states: Sequence[torch.Tensor | Fp8States]) -> list[tuple[int, str]]:
+    """``(position in states, what is wrong)`` for each layer holding rows no real model produces."""
+    ids = input_ids.reshape(-1)
     found = []
     for j, h in enumerate(states):
-        if isinstance(h, Fp8States):
-            h = h.dequantize()
-        if h.shape[0] == 0:
+        length = h.shape[0]
+        if length == 0:
             continue
-        if not bool(h.any()):
+        zero, groups = _candidates(h)
+        if zero:
+            zero = [r for r, z in zip(zero, _zero(h, rows=zero).tolist()) if z]
+        if zero and len(zero) == length:
             found.append((j, "every value is 0"))
-        elif distinct and h.shape[0] > 1 and bool((h == h[0]).all()):
-            found.append((j, f"all {h.shape[0]} positions hold the same row, though the tokens differ"))
+            continue
+        repeated, zeros = [], set(zero)
+        for group in groups:
+            for rows in _equal_classes(h, group):
+                if rows[0] not in zeros and bool((ids[rows] != ids[rows[0]]).any()):
+                    repeated.append(rows)
+        what = []
+        if zero:
+            what.append(f"{_name(zero, length)} are all 0")
+        if len(repeated) == 1 and len(repeated[0]) == length:
+            what.append(f"all {length} positions hold the same row, though the tokens differ")
+        elif repeated:
+            repeated.sort(key=len, reverse=True)
+            more = f" (and {len(repeated) - 1} more such groups)" if len(repeated) > 1 else ""
+            what.append(f"{_name(repeated[0], length)} hold the same row, though their tokens differ{more}")
+        if what:
+            found.append((j, "; ".join(what)))
     return found

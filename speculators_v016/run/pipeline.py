@@ -8,8 +8,8 @@ The steps, each owned by a module: :mod:`~speculators_v016.run.dataset`
 (atomic files, then their manifest lines, committed in groups).
 
 The run checks what it captured before it writes it (its *self-check*): every
-sample's layers are screened for states no model produces (a layer all zeros,
-one row repeated: :mod:`~speculators_v016.checks.degenerate`), and the first
+sample's layers are screened, row by row, for states no model produces (rows
+all zeros, one row repeated for different tokens: :mod:`~speculators_v016.checks.degenerate`), and the first
 ``logit_check_samples`` samples' last layer must reproduce vLLM's own prompt
 logprobs (:mod:`~speculators_v016.checks.logit_check`). Until the logit check has
 judged its samples, every finished sample is held back from the writer; a

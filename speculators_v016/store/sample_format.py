@@ -94,6 +94,22 @@ def safetensors_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]
     return [struct.pack("<Q", len(text)) + text, *buffers]
 
 
+def header_metadata(layer_ids: list[int], quantized: bool) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors sample file, exactly as written."""
+    metadata = {"format": FORMAT_TAG, "layer_ids": ",".join(map(str, layer_ids))}
+    if quantized:
+        metadata.update(hidden_states_dtype=fp8.NAME, hidden_states_scaling=fp8.SCALING)
+    return metadata
+
+
+def read_header_metadata(path: str | Path) -> dict:
+    """The ``__metadata__`` of a safetensors file ({} without one), read from its header alone."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        return dict(fh.metadata() or {})
+
+
 def encode_parts(sample: dict, fmt: str, layer_ids: list[int]) -> list:
     """The file contents of one sample, as buffers to write in order.
 
@@ -106,11 +122,10 @@ def encode_parts(sample: dict, fmt: str, layer_ids: list[int]) -> list:
         raise ValueError("a sample mixes FP8 and unquantized layers")
     if fmt == "safetensors":
         tensors = {"input_ids": sample["input_ids"], "loss_mask": sample["loss_mask"]}
-        metadata = {"format": FORMAT_TAG, "layer_ids": ",".join(map(str, layer_ids))}
+        metadata = header_metadata(layer_ids, bool(quantized) and all(quantized))
         if quantized and all(quantized):
             tensors.update({f"hidden_states.{j}": h.codes for j, h in enumerate(states)})
             tensors.update({SCALE_KEY.format(j): h.scales for j, h in enumerate(states)})
-            metadata.update(hidden_states_dtype=fp8.NAME, hidden_states_scaling=fp8.SCALING)
         else:
             tensors.update({f"hidden_states.{j}": h for j, h in enumerate(states)})
         return safetensors_parts(tensors, metadata)

@@ -7,8 +7,8 @@ digest (BLAKE3 or sha256, as the entry names it); every file parses
 (safetensors, or ``.pt`` with ``weights_only``), has the recorded number of layers, ``[T, hidden_size]`` states of the recorded
 dtype, a 0/1 loss mask as long as ``input_ids``, no NaN/Inf (FP8 storage:
 e4m3 codes ``[T, hidden_size]``, float32 scales ``[T]`` that are finite and
-> 0, no NaN code, finite once dequantized), and no layer that
-no real model produces (all zeros, one row repeated at every position:
+> 0, no NaN code, finite once dequantized), and no row that
+no real model produces (all zeros, the same row for different tokens:
 :mod:`~speculators_v016.checks.degenerate`); no sample file lacks a manifest
 entry; across shards every index exists exactly once; the folder holds one
 layout (shard folders of one count, or one unsharded run: upstream's trainer
@@ -35,7 +35,13 @@ from speculators_v016.store import checksum
 from speculators_v016.store.atomic_files import TMP_PREFIX
 from speculators_v016.store.manifest import Manifest, ManifestError
 from speculators_v016.store.outdir import CONFIG, SHARD_DIR, is_ours, unsharded_run_files
-from speculators_v016.store.sample_format import FORMATS, load_sample, parse_sample_name
+from speculators_v016.store.sample_format import (
+    FORMATS,
+    header_metadata,
+    load_sample,
+    parse_sample_name,
+    read_header_metadata,
+)
 
 
 @dataclass
@@ -176,6 +182,15 @@ def _check_sample(
             problems.append(f"{path}: hidden_states[{j}] is {h.dtype}, data_config.json says {dtype}")
         elif not bool(torch.isfinite(h).all()):
             problems.append(f"{path}: hidden_states[{j}] has NaN or Inf")
+    if not problems and path.suffix == ".safetensors":
+        written = header_metadata(layer_ids, storage == fp8.NAME)
+        found = read_header_metadata(path)
+        if found != written:
+            changed = sorted(k for k in written.keys() | found.keys() if written.get(k) != found.get(k))
+            problems.append(
+                f"{path}: header metadata differs from what this tool writes for data_config.json's settings "
+                f"(fields {', '.join(changed)})"
+            )
     if not problems:
         for j, what in degenerate_layers(ids, states):
             problems.append(

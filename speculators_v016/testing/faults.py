@@ -34,6 +34,13 @@ modules carry no fault points: each fault wraps one of their seams here.
 * ``wrong-layer:n``: from the ``n``-th sample on, the middle captured layer
   holds the layer captured before it, as if its tap read the wrong layer
   (wraps :meth:`CaptureEngine.stream`).
+* ``done-raises:n``: the ``n``-th sample whose file is written hands back
+  memory the buffer pool refuses (its ``done`` callback raises on a writer
+  thread, as with a layer tensor that did not come from the pool; wraps
+  :meth:`BufferPool.give_back`).
+* ``half-zero-rows:n``: from the ``n``-th sample the engine yields on, the
+  first captured layer's second half of rows is 0 (a copy that stopped half
+  way; wraps :meth:`CaptureEngine.stream`).
 * ``wrong-layer-check:n``: the ``n``-th logit-checked sample's last layer is
   replaced by the captured layer before it (wraps :meth:`LogitChecker.add`).
 """
@@ -203,6 +210,37 @@ def install() -> None:
                         if isinstance(before, Fp8States)
                         else before.clone()
                     )
+                yield key, ids, states
+
+        CaptureEngine.stream = stream
+    elif point == "done-raises":
+        from speculators_v016.engine.buffer_pool import BufferPool
+
+        original_give_back = BufferPool.give_back
+
+        def give_back(self, tensors):
+            if _armed(point):
+                raise RuntimeError("these tensors were not taken from this pool, or were given back twice")
+            return original_give_back(self, tensors)
+
+        BufferPool.give_back = give_back
+    elif point == "half-zero-rows":
+        from speculators_v016.engine.core import CaptureEngine
+
+        original_stream = CaptureEngine.stream
+        armed = []
+
+        def stream(self, *args, **kwargs):
+            for key, ids, states in original_stream(self, *args, **kwargs):
+                if armed or _armed(point):
+                    armed.append(key)
+                    first = states[0]
+                    half = len(ids) // 2
+                    if isinstance(first, Fp8States):  # a zero row: codes 0 under scale 1, as the quantizer makes
+                        first.codes[half:] = 0
+                        first.scales[half:] = 1.0
+                    else:
+                        first[half:] = 0
                 yield key, ids, states
 
         CaptureEngine.stream = stream

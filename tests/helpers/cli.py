@@ -44,16 +44,16 @@ class Result:
         self.exit_code, self.output = proc.returncode, proc.stdout + proc.stderr
 
 
-def invoke(*args, env=None) -> Result:
-    """Run the real command in a fresh process, as a user would."""
+def invoke(*args, env=None, timeout=600) -> Result:
+    """Run the real command in a fresh process, as a user would (``timeout``: seconds, then TimeoutExpired)."""
     module = "speculators_v016.testing.faults" if FAULT in (env or {}) else "speculators_v016.run.cli"
     cmd = [sys.executable, "-m", module, *map(str, args)]
     return Result(
-        subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **CPU, **(env or {})}, timeout=600)
+        subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **CPU, **(env or {})}, timeout=timeout)
     )
 
 
-def generate(model_dir, data, out, *extra, env=None) -> Result:
+def generate(model_dir, data, out, *extra, env=None, timeout=600) -> Result:
     """A run of the real command as the fault tests make it: 256 tokens, no token-frequency file."""
     return invoke(
         "--target-model-path",
@@ -68,6 +68,7 @@ def generate(model_dir, data, out, *extra, env=None) -> Result:
         "",
         *extra,
         env=env,
+        timeout=timeout,
     )
 
 

@@ -200,3 +200,85 @@ def test_shard_folders_beside_an_unsharded_run_are_a_finding(tmp_path):
     make_folder(out / "shard-00001-of-00003", count=4, shard=(1, 3), indices=[1, 3])
     report = verify(out, partial=True)
     assert any("shard folders of runs split 2 and 3 ways" in p for p in report.problems), report.problems
+
+
+def test_half_the_rows_zeroed_are_named_by_sample_layer_and_rows(tmp_path):
+    """A layer with its second half of rows zeroed in every sample fails verify, naming sample, layer and rows."""
+
+    def half_zero(length, i):
+        out = states(length, i)
+        out[1][length // 2 :] = 0
+        return out
+
+    report = verify(make_folder(tmp_path / "out", make_states=half_zero))
+    assert not report.ok and len(report.problems) == 3, report.problems
+    for i, problem in enumerate(report.problems):
+        length = 5 + i
+        rows = ", ".join(map(str, range(length // 2, length)))
+        expected = (
+            f"data_{i}.safetensors: hidden_states[1] (layer 4): rows [{rows}] ({length - length // 2} of {length})"
+        )
+        assert f"{expected} are all 0; no model produces this" in problem, problem
+
+
+def test_a_row_repeated_for_another_token_is_named(tmp_path):
+    """Row 4 holding row 1's values (their tokens differ) fails verify, naming both rows."""
+
+    def copied(length, i):
+        out = states(length, i)
+        if i == 2:
+            out[2][4] = out[2][1]
+        return out
+
+    report = verify(make_folder(tmp_path / "out", make_states=copied))
+    assert report.problems == [
+        f"{tmp_path}/out/data_2.safetensors: hidden_states[2] (layer 7): rows [1, 4] (2 of 7) hold the same row, "
+        "though their tokens differ; no model produces this: the capture was broken"
+    ]
+
+
+def test_the_run_screen_sees_single_rows_and_agrees_with_verify():
+    """The run's cheap screen flags one zero row or one copied row, passes real-looking and same-token rows."""
+    from speculators_v016.store.degenerate import degenerate_layers, may_be_degenerate
+
+    ids = torch.arange(10, 19)
+    good = states(9, 0)
+    assert not may_be_degenerate(ids, good) and degenerate_layers(ids, good) == []
+    zero_row = [h.clone() for h in good]
+    zero_row[0][3] = 0
+    assert may_be_degenerate(ids, zero_row)
+    assert degenerate_layers(ids, zero_row) == [(0, "rows [3] (1 of 9) are all 0")]
+    copied = [h.clone() for h in good]
+    copied[1][8] = copied[1][0]
+    assert may_be_degenerate(ids, copied)
+    assert degenerate_layers(ids, copied) == [(1, "rows [0, 8] (2 of 9) hold the same row, though their tokens differ")]
+    same_token = ids.clone()
+    same_token[8] = same_token[0]  # the same token twice may give the same row
+    assert not may_be_degenerate(same_token, copied) and degenerate_layers(same_token, copied) == []
+    wide = torch.randn(40, 4096)  # more columns than the screen reads: the copy is still found
+    wide[30] = wide[7]
+    assert may_be_degenerate(torch.arange(40), [wide])
+    assert degenerate_layers(torch.arange(40), [wide]) == [
+        (0, "rows [7, 30] (2 of 40) hold the same row, though their tokens differ")
+    ]
+
+
+def test_the_run_screen_sees_fp8_rows():
+    """FP8 layers: a zero-code row or a copied row (codes and scale) is flagged and named."""
+    from speculators_v016 import fp8
+    from speculators_v016.store.degenerate import degenerate_layers, may_be_degenerate
+
+    ids = torch.arange(8)
+    good = fp8.Fp8States(*fp8.quantize(torch.randn(8, 64)))
+    assert not may_be_degenerate(ids, [good])
+    broken = fp8.Fp8States(good.codes.clone(), good.scales.clone())
+    broken.codes[4:] = 0
+    broken.scales[4:] = 1.0
+    broken.codes[1], broken.scales[1] = broken.codes[0], broken.scales[0]
+    assert may_be_degenerate(ids, [broken])
+    assert degenerate_layers(ids, [broken]) == [
+        (
+            0,
+            "rows [4, 5, 6, 7] (4 of 8) are all 0; rows [0, 1] (2 of 8) hold the same row, though their tokens differ",
+        )
+    ]

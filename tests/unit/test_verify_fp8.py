@@ -54,12 +54,18 @@ def write_folder(folder, samples, storage="fp8_e4m3"):
 
 
 def test_fp8_folder_verifies(tmp_path):
-    """Intact FP8 samples pass, including a zero row (scale 1)."""
+    """Intact FP8 samples pass; a zero row (scale 1) is the quantizer's encoding, refused only as a zero row."""
     samples = [fp8_states(9, s) for s in range(3)]
-    samples[1][0].codes[4].zero_()
-    samples[1][0].scales[4] = 1.0
     report = verify(write_folder(tmp_path / "out", samples))
     assert report.ok and report.samples == 3, report.problems
+    samples[1][0].codes[4].zero_()
+    samples[1][0].scales[4] = 1.0
+    assert samples[1][0].problems() == []  # codes and scales as the quantizer makes them
+    folder = write_folder(tmp_path / "zero-row", samples)
+    assert verify(folder).problems == [  # no real model produces a row of zeros (issue 29)
+        f"{folder}/data_1.safetensors: hidden_states[0] (layer 1): rows [4] (1 of 9) are all 0; no model produces "
+        "this: the capture was broken"
+    ]
 
 
 def test_broken_codes_and_scales_are_named(tmp_path):
@@ -97,4 +103,65 @@ def test_storage_must_match_data_config(tmp_path):
         f"{folder}/data_0.safetensors: hidden_states[{j}] is torch.bfloat16, data_config.json says "
         "hidden_states_dtype fp8_e4m3"
         for j in range(LAYERS)
+    ]
+
+
+def test_codes_and_scales_the_quantizer_never_makes_are_named(tmp_path):
+    """A scale below 2^-126, zero codes under a scale not 1, a nonzero row whose largest |code| is not 448,
+    half a layer's codes zeroed: each fails verify, naming sample, layer and rows."""
+    samples = [fp8_states(9, s) for s in range(4)]
+    samples[0][0].scales[2] = 2.0**-127
+    samples[1][1].codes[3] = 0  # its scale stays amax/448
+    samples[2][0].codes[5] = (samples[2][0].codes[5].float() / 2).to(fp8.CODE_DTYPE)
+    samples[3][1].codes[4:] = 0
+    folder = write_folder(tmp_path / "out", samples)
+    assert verify(folder).problems == [
+        f"{folder}/data_0.safetensors: hidden_states[0]: scales below 2^-126 in rows [2] (1)",
+        f"{folder}/data_1.safetensors: hidden_states[1]: rows [3] (1) of zero codes under a scale other than 1",
+        f"{folder}/data_2.safetensors: hidden_states[0]: rows [5] (1) whose largest |code| is not 448 (the "
+        "quantizer's scale = amax/448)",
+        f"{folder}/data_3.safetensors: hidden_states[1]: rows [4, 5, 6, 7, 8] (5) of zero codes under a scale "
+        "other than 1",
+    ]
+
+
+def test_the_quantizers_own_edge_rows_pass_the_invariants():
+    """Tiny rows (scale floored at 2^-126, codes below 448), zero rows (scale 1) and 448-peaked rows all pass."""
+    rows = torch.randn(6, HIDDEN)
+    rows[1] *= 1e-38  # amax/448 below 2^-126: the floor
+    rows[2] = 0
+    rows[3] = torch.full((HIDDEN,), -3.0)
+    codes, scales = fp8.quantize(rows)
+    assert scales[1] == fp8.MIN_SCALE and scales[2] == 1.0
+    assert Fp8States(codes, scales).problems() == []
+
+
+def test_a_multiplied_scale_alone_is_not_visible_from_content():
+    """Scale x 2 on one row (codes kept): every invariant still holds, so content cannot show it (documented)."""
+    state = fp8_states(9, 0)[0]
+    state.scales[3] *= 2
+    assert state.problems() == []
+
+
+def test_replaced_header_metadata_is_named(tmp_path):
+    """A sample whose header metadata was replaced (manifest updated to match) fails verify, naming the fields."""
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    from speculators_v016.store.atomic_files import write_atomic
+    from speculators_v016.store.manifest import Entry
+    from speculators_v016.store.sample_format import safetensors_parts
+
+    folder = write_folder(tmp_path / "out", [fp8_states(9, 0), fp8_states(7, 1)])
+    tensors = load_file(str(folder / "data_1.safetensors"))
+    metadata = {"format": "speculators-v016/sample-v1", "layer_ids": "1,3", "hidden_states_dtype": "bfloat16"}
+    size, sha = write_atomic(folder, "data_1.safetensors", safetensors_parts(tensors, metadata))
+    entries = Manifest(folder).entries()
+    entries[1] = Entry(1, "data_1.safetensors", size, sha, 7)
+    Manifest(folder).compact(entries)
+    assert hashlib.sha256((folder / "data_1.safetensors").read_bytes()).hexdigest() == sha
+    assert verify(folder).problems == [
+        f"{folder}/data_1.safetensors: header metadata differs from what this tool writes for data_config.json's "
+        "settings (fields hidden_states_dtype, hidden_states_scaling)"
     ]

@@ -1,0 +1,54 @@
+"""Defects a hostile review found (issue 29), against the real CLI: each case ends with the faults table's exit code."""
+
+import re
+import time
+
+import pytest
+
+from helpers.cli import conversations, generate, invoke, write_jsonl
+from speculators_v016.store.manifest import Manifest
+from speculators_v016.testing.faults import VARIABLE as FAULT
+
+COUNT = 12
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("review-data") / "chats.jsonl", conversations(COUNT, seed=29))
+
+
+def test_a_failing_writer_callback_ends_the_run_with_exit_5(tmp_path, model_dir, data_file):
+    """A writer thread's done() raising (memory the pool refuses): exit 5 naming the failure, never a hang."""
+    out = tmp_path / "out"
+    started = time.monotonic()
+    result = generate(model_dir, data_file, out, "--logit-check-samples", 0, env={FAULT: "done-raises:2"}, timeout=240)
+    assert result.exit_code == 5, result.output
+    assert time.monotonic() - started < 240
+    assert (
+        "error: WriterThreadError: a sample-writer thread failed (RuntimeError: these tensors were not taken from "
+        "this pool, or were given back twice); the run stops" in result.output
+    ), result.output
+    for entry in Manifest(out).entries().values():  # what is listed is complete
+        assert (out / entry.file).stat().st_size == entry.bytes
+    resumed = generate(model_dir, data_file, out)
+    assert resumed.exit_code == 0, resumed.output
+    assert invoke("verify", out).exit_code == 0
+
+
+def test_half_a_layer_of_zero_rows_stops_the_run_naming_the_rows(tmp_path, model_dir, data_file):
+    """Half of a layer's rows zeroed (the logit check cannot see that layer): exit 7 naming sample, layer, rows."""
+    out = tmp_path / "out"
+    args = ("--layer-ids", "2 4", "--max-samples", 6)
+    result = generate(model_dir, data_file, out, *args, env={FAULT: "half-zero-rows:1"})
+    assert result.exit_code == 7, result.output
+    match = re.search(
+        r"error: self-check failed: sample (\d+), layer 2: rows \[(\d+), (\d+), [\d, .]+\] \((\d+) of (\d+)\) are "
+        r"all 0\. No model produces this",
+        result.output,
+    )
+    assert match, result.output
+    first, second, count, length = (int(match.group(k)) for k in (2, 3, 4, 5))
+    assert (first, second, count) == (length // 2, length // 2 + 1, length - length // 2)
+    assert Manifest(out).entries() == {} and not list(out.glob("data_*.safetensors"))
+    resumed = generate(model_dir, data_file, out, *args)
+    assert resumed.exit_code == 0 and "written:    6 samples (0 already done" in resumed.output, resumed.output
