@@ -12,8 +12,8 @@ counted by reason.
 Local files are read as a stream (JSON Lines line by line, a ``.json`` array
 element by element through a 1 MiB window), so reading needs memory for the
 largest row, not for the file; the rows kept are the dataset itself. A line
-that is not UTF-8 is a bad row like one that is not JSON (named, skippable with
-``skip_bad_rows``). A folder, a file of another kind or a name upstream does not
+that is not UTF-8, or nested deeper than Python's recursion limit, is a bad row
+like one that is not JSON (named, skippable with ``skip_bad_rows``). A folder, a file of another kind or a name upstream does not
 know is refused, naming it.
 """
 
@@ -53,6 +53,7 @@ _CHUNK = 1 << 20  # bytes read at a time from a .json array
 _SPACE = re.compile(r"[ \t\n\r]*")
 _NOT_UTF8 = re.compile("[\udc80-\udcff]")  # bytes that were not UTF-8, as surrogateescape keeps them
 _DECODER = json.JSONDecoder()
+_TOO_DEEP = "JSON nested too deeply to read (arrays or objects deeper than Python's recursion limit)"
 
 
 def _line_rows(path: Path, fh):
@@ -77,6 +78,8 @@ def _line_rows(path: Path, fh):
             yield where, json.loads(line)
         except json.JSONDecodeError as exc:
             yield where, BadRowError(f"{where}: not valid JSON ({exc.msg})")
+        except RecursionError:
+            yield where, BadRowError(f"{where}: {_TOO_DEEP}")
 
 
 class _ArrayReader:
@@ -144,6 +147,8 @@ def _array_rows(path: Path, fh):
             row, raw = reader.value()
         except json.JSONDecodeError as exc:
             raise BadRowError(f"{where}: not valid JSON ({exc.msg}); the rest of the array cannot be read") from None
+        except RecursionError:
+            raise BadRowError(f"{where}: {_TOO_DEEP}; the rest of the array cannot be read") from None
         yield where, (BadRowError(f"{where}: not UTF-8 text") if _NOT_UTF8.search(raw) else row)
         index += 1
         after = reader.peek()
@@ -220,7 +225,7 @@ def load_rows(paths: list[str], skip_bad_rows: bool, hf_cache_dir: str | None):
             data = load_raw_dataset(given, cache_dir=hf_cache_dir)
             sources.append({"name": given})
             kinds.add("conversations")
-            rows.extend(("hub", _conversation(f"{given} row {i}", r)) for i, r in enumerate(data))
+            rows.extend((f"{given} row {i}", _conversation(f"{given} row {i}", r)) for i, r in enumerate(data))
             continue
         if not path.is_file():
             raise BadRowError(f"--train-data-path {given}: no such file")
@@ -251,6 +256,23 @@ def load_rows(paths: list[str], skip_bad_rows: bool, hf_cache_dir: str | None):
     if len(kinds) > 1:
         raise BadRowError("the inputs mix pre-tokenized rows (input_ids) and conversations: use one kind")
     return (kinds.pop() if kinds else "conversations"), rows, sources, skipped
+
+
+def _template_refusals(rows: list[tuple[str, list[dict]]], tokenizer) -> list[tuple[str, str]]:
+    """``(file:line, reason)`` of each conversation whose chat template raises (``raise_exception``), as upstream
+    renders it (its own normalization of the turns, without turn dropout)."""
+    from speculators.data_generation.preprocessing import _normalize_conversation
+
+    out = []
+    for where, turns in rows:
+        normalized = _normalize_conversation(turns, False)
+        if not normalized:
+            continue
+        try:
+            tokenizer.apply_chat_template(normalized, tokenize=False, add_generation_prompt=False)
+        except Exception as exc:  # noqa: BLE001 - whatever the template raises names the row
+            out.append((where, f"{type(exc).__name__}: {str(exc)[:200]}"))
+    return out
 
 
 def prepare_samples(
@@ -304,8 +326,21 @@ def prepare_samples(
         ids = [r["input_ids"].tolist() for r in built]
         masks = [r["loss_mask"].tolist() for r in built]
         rejected = len(picked) - len(ids)
-        if rejected:
-            skipped["rejected by the chat template or tokenizer"] += rejected
+        if rejected:  # upstream drops such rows with a warning naming their shuffled position: find them
+            refused = _template_refusals([rows[i] for i in order], tokenizer)
+            if refused and not skip_bad_rows:
+                where, reason = refused[0]
+                more = f" (and {len(refused) - 1} more rows)" if len(refused) > 1 else ""
+                raise BadRowError(
+                    f"{where}: rejected by the chat template of the target's tokenizer ({reason}){more}; "
+                    "--skip-bad-rows skips and counts such rows"
+                )
+            for where, reason in refused:
+                logger.warning("skipping bad row {}: rejected by the chat template ({})", where, reason)
+            if refused:
+                skipped["bad row"] += len(refused)
+            if rejected > len(refused):  # e.g. no turn of a role upstream knows
+                skipped["rejected by the chat template or tokenizer"] += rejected - len(refused)
         cut = [len(x) >= seq_length for x in ids]  # tokenized with truncation at seq_length
     keep = [i for i, m in enumerate(masks) if any(m)]
     if len(keep) != len(masks):

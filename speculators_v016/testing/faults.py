@@ -34,10 +34,10 @@ modules carry no fault points: each fault wraps one of their seams here.
 * ``wrong-layer:n``: from the ``n``-th sample on, the middle captured layer
   holds the layer captured before it, as if its tap read the wrong layer
   (wraps :meth:`CaptureEngine.stream`).
-* ``done-raises:n``: the ``n``-th sample whose file is written hands back
-  memory the buffer pool refuses (its ``done`` callback raises on a writer
-  thread, as with a layer tensor that did not come from the pool; wraps
-  :meth:`BufferPool.give_back`).
+* ``done-raises:n``: from the ``n``-th sample whose file is written on, the
+  memory handed back is refused by the buffer pool (the ``done`` callback
+  raises on a writer thread, as with layer tensors that did not come from the
+  pool; wraps :meth:`BufferPool.give_back`).
 * ``half-zero-rows:n``: from the ``n``-th sample the engine yields on, the
   first captured layer's second half of rows is 0 (a copy that stopped half
   way; wraps :meth:`CaptureEngine.stream`).
@@ -217,9 +217,11 @@ def install() -> None:
         from speculators_v016.engine.buffer_pool import BufferPool
 
         original_give_back = BufferPool.give_back
+        refusing = []
 
         def give_back(self, tensors):
-            if _armed(point):
+            if refusing or _armed(point):
+                refusing.append(True)
                 raise RuntimeError("these tensors were not taken from this pool, or were given back twice")
             return original_give_back(self, tensors)
 

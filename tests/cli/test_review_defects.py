@@ -1,6 +1,8 @@
 """Defects a hostile review found (issue 29), against the real CLI: each case ends with the faults table's exit code."""
 
+import json
 import re
+import shutil
 import time
 
 import pytest
@@ -52,3 +54,44 @@ def test_half_a_layer_of_zero_rows_stops_the_run_naming_the_rows(tmp_path, model
     assert Manifest(out).entries() == {} and not list(out.glob("data_*.safetensors"))
     resumed = generate(model_dir, data_file, out, *args)
     assert resumed.exit_code == 0 and "written:    6 samples (0 already done" in resumed.output, resumed.output
+
+
+def test_a_deeply_nested_row_is_bad_input_naming_file_and_line(tmp_path, model_dir):
+    """100,000 nested arrays on line 2: exit 3 naming file:2 (was exit 5, RecursionError); skippable."""
+    rows = conversations(3)
+    data = tmp_path / "deep.jsonl"
+    deep = "[" * 100_000 + "]" * 100_000
+    data.write_text(json.dumps(rows[0]) + "\n" + deep + "\n" + json.dumps(rows[1]) + "\n" + json.dumps(rows[2]) + "\n")
+    result = generate(model_dir, data, tmp_path / "out")
+    assert result.exit_code == 3, result.output
+    assert f"error: {data}:2: JSON nested too deeply to read" in result.output, result.output
+    assert "RecursionError" not in result.output
+    skipped = generate(model_dir, data, tmp_path / "out2", "--skip-bad-rows")
+    assert skipped.exit_code == 0 and "skipped:    1 bad row" in skipped.output, skipped.output
+    assert len(Manifest(tmp_path / "out2").entries()) == 3
+
+
+def test_a_row_the_chat_template_rejects_is_bad_input_naming_file_and_line(tmp_path, model_dir):
+    """A row the target's template rejects (raise_exception), on line 3: exit 3 naming file:3; skippable."""
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    template = model / "chat_template.jinja"
+    template.write_text(
+        "{% for message in messages %}{% if message['content'] == 'REJECT ME' %}"
+        "{{ raise_exception('this template refuses the row') }}{% endif %}{% endfor %}" + template.read_text()
+    )
+    rows = conversations(4)
+    rows.insert(2, {"messages": [{"role": "user", "content": "REJECT ME"}, {"role": "assistant", "content": "ok"}]})
+    data = write_jsonl(tmp_path / "chats.jsonl", rows)
+    result = generate(model, data, tmp_path / "out")
+    assert result.exit_code == 3, result.output
+    assert (
+        f"error: {data}:3: rejected by the chat template of the target's tokenizer (TemplateError: this template "
+        "refuses the row); --skip-bad-rows skips and counts such rows" in result.output
+    ), result.output
+    assert not (tmp_path / "out" / "manifest.jsonl").exists()
+    skipped = generate(model, data, tmp_path / "out2", "--skip-bad-rows")
+    assert skipped.exit_code == 0 and "skipped:    1 bad row" in skipped.output, skipped.output
+    assert "rejected by the chat template or tokenizer" not in skipped.output
+    log = next((tmp_path / "out2" / "logs").glob("run-*.log")).read_text()
+    assert f"skipping bad row {data}:3: rejected by the chat template (TemplateError" in log

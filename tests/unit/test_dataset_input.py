@@ -109,3 +109,54 @@ def test_reading_needs_memory_for_a_row_not_the_file(tmp_path, suffix):
     overhead = peak - kept
     assert overhead < 4 * (1 << 20) + 8 * largest, (overhead, data.stat().st_size)
     assert overhead < data.stat().st_size / 2
+
+
+def test_a_deeply_nested_line_is_a_bad_row_naming_file_and_line(tmp_path):
+    """100,000 nested arrays on line 2: BadRowError naming file:2 (not RecursionError); skipped and counted."""
+    data = tmp_path / "chats.jsonl"
+    deep = "[" * 100_000 + "]" * 100_000
+    data.write_text(json.dumps(chat(0)) + "\n" + deep + "\n" + json.dumps(chat(2)) + "\n")
+    with pytest.raises(BadRowError, match=rf"^{data}:2: JSON nested too deeply to read"):
+        load_rows([str(data)], skip_bad_rows=False, hf_cache_dir=None)
+    _, rows, _, skipped = load_rows([str(data)], skip_bad_rows=True, hf_cache_dir=None)
+    assert [where for where, _ in rows] == [f"{data}:1", f"{data}:3"] and skipped == {"bad row": 1}
+
+
+def test_a_deeply_nested_array_element_is_a_bad_row(tmp_path):
+    """In a .json array, an element nested too deeply is a BadRowError naming it, never a RecursionError."""
+    data = tmp_path / "chats.json"
+    data.write_text("[" + json.dumps(chat(0)) + ", " + "[" * 100_000 + "]" * 100_000 + "]")
+    with pytest.raises(BadRowError, match=rf"^{data} row 1: JSON nested too deeply to read"):
+        load_rows([str(data)], skip_bad_rows=False, hf_cache_dir=None)
+
+
+REJECTING = (
+    "{% for message in messages %}{% if message['content'] == 'REJECT ME' %}"
+    "{{ raise_exception('this template refuses the row') }}{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def rejecting_tokenizer():
+    from speculators_v016.testing.tiny_models import CHAT_TEMPLATE, train_tokenizer
+
+    tok = train_tokenizer(["question answer word " * 20, "REJECT ME"], vocab_size=300)
+    assert tok.chat_template == CHAT_TEMPLATE
+    tok.chat_template = REJECTING
+    return tok
+
+
+def test_a_row_the_chat_template_rejects_names_file_and_line(tmp_path, rejecting_tokenizer):
+    """A row the template rejects (raise_exception) is a BadRowError naming file:line, not a silent drop."""
+    data = tmp_path / "chats.jsonl"
+    bad = {"conversations": [{"from": "human", "value": "REJECT ME"}, {"from": "gpt", "value": "answer"}]}
+    data.write_text("".join(json.dumps(r) + "\n" for r in [chat(0), chat(1), bad, chat(3)]))
+    with pytest.raises(BadRowError) as raised:
+        prepare_samples([str(data)], rejecting_tokenizer, 64, num_proc=1)
+    assert str(raised.value) == (
+        f"{data}:3: rejected by the chat template of the target's tokenizer (TemplateError: this template "
+        "refuses the row); --skip-bad-rows skips and counts such rows"
+    )
+    samples = prepare_samples([str(data)], rejecting_tokenizer, 64, num_proc=1, skip_bad_rows=True)
+    assert len(samples) == 3 and dict(samples.skipped) == {"bad row": 1}
