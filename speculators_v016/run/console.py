@@ -211,10 +211,33 @@ class Console:
         stream.write(line + "\n")
         stream.flush()
 
+    def log_trouble(self) -> str | None:
+        """Why the log file cannot be written (its disk full, a quota), or None while it can: what is pending
+        for it is flushed and one newline written to it, so a full disk shows now."""
+        if self._saved is None or self.log_file is None:
+            return None
+        try:
+            sys.stderr.flush()
+            os.write(2, b"\n")
+        except OSError as exc:
+            return exc.strerror or str(exc)
+        return None
+
+    def _warn_log(self, trouble: str) -> None:
+        self.echo(
+            f"warning: the log {self.log_file} could not be written ({trouble}): it holds nothing or only "
+            "its start; run again with -v to see everything on the terminal",
+            err=True,
+        )
+
     def failure(self, message: str) -> None:
-        """Our explanation, then where the full log is and its last lines."""
+        """Our explanation, then where the full log is and its last lines (or that it could not be written)."""
         self.echo(message, err=True)
         if self.log_file is None:
+            return
+        trouble = self.log_trouble()
+        if trouble:
+            self._warn_log(trouble)
             return
         try:
             sys.stdout.flush()
@@ -239,7 +262,12 @@ class Console:
             pass
 
     def where(self) -> None:
-        if self.log_file is not None:
+        if self.log_file is None:
+            return
+        trouble = self.log_trouble()
+        if trouble:
+            self._warn_log(trouble)
+        else:
             self.echo(f"log:        {self.log_file}", summary=True)
 
 

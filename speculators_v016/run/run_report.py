@@ -32,12 +32,19 @@ def exit_code(exc: BaseException) -> ExitCode:
     return ExitCode.GENERATION_FAILED
 
 
-def _message(exc: BaseException, code: int) -> str:
-    """What the terminal says: our message; the exception's type only where it is not one of ours (5)."""
+def _message(exc: BaseException, code: int, log_trouble: str | None = None, log_file=None) -> str:
+    """What the terminal says: our message; the exception's type only where it is not one of ours (5). A full
+    disk naming no file, while the log cannot be written, was the log's (the output of vLLM, datasets, tqdm
+    goes there)."""
     from speculators_v016.store.atomic_files import WriteError
 
     if code == ExitCode.WRITE_FAILED and not isinstance(exc, WriteError) and getattr(exc, "filename", None):
         return f"error: cannot write {exc.filename}: {exc.strerror}"
+    if code == ExitCode.WRITE_FAILED and not isinstance(exc, WriteError) and log_trouble:
+        return (
+            f"error: cannot write the log {log_file}: {getattr(exc, 'strerror', None) or exc} (the output of "
+            "vLLM, torch and the dataset tools goes there); free space there, or run with -v"
+        )
     return f"error: {exc}" if code != ExitCode.GENERATION_FAILED else f"error: {type(exc).__name__}: {exc}"
 
 
@@ -54,7 +61,8 @@ def run_and_report(opts, console, verify_after: bool = True) -> int:
         return ExitCode.INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - every failure gets a message and an exit code
         code = exit_code(exc)
-        console.failure(_message(exc, code))
+        trouble = console.log_trouble() if code == 6 else None
+        console.failure(_message(exc, code, trouble, console.log_file))
         console.log_exception(exc)  # the log (or, with --verbose, the terminal)
         return code
     for line in summary.lines():

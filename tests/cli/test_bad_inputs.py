@@ -221,3 +221,39 @@ def test_verify_reports_a_broken_manifest_as_a_finding(tmp_path):
     assert "Traceback" not in result.output
     with pytest.raises(ValueError):
         Manifest(out).entries()
+
+
+def _full_logs(out) -> str:
+    return (
+        f"mount -t tmpfs -o size=16k tmpfs {out}/logs && (dd if=/dev/zero of={out}/logs/filler bs=4k 2>/dev/null; true)"
+    )
+
+
+@needs_mount_ns
+def test_a_full_log_disk_with_a_good_dataset_names_the_log(tmp_path, model_dir, data_file):
+    """The log's disk full, a good dataset: exit 6 naming the log file (was: a bare [Errno 28]), and a warning."""
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    result = invoke_in_namespace(_full_logs(out), *run_args(model_dir, data_file, out))
+    assert result.exit_code == 6, result.output
+    log = re.search(r"error: cannot write the log (\S+/logs/run-[\d-]+\.log): No space left on device", result.output)
+    assert log, result.output
+    assert f"warning: the log {log.group(1)} could not be written (No space left on device)" in result.output
+    assert "Traceback" not in result.output
+
+
+@needs_mount_ns
+def test_a_full_log_disk_with_a_bad_dataset_warns_of_the_log(tmp_path, model_dir):
+    """The log's disk full, a bad row: exit 3 naming the row, and a warning that the log could not be written."""
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps(conversations(1)[0]) + "\n{not json\n")
+    result = invoke_in_namespace(_full_logs(out), *run_args(model_dir, data, out))
+    assert_one_message(result, 3, f"{data}:2: not valid JSON")
+    assert re.search(
+        r"warning: the log \S+/logs/run-[\d-]+\.log could not be written \(No space left on device\): it holds "
+        r"nothing or only its start",
+        result.output,
+    ), result.output
+    assert "last lines of the log" not in result.output
