@@ -25,6 +25,7 @@ import os
 import re
 from pathlib import Path
 
+from speculators_v016.engine.shm_records import RECORDS_PREFIX
 from speculators_v016.store.atomic_files import TMP_PREFIX, WriteError
 from speculators_v016.store.manifest import NAME as MANIFEST
 from speculators_v016.store.sample_format import parse_sample_name
@@ -34,6 +35,9 @@ LOCK = ".speculators-data-gen.lock"
 SHARD_DIR = re.compile(r"^shard-(\d{5})-of-(\d{5})$")
 LOGS = "logs"  # the CLI's log files (speculators_v016.run.console)
 OURS = {CONFIG, MANIFEST, LOCK, LOGS}
+# the shared-memory records folder of runs with the multiprocess executor: in /dev/shm itself, so in an
+# --output-dir of /dev/shm (speculators_v016.engine.shm_records); ours, never a sample or a run's file
+SHM_RECORDS = re.compile(rf"^{re.escape(RECORDS_PREFIX)}\d+$")
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
@@ -42,12 +46,22 @@ class OutputDirError(RuntimeError):
 
 
 def is_ours(name: str) -> bool:
-    return name in OURS or name.startswith(TMP_PREFIX) or parse_sample_name(name) is not None
+    return (
+        name in OURS
+        or name.startswith(TMP_PREFIX)
+        or parse_sample_name(name) is not None
+        or SHM_RECORDS.match(name) is not None
+    )
+
+
+def _beside_any_run(name: str) -> bool:
+    """Logs, the lock, shared-memory records: what may sit beside either layout."""
+    return name in (LOGS, LOCK) or SHM_RECORDS.match(name) is not None
 
 
 def unsharded_run_files(names) -> list[str]:
-    """Of a folder's ``names``, those an unsharded run writes beside its samples (not logs, not the lock)."""
-    return sorted(n for n in names if is_ours(n) and n not in (LOGS, LOCK))
+    """Of a folder's ``names``, those an unsharded run writes beside its samples (not logs, the lock, records)."""
+    return sorted(n for n in names if is_ours(n) and not _beside_any_run(n))
 
 
 def _summary(names: list[str]) -> str:
@@ -176,7 +190,7 @@ class ShardedRoot:
                 f"--output-dir {self.path} holds shard folders of a run split another way ({_summary(others)}); "
                 f"this run is split {self.count} ways: use another --output-dir, or the same --num-shards"
             )
-        foreign = sorted(n for n in names if not SHARD_DIR.match(n) and n not in (LOGS, LOCK))
+        foreign = sorted(n for n in names if not SHARD_DIR.match(n) and not _beside_any_run(n))
         if foreign:
             raise OutputDirError(
                 f"--output-dir {self.path} holds files this tool did not write "

@@ -1,13 +1,16 @@
 """Defects a hostile review found (issue 29), against the real CLI: each case ends with the faults table's exit code."""
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
 
-from helpers.cli import conversations, generate, invoke, write_jsonl
+from helpers.cli import CPU, conversations, generate, invoke, write_jsonl
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.testing.faults import VARIABLE as FAULT
 
@@ -95,3 +98,35 @@ def test_a_row_the_chat_template_rejects_is_bad_input_naming_file_and_line(tmp_p
     assert "rejected by the chat template or tokenizer" not in skipped.output
     log = next((tmp_path / "out2" / "logs").glob("run-*.log")).read_text()
     assert f"skipping bad row {data}:3: rejected by the chat template (TemplateError" in log
+
+
+SHM_RUNS = """mount -t tmpfs tmpfs /dev/shm || exit 99
+PY="$1"; shift
+run() { "$PY" -m speculators_v016.run.cli --target-model-path "$1" --train-data-path "$2" --output-dir /dev/shm \\
+    --seq-length 256 --token-freq-path "" --executor mp --max-samples 4; }
+run "$@"; echo "first run: $?"
+run "$@"; echo "resume: $?"
+"$PY" -m speculators_v016.run.cli verify /dev/shm; echo "verify: $?"
+ls -a /dev/shm
+"""
+
+
+@pytest.mark.skipif(not shutil.which("unshare"), reason="needs unshare for a private /dev/shm")
+def test_output_dir_dev_shm_with_the_mp_executor(tmp_path, model_dir, data_file):
+    """--output-dir /dev/shm (a private one) with --executor mp: the run's post-run check, a resume and verify
+    accept the run's own shared-memory records folder (were: exit 1, then exit 4)."""
+    script = tmp_path / "runs.sh"
+    script.write_text(SHM_RUNS)
+    proc = subprocess.run(
+        ["unshare", "-rm", "sh", str(script), sys.executable, model_dir, data_file],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **CPU},
+        timeout=600,
+    )
+    output = proc.stdout + proc.stderr
+    if "exit 99" in output or proc.returncode == 99:
+        pytest.skip("no private mount namespace here")
+    assert "first run: 0" in output and "resume: 0" in output and "verify: 0" in output, output
+    assert "files this tool did not write" not in output and "not a file of this tool" not in output, output
+    assert re.search(r"^speculators-v016-runs-\d+$", output, re.M), output  # the records folder was there

@@ -1,6 +1,9 @@
 """One --output-dir, one layout: an unsharded run or shard folders of one count, never both (a trainer reads the
 folder recursively)."""
 
+import os
+from pathlib import Path
+
 import pytest
 
 from speculators_v016.store.outdir import LOCK, OutputDir, OutputDirError, ShardedRoot, shard_dir
@@ -53,3 +56,36 @@ def test_an_output_dir_under_a_file_is_refused_by_name(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(OutputDirError, match=rf"cannot create or read {tmp_path}/file/out \(Not a directory\)"):
         OutputDir(tmp_path / "file" / "out").open()
+
+
+def test_the_shared_memory_records_folder_is_never_a_foreign_file(tmp_path):
+    """An --output-dir of /dev/shm holds the mp executor's records folder: resumes, shard roots, verify accept it."""
+    from test_verify_findings import make_folder  # a folder as a run writes it
+
+    from speculators_v016.engine.shm_records import records_path
+    from speculators_v016.store.outdir import unsharded_run_files
+    from speculators_v016.store.verify import verify
+
+    out = make_folder(tmp_path / "shm")
+    records = Path(records_path(str(out)))
+    records.mkdir()
+    (records / "run-1.json").write_text("{}")
+    with OutputDir(out):  # a resume: not "files this tool did not write"
+        pass
+    report = verify(out)
+    assert report.ok, report.problems
+    assert unsharded_run_files(os.listdir(out)) == [
+        "data_0.safetensors",
+        "data_1.safetensors",
+        "data_2.safetensors",
+        "data_config.json",
+        "manifest.jsonl",
+    ]
+    sharded = tmp_path / "shm-sharded"
+    (sharded / records.name).mkdir(parents=True)
+    with ShardedRoot(sharded, 2), OutputDir(shard_dir(sharded, 0, 2)):
+        pass
+    assert (tmp_path / "shm-sharded" / records.name).is_dir()
+    (out / "speculators-v016-runs-x").mkdir()  # not a records folder's name: foreign
+    with pytest.raises(OutputDirError, match=r"holds files this tool did not write \(speculators-v016-runs-x\)"):
+        OutputDir(out).open()
