@@ -61,7 +61,7 @@ def run_and_report(opts, console, verify_after: bool = True) -> int:
         return ExitCode.INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - every failure gets a message and an exit code
         code = exit_code(exc)
-        trouble = console.log_trouble() if code == 6 else None
+        trouble = console.log_trouble() if code == ExitCode.WRITE_FAILED else None
         console.failure(_message(exc, code, trouble, console.log_file))
         console.log_exception(exc)  # the log (or, with --verbose, the terminal)
         return code

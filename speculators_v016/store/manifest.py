@@ -85,13 +85,23 @@ class Manifest:
 
     def _read(self) -> tuple[dict[int, Entry], bool]:
         """(entries by sample index, whether the file ends in a torn line)."""
+        entries, torn, _ = self._parse()
+        return entries, torn
+
+    def duplicates(self) -> list[tuple[int, int, int]]:
+        """``(line, sample index, line that listed it first)`` for each line listing a sample again."""
+        return self._parse()[2]
+
+    def _parse(self) -> tuple[dict[int, Entry], bool, list[tuple[int, int, int]]]:
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:
-            return {}, False
+            return {}, False, []
         except OSError as exc:
             raise ManifestError(f"{self.path}: cannot be read ({exc.strerror or exc})") from exc
         out: dict[int, Entry] = {}
+        first: dict[int, int] = {}
+        again: list[tuple[int, int, int]] = []
         lines = data.split(b"\n")
         for number, line in enumerate(lines, 1):
             if not line.strip():
@@ -104,8 +114,11 @@ class Manifest:
                 raise ManifestError(
                     f"{self.path}:{number}: not a manifest entry of this tool ({type(exc).__name__}: {str(exc)[:120]})"
                 ) from exc
+            if entry.index in first:
+                again.append((number, entry.index, first[entry.index]))
+            first.setdefault(entry.index, number)
             out[entry.index] = entry
-        return out, bool(lines[-1])
+        return out, bool(lines[-1]), again
 
     def entries(self) -> dict[int, Entry]:
         """Entries by sample index; a torn last line (crash mid-append) is ignored."""

@@ -69,6 +69,21 @@ def differences(old, new, prefix: str = "") -> list[str]:
     return [] if old == new else [f"{prefix.rstrip('.')}: {old!r} -> {new!r}"]
 
 
+#: Fingerprint fields left out where they hold their default (so folders of earlier releases still resume),
+#: compared and named as that default: a refused resume says ``'fp8_e4m3' -> 'auto'``, never ``-> None``.
+FINGERPRINT_DEFAULTS = {("generation", "hidden_states_dtype"): "auto"}
+
+
+def _with_defaults(fingerprint) -> dict:
+    if not isinstance(fingerprint, dict):
+        return fingerprint
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in fingerprint.items()}
+    for (section, key), value in FINGERPRINT_DEFAULTS.items():
+        if isinstance(out.get(section), dict):
+            out[section].setdefault(key, value)
+    return out
+
+
 def load(directory: Path) -> dict | None:
     path = Path(directory) / CONFIG
     if not path.exists():
@@ -97,7 +112,7 @@ def check_resume(directory: Path, fingerprint: dict, has_samples: bool) -> dict 
         raise ResumeMismatchError(
             f"{directory}/{CONFIG} was not written by speculators-data-gen (no fingerprint); use another folder"
         )
-    diff = differences(ours, fingerprint)
+    diff = differences(_with_defaults(ours), _with_defaults(fingerprint))
     if diff:
         raise ResumeMismatchError(
             f"{directory} was generated with other settings; resuming would mix samples. Differs:\n  "

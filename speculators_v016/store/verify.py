@@ -2,9 +2,12 @@
 
 Checks, per folder (or per shard folder, plus their union): ``data_config.json``
 is present; no temporary leftovers and no foreign files (those are reported,
-never opened); every manifest entry's file exists with the recorded size and
-digest (BLAKE3 or sha256, as the entry names it); every file parses
-(safetensors, or ``.pt`` with ``weights_only``), has the recorded number of layers, ``[T, hidden_size]`` states of the recorded
+never opened); every sample listed once in the manifest; every manifest entry's
+file exists, is a regular file (a link in its place is reported, never
+followed) with the recorded size and
+digest (BLAKE3 or sha256, as the entry names it; one that cannot be read is a
+finding, and the others are still checked); every file parses (safetensors, or ``.pt`` with ``weights_only``),
+has the recorded number of layers, ``[T, hidden_size]`` states of the recorded
 dtype, a 0/1 loss mask as long as ``input_ids``, no NaN/Inf (FP8 storage:
 e4m3 codes ``[T, hidden_size]``, float32 scales ``[T]`` that are finite and
 > 0, no NaN code, finite once dequantized), and no row that
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -209,6 +213,26 @@ def _fp8_problems(h: fp8.Fp8States, length: int, hidden: int) -> list[str]:
     return problems
 
 
+def _file_kind(path: Path) -> str | None:
+    """Why ``path`` is not a sample file as this tool writes them (a regular file, not a link), or None."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return "listed in the manifest but missing"
+    if stat.S_ISLNK(info.st_mode):
+        return "a symbolic link, not the file this tool wrote (not followed)"
+    if not stat.S_ISREG(info.st_mode):
+        return "not a regular file"
+    return None
+
+
+def _read_regular(path: Path) -> bytes:
+    """The bytes of ``path``, never through a link that replaced it since it was checked."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as fh:
+        return fh.read()
+
+
 def verify_folder(
     folder: Path, report: Report, seen: dict[int, Path], partial: bool = False, deep: bool = True
 ) -> FolderSettings | None:
@@ -242,7 +266,12 @@ def _verify_folder(
         for n in names
         if not is_ours(n) and not SHARD_DIR.match(n)
     ]
-    entries = Manifest(folder).entries()
+    manifest = Manifest(folder)
+    entries = manifest.entries()
+    report.problems += [
+        f"{manifest.path}:{line}: sample {index} listed again (first on line {first})"
+        for line, index, first in manifest.duplicates()
+    ]
     listed = {e.file for e in entries.values()}
     for name in names:
         parsed = parse_sample_name(name)
@@ -258,16 +287,21 @@ def _verify_folder(
         if index in seen:
             report.problems.append(f"sample {index} exists twice: {seen[index]} and {path}")
         seen[index] = path
-        if not path.is_file():
-            report.problems.append(f"{path}: listed in the manifest but missing")
+        try:
+            kind = _file_kind(path)
+            if kind:
+                report.problems.append(f"{path}: {kind}")
+                continue
+            if not deep:  # quick: names, sizes, completeness; contents were checked as they were made
+                if path.stat().st_size != entry.bytes:
+                    report.problems.append(f"{path}: size differs from the manifest")
+                report.samples += 1
+                report.tokens += entry.tokens
+                continue
+            data = _read_regular(path)
+        except OSError as exc:  # this sample is a finding; the others are still checked
+            report.problems.append(f"{path}: cannot be read ({exc.strerror or exc})")
             continue
-        if not deep:  # quick: names, sizes, completeness; contents were checked as they were made
-            if path.stat().st_size != entry.bytes:
-                report.problems.append(f"{path}: size differs from the manifest")
-            report.samples += 1
-            report.tokens += entry.tokens
-            continue
-        data = path.read_bytes()
         if len(data) != entry.bytes or checksum.of_bytes(data, entry.algorithm) != entry.digest:
             report.problems.append(f"{path}: size or {entry.algorithm} differs from the manifest")
             continue

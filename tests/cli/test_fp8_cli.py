@@ -204,7 +204,7 @@ def test_resume_with_another_storage_is_refused(fp8_run, wide_model, data_file, 
     (out / sorted(p.name for p in out.glob("data_*.safetensors"))[0]).unlink()
     result = generate(wide_model, data_file, out, "--token-freq-path", "")
     assert result.exit_code == 4, result.output
-    assert "generation.hidden_states_dtype: 'fp8_e4m3' -> None" in result.output
+    assert "generation.hidden_states_dtype: 'fp8_e4m3' -> 'auto'" in result.output  # the option's value
 
 
 @pytest.mark.parametrize("fault", ["shift-check", "wrong-layer-check"])

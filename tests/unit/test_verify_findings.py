@@ -282,3 +282,48 @@ def test_the_run_screen_sees_fp8_rows():
             "rows [4, 5, 6, 7] (4 of 8) are all 0; rows [0, 1] (2 of 8) hold the same row, though their tokens differ",
         )
     ]
+
+
+def test_a_sample_replaced_by_a_symlink_is_a_finding(tmp_path):
+    """A sample file replaced by a link to an identical copy fails verify (deep and quick), never followed."""
+    out = make_folder(tmp_path / "out")
+    copy = tmp_path / "elsewhere.safetensors"
+    copy.write_bytes((out / "data_1.safetensors").read_bytes())
+    (out / "data_1.safetensors").unlink()
+    (out / "data_1.safetensors").symlink_to(copy)
+    for deep in (True, False):
+        report = verify(out, deep=deep)
+        assert report.problems == [
+            f"{out}/data_1.safetensors: a symbolic link, not the file this tool wrote (not followed)"
+        ], report.problems
+
+
+def test_a_duplicated_manifest_line_is_a_finding(tmp_path):
+    """A manifest line appearing twice fails verify, naming the line and the one that listed the sample first."""
+    out = make_folder(tmp_path / "out")
+    lines = (out / NAME).read_text().splitlines(keepends=True)
+    (out / NAME).write_text("".join(lines + [lines[1]]))
+    report = verify(out)
+    assert report.problems == [f"{out}/{NAME}:4: sample 1 listed again (first on line 2)"], report.problems
+
+
+def test_every_unreadable_sample_is_reported(tmp_path):
+    """Two samples the user cannot read: `verify` names both and checks the rest (it stopped at the first)."""
+    import os
+    import subprocess
+    import sys
+
+    out = make_folder(tmp_path / "out", count=6)
+    for i in (1, 4):
+        (out / f"data_{i}.safetensors").chmod(0)
+    prefix = ["unshare", "--user", "--map-user=1000", "--map-group=1000"] if os.geteuid() == 0 else []
+    if prefix and subprocess.run([*prefix, "true"], capture_output=True).returncode != 0:
+        pytest.skip("running as root, and no user namespace to drop it")
+    cmd = [*prefix, sys.executable, "-m", "speculators_v016.run.cli", "-q", "verify", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output
+    for i in (1, 4):
+        assert f"FAIL {out}/data_{i}.safetensors: cannot be read (Permission denied)" in output, output
+    assert "cannot be verified" not in output
+    assert "FAILED: 4 samples" in output, output  # the four readable ones were all checked
