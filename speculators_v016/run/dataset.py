@@ -130,6 +130,46 @@ class _ArrayReader:
             self._more()
 
 
+_STRUCTURE = re.compile(r'[\[\]{}"]')
+_STRING_END = re.compile(r'["\\]')
+
+
+def _skip_value(reader: _ArrayReader) -> bool:
+    """Move ``reader`` past the array or object at its position without parsing it (one too deeply nested to
+    parse): brackets counted outside strings. False where the text ends first."""
+    reader.peek()
+    offset, depth, in_string = 0, 0, False  # offset: from reader.pos, which _more() moves
+    while True:
+        text = reader.text
+        at = reader.pos + offset
+        match = (_STRING_END if in_string else _STRUCTURE).search(text, at)
+        if match is None:
+            offset = len(text) - reader.pos
+            if not reader._more():
+                return False
+            continue
+        char, offset = match.group(), match.end() - reader.pos
+        if in_string:
+            if char == "\\":
+                if match.end() >= len(text):  # the escaped character is in the next block
+                    offset -= 1
+                    if not reader._more():
+                        return False
+                    continue
+                offset += 1
+            else:
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+        else:
+            depth -= 1
+            if depth <= 0:
+                reader.pos += offset
+                return True
+
+
 def _array_rows(path: Path, fh):
     """Yield (where, row or BadRowError) per element of a .json array, one element in memory at a time."""
     reader = _ArrayReader(fh)
@@ -148,8 +188,11 @@ def _array_rows(path: Path, fh):
         except json.JSONDecodeError as exc:
             raise BadRowError(f"{where}: not valid JSON ({exc.msg}); the rest of the array cannot be read") from None
         except RecursionError:
-            raise BadRowError(f"{where}: {_TOO_DEEP}; the rest of the array cannot be read") from None
-        yield where, (BadRowError(f"{where}: not UTF-8 text") if _NOT_UTF8.search(raw) else row)
+            if reader.peek() not in ("[", "{") or not _skip_value(reader):
+                raise BadRowError(f"{where}: {_TOO_DEEP}; the rest of the array cannot be read") from None
+            yield where, BadRowError(f"{where}: {_TOO_DEEP}")
+        else:
+            yield where, (BadRowError(f"{where}: not UTF-8 text") if _NOT_UTF8.search(raw) else row)
         index += 1
         after = reader.peek()
         if after == "]":

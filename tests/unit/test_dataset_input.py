@@ -122,12 +122,18 @@ def test_a_deeply_nested_line_is_a_bad_row_naming_file_and_line(tmp_path):
     assert [where for where, _ in rows] == [f"{data}:1", f"{data}:3"] and skipped == {"bad row": 1}
 
 
-def test_a_deeply_nested_array_element_is_a_bad_row(tmp_path):
-    """In a .json array, an element nested too deeply is a BadRowError naming it, never a RecursionError."""
+def test_a_deeply_nested_array_element_is_a_bad_row(tmp_path, monkeypatch):
+    """In a .json array, an element nested too deeply is a BadRowError naming it (never a RecursionError), and
+    --skip-bad-rows skips just that element, strings with brackets and escapes inside it included."""
+    monkeypatch.setattr("speculators_v016.run.dataset._CHUNK", 4096)  # the element spans many blocks
     data = tmp_path / "chats.json"
-    data.write_text("[" + json.dumps(chat(0)) + ", " + "[" * 100_000 + "]" * 100_000 + "]")
+    deep = '{"a": ' + "[" * 50_000 + '"]} \\" ]\\\\", {"b": "[["}' + "]" * 50_000 + "}"
+    data.write_text("[" + json.dumps(chat(0)) + ", " + deep + ",\n" + json.dumps(chat(2)) + "]")
     with pytest.raises(BadRowError, match=rf"^{data} row 1: JSON nested too deeply to read"):
         load_rows([str(data)], skip_bad_rows=False, hf_cache_dir=None)
+    _, rows, _, skipped = load_rows([str(data)], skip_bad_rows=True, hf_cache_dir=None)
+    assert [where for where, _ in rows] == [f"{data} row 0", f"{data} row 2"] and skipped == {"bad row": 1}
+    assert rows[1][1][0]["value"] == chat(2)["conversations"][0]["value"]
 
 
 REJECTING = (
