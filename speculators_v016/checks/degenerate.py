@@ -35,6 +35,8 @@ def _columns(hidden: int) -> torch.Tensor:
 
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: Odd multipliers of the row hash (fixed, so a run and verify group alike; integer sums wrap exactly).
+_MIX = torch.randint(-(2**62), 2**62, (_COLUMNS + 1,), generator=torch.Generator().manual_seed(29)) | 1
 
 
 def _bits(h: torch.Tensor | Fp8States, rows=slice(None)) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -77,10 +79,6 @@ def _candidates(h: torch.Tensor | Fp8States) -> tuple[list[int], list[list[int]]
     bounds = starts.tolist() + [len(ranked)]
     groups = [order[a:b].sort().values.tolist() for a, b in zip(bounds, bounds[1:]) if b - a > 1]
     return zero, groups
-
-
-#: Odd multipliers of the row hash (fixed, so a run and verify group alike).
-_MIX = torch.randint(-(2**62), 2**62, (_COLUMNS + 1,), generator=torch.Generator().manual_seed(29)) | 1
 
 
 def _name(rows: list[int], length: int) -> str:
