@@ -23,7 +23,10 @@ class ExitCode(enum.IntEnum):
         "output folder refused (foreign files, locked, settings differ from the run being resumed, "
         "not writable, another layout)",
     )
-    GENERATION_FAILED = 5, "generation failed (engine, model, NaN/Inf limit)"
+    GENERATION_FAILED = (
+        5,
+        "generation failed (engine, model, NaN/Inf limit, a writer thread failing other than by the disk)",
+    )
     WRITE_FAILED = 6, "a file could not be written (disk full)"
     SELF_CHECK_FAILED = (
         7,

@@ -25,7 +25,7 @@ import os
 import re
 from pathlib import Path
 
-from speculators_v016.engine.shm_records import RECORDS_PREFIX
+from speculators_v016.shared.shm_records import RECORDS_PREFIX
 from speculators_v016.store.atomic_files import TMP_PREFIX, WriteError
 from speculators_v016.store.manifest import NAME as MANIFEST
 from speculators_v016.store.sample_format import parse_sample_name
@@ -36,7 +36,7 @@ SHARD_DIR = re.compile(r"^shard-(\d{5})-of-(\d{5})$")
 LOGS = "logs"  # the CLI's log files (speculators_v016.run.console)
 OURS = {CONFIG, MANIFEST, LOCK, LOGS}
 # the shared-memory records folder of runs with the multiprocess executor: in /dev/shm itself, so in an
-# --output-dir of /dev/shm (speculators_v016.engine.shm_records); ours, never a sample or a run's file
+# --output-dir of /dev/shm (speculators_v016.shared.shm_records); ours, never a sample or a run's file
 SHM_RECORDS = re.compile(rf"^{re.escape(RECORDS_PREFIX)}\d+$")
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 

@@ -19,7 +19,7 @@ DOCUMENTED = {
     3: "bad input data",
     4: "output folder refused (foreign files, locked, settings differ from the run being resumed, not writable, "
     "another layout)",
-    5: "generation failed (engine, model, NaN/Inf limit)",
+    5: "generation failed (engine, model, NaN/Inf limit, a writer thread failing other than by the disk)",
     6: "a file could not be written (disk full)",
     7: "the run's self-check failed (captured states do not reproduce the model's logits, or no model produces "
     "them): nothing it judged was written",

@@ -62,7 +62,7 @@ def test_the_shared_memory_records_folder_is_never_a_foreign_file(tmp_path):
     """An --output-dir of /dev/shm holds the mp executor's records folder: resumes, shard roots, verify accept it."""
     from test_verify_findings import make_folder  # a folder as a run writes it
 
-    from speculators_v016.engine.shm_records import records_path
+    from speculators_v016.shared.shm_records import records_path
     from speculators_v016.store.outdir import unsharded_run_files
     from speculators_v016.store.verify import verify
 

@@ -239,7 +239,7 @@ def test_a_row_repeated_for_another_token_is_named(tmp_path):
 
 def test_the_run_screen_sees_single_rows_and_agrees_with_verify():
     """The run's cheap screen flags one zero row or one copied row, passes real-looking and same-token rows."""
-    from speculators_v016.store.degenerate import degenerate_layers, may_be_degenerate
+    from speculators_v016.checks.degenerate import degenerate_layers, may_be_degenerate
 
     ids = torch.arange(10, 19)
     good = states(9, 0)
@@ -266,7 +266,7 @@ def test_the_run_screen_sees_single_rows_and_agrees_with_verify():
 def test_the_run_screen_sees_fp8_rows():
     """FP8 layers: a zero-code row or a copied row (codes and scale) is flagged and named."""
     from speculators_v016 import fp8
-    from speculators_v016.store.degenerate import degenerate_layers, may_be_degenerate
+    from speculators_v016.checks.degenerate import degenerate_layers, may_be_degenerate
 
     ids = torch.arange(8)
     good = fp8.Fp8States(*fp8.quantize(torch.randn(8, 64)))

@@ -156,9 +156,9 @@ def test_replaced_header_metadata_is_named(tmp_path):
     folder = write_folder(tmp_path / "out", [fp8_states(9, 0), fp8_states(7, 1)])
     tensors = load_file(str(folder / "data_1.safetensors"))
     metadata = {"format": "speculators-v016/sample-v1", "layer_ids": "1,3", "hidden_states_dtype": "bfloat16"}
-    size, sha = write_atomic(folder, "data_1.safetensors", safetensors_parts(tensors, metadata))
+    size, sha = write_atomic(folder, "data_1.safetensors", safetensors_parts(tensors, metadata), algorithm="sha256")
     entries = Manifest(folder).entries()
-    entries[1] = Entry(1, "data_1.safetensors", size, sha, 7)
+    entries[1] = Entry(1, "data_1.safetensors", size, sha, 7, "sha256")
     Manifest(folder).compact(entries)
     assert hashlib.sha256((folder / "data_1.safetensors").read_bytes()).hexdigest() == sha
     assert verify(folder).problems == [
