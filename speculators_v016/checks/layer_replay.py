@@ -146,6 +146,12 @@ class LayerReplayer:
         ]
         original = getattr(self.owner, self.attr)
         setattr(self.owner, self.attr, nn.ModuleList([module]))
+        # Models that pick each layer's mask by its index in config.layer_types (EXAONE 4: sliding or
+        # global) would give the one-layer list layer 0's type: give it layer `layer`'s for the replay.
+        config = self.model.config
+        layer_types = getattr(config, "layer_types", None)
+        if isinstance(layer_types, list) and len(layer_types) == len(original):
+            config.layer_types = [layer_types[layer]]
         try:
             tokens = layer_input.shape[0]
             hidden = self.model.get_input_embeddings().embedding_dim
@@ -159,6 +165,8 @@ class LayerReplayer:
             pass
         finally:
             setattr(self.owner, self.attr, original)
+            if isinstance(layer_types, list) and len(layer_types) == len(original):
+                config.layer_types = layer_types
             for handle in handles:
                 handle.remove()
             _unload(module)

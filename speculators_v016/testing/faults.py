@@ -48,14 +48,12 @@ modules carry no fault points: each fault wraps one of their seams here.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import signal
 import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -146,7 +144,7 @@ def install() -> None:
                         _kill()
                 return original_append(self, *entries)
             if point == "kill-mid-commit" and _armed(point):
-                text = "".join(json.dumps(asdict(e), sort_keys=True) + "\n" for e in entries)
+                text = "".join(e.line() for e in entries)  # the lines the manifest writes
                 cut = len(text) // 2 + (text[len(text) // 2 - 1] == "\n")  # inside a line: a torn one
                 with self.path.open("a") as fh:
                     fh.write(text[:cut])
