@@ -29,11 +29,11 @@ def context_length_error(exc: BaseException) -> ContextLengthError | None:
     asked = int(found["asked"])
     numbers = [float(v) for v in re.findall(r"=\s*([0-9.]+)", found["why"])]
     allowed = int(min(numbers)) if numbers else None
-    fits = f"--seq-length {allowed - 1} or less" if allowed else "a smaller --seq-length"
+    fits = (f"--seq-length {allowed - 1} or less (generator API: max_model_len {allowed} or less)" if allowed
+            else "a smaller --seq-length (generator API: a smaller max_model_len)")  # fmt: skip
     return ContextLengthError(
         f"--seq-length {asked - 1} does not fit the model's context: a sample of {asked - 1} tokens runs as "
         f"a prompt of that length plus the one token vLLM samples after it (max_model_len {asked}), and vLLM "
         f"derives a maximum of {allowed if allowed else 'less'} from the checkpoint ({found['why']}). "
-        f"Give {fits} (longer rows are truncated and counted); generator API: max_model_len {allowed or ''} "
-        "or less"
+        f"Give {fits}; longer rows are truncated and counted"
     )
