@@ -83,7 +83,8 @@ DEFAULT_WRITE_WORKERS = 4
 
 # -- help sections, in --help's order -----------------------------------------
 INPUT, OUTPUT, ENGINE, CHECKS, TERMINAL = "Input", "Output", "Engine (vLLM)", "Self-check", "Terminal"
-SECTIONS = (INPUT, OUTPUT, ENGINE, CHECKS, TERMINAL)
+REGENERATION = "Regeneration (on-policy data)"
+SECTIONS = (INPUT, REGENERATION, OUTPUT, ENGINE, CHECKS, TERMINAL)
 
 
 class ConfigError(ValueError):
@@ -388,10 +389,47 @@ class RunConfig:
         None, "Regex of assistant spans (default: from the chat template).", section=INPUT
     )
     turn_dropout: bool = setting(False, "Keep a random number of leading turns per conversation.", section=INPUT)
-    seed: int = setting(0, "Shuffle (and turn dropout) seed.", section=INPUT)
+    seed: int = setting(
+        0,
+        "Shuffle (and turn dropout) seed; with --regenerate also each sample's sampling seed (with its index).",
+        section=INPUT,
+    )
     hf_cache_dir: str | None = setting(None, "Cache folder for hub datasets.", section=INPUT)
     num_preprocessing_workers: int = setting(8, "Processes for tokenization.", section=INPUT, min=1)
     skip_bad_rows: bool = setting(False, "Skip (and count) malformed dataset rows instead of failing.", section=INPUT)
+    regenerate: bool = setting(
+        False,
+        "The target writes every assistant turn (conditioned on the history regenerated so far) and the same "
+        "pass captures it: on-policy data, one sample per generated turn (docs/regenerate.md).",
+        section=REGENERATION,
+    )
+    temperature: float | None = setting(
+        None,
+        "Sampling temperature of --regenerate (default: the target's generation_config.json; 0: greedy).",
+        section=REGENERATION,
+        min=0,
+    )
+    top_p: float | None = setting(
+        None,
+        "Top-p of --regenerate (default: generation_config.json's, else 1).",
+        section=REGENERATION,
+        min=0,
+        min_open=True,
+        max=1,
+    )
+    top_k: int | None = setting(
+        None,
+        "Top-k of --regenerate (default: generation_config.json's, else off; 0: off).",
+        section=REGENERATION,
+        min=0,
+    )
+    max_new_tokens: int | None = setting(
+        None,
+        "Longest generated turn in tokens (default: generation_config.json's max_new_tokens, else up to "
+        "--seq-length); a turn cut there is kept and marked.",
+        section=REGENERATION,
+        min=1,
+    )
     output_dir: Path = setting(
         MISSING,
         "Folder for the samples; an interrupted run resumes in it.",
@@ -447,6 +485,15 @@ class RunConfig:
             )
         if not 0 <= self.shard_index < self.num_shards:
             raise ConfigError(f"shard index {self.shard_index} is not in [0, {self.num_shards})", "--shard-index")
+        if not self.regenerate:
+            for name in ("temperature", "top_p", "top_k", "max_new_tokens"):
+                if getattr(self, name) is not None:
+                    flag = "--" + name.replace("_", "-")
+                    raise ConfigError(f"{flag} samples the target's responses: it needs --regenerate", flag)
+        else:
+            for name, value in (("--turn-dropout", self.turn_dropout), ("--assistant-pattern", self.assistant_pattern)):
+                if value:
+                    raise ConfigError(f"{name} shapes the dataset's own responses: --regenerate writes new ones", name)
 
     @classmethod
     def build(cls, engine: Mapping[str, Any], environ: Mapping[str, str] = os.environ, **run: Any) -> RunConfig:

@@ -54,3 +54,7 @@ def check_token_ids(key, ids: list[int], vocab_size: int, where: str = "") -> No
     bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad:
         raise PromptError(f"prompt {key!r} has token ids outside the vocabulary{where} [0, {vocab_size}): {bad[:5]}")
+
+
+class GenerationSetupError(ValueError):
+    """The target cannot regenerate as asked (no generation prompt in its chat template, no sampling settings)."""

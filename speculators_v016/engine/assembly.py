@@ -41,11 +41,14 @@ class AttributionError(RuntimeError):
 @dataclass
 class _Request:
     key: Any
-    prompt_len: int
+    prompt_len: int  # rows wanted: the prompt's, or a generating request's known tokens
     chunks: dict[int, int] = field(default_factory=dict)  # start -> rows
     rows: int = 0
     out: list[torch.Tensor] | None = None  # one [prompt_len, hidden] per requested layer (FP8: codes)
     scales: list[torch.Tensor] | None = None  # FP8: one [prompt_len] float32 per requested layer
+    generating: bool = False  # rows kept in pieces until its length is final (then ``growing`` is False)
+    growing: bool = False  # a generating request whose length is not final yet
+    pieces: list | None = None  # a generating request's rows: (start, [layers, n, hidden], FP8 scales or None)
 
 
 Allocate = Callable[[Sequence[tuple[Sequence[int], torch.dtype]]], list[torch.Tensor]]
@@ -102,9 +105,25 @@ class Assembler:
         self._requests: dict[str, _Request] = {}
         self._expected: dict[int, dict[str, tuple[int, int]]] = {}
         self._complete: list[str] = []
+        self._closed: dict[str, int] = {}  # generating requests handed out -> the step then (late rows dropped)
+        self._last_step = 0
 
-    def add_request(self, req_id: str, key: Any, prompt_len: int) -> None:
-        self._requests[req_id] = _Request(key, prompt_len)
+    def add_request(self, req_id: str, key: Any, prompt_len: int, generating: bool = False) -> None:
+        """A request whose rows ``0 .. prompt_len - 1`` are wanted; ``generating``: more as it samples
+        (:meth:`grow`), its rows kept apart until its length is final."""
+        self._requests[req_id] = _Request(
+            key, prompt_len, generating=generating, growing=generating, pieces=[] if generating else None
+        )
+
+    def grow(self, req_id: str, length: int, final: bool) -> None:
+        """A generating request now wants rows ``0 .. length - 1`` (its prompt and the tokens sampled so far);
+        ``final``: its sample ends there, and rows past it (the step past the end) are dropped."""
+        req = self._requests[req_id]
+        if not req.growing or length < req.prompt_len:
+            raise AttributionError(f"request {req_id}: cannot grow from {req.prompt_len} to {length} rows")
+        req.prompt_len, req.growing = length, not final
+        if final and req.rows >= length:
+            self._trim(req_id, req)
 
     def expect(self, step: int, rows: dict[str, tuple[int, int]]) -> None:
         self._expected[step] = rows
@@ -127,6 +146,9 @@ class Assembler:
             held = None if capture.states is None else capture.states.shape[1]
             raise AttributionError(f"step {capture.step}: {held} rows for {sum(capture.counts)} scheduled tokens")
         self._check_storage(capture)
+        self._last_step = max(self._last_step, capture.step)
+        for req_id in [r for r, step in self._closed.items() if step < self._last_step - 8]:
+            del self._closed[req_id]  # no step in flight can hold rows of it any more
         offset = 0
         with torch_threads(self.copy_threads):
             for req_id, start, count in zip(capture.req_ids, capture.starts, capture.counts):
@@ -158,7 +180,12 @@ class Assembler:
         into the request's tensors at ``start``."""
         req = self._requests.get(req_id)
         if req is None:
+            if req_id in self._closed:  # a generating request already handed out: a step past its end
+                return
             raise AttributionError(f"rows for unknown request {req_id}")
+        if req.pieces is not None:
+            self._add_piece(req_id, req, start, rows, scales)
+            return
         keep = max(0, min(rows.shape[1], req.prompt_len - start))  # rows past the prompt are decode steps
         if keep == 0:
             return
@@ -187,6 +214,51 @@ class Assembler:
         elif req.rows > req.prompt_len:
             raise AttributionError(f"request {req_id}: {req.rows} rows for a {req.prompt_len}-token prompt")
 
+    def _add_piece(self, req_id: str, req: _Request, start: int, rows: torch.Tensor, scales) -> None:
+        """A generating request's rows, copied out of the step and kept until its length is final."""
+        if start + rows.shape[1] > req.prompt_len and req.growing:
+            raise AttributionError(
+                f"request {req_id}: rows up to position {start + rows.shape[1] - 1} before its token there was "
+                f"sampled ({req.prompt_len} known)"
+            )
+        keep = max(0, min(rows.shape[1], req.prompt_len - start))  # past a final length: the step past the end
+        if keep == 0:
+            return
+        if start == 0 and req.chunks:  # preempted and recomputed from the start
+            req.chunks.clear()
+            req.pieces.clear()
+            req.rows = 0
+        if start in req.chunks:
+            raise AttributionError(f"request {req_id}: positions from {start} captured twice")
+        picked = rows[list(self.capture_order), :keep].clone()
+        piece_scales = scales[list(self.capture_order), :keep].clone() if scales is not None else None
+        req.pieces.append((start, picked, piece_scales))
+        req.chunks[start] = keep
+        req.rows += keep
+        if not req.growing and req.rows >= req.prompt_len:
+            self._trim(req_id, req)
+
+    def _trim(self, req_id: str, req: _Request) -> None:
+        """A generating request with every row of its final length: its states in one tensor per layer."""
+        if req.rows != req.prompt_len:
+            raise AttributionError(f"request {req_id}: {req.rows} rows for a {req.prompt_len}-token sample")
+        first = req.pieces[0][1]
+        layers, hidden = first.shape[0], first.shape[2]
+        specs = [((req.prompt_len, hidden), first.dtype)] * layers
+        fp8 = req.pieces[0][2] is not None
+        if fp8:
+            specs += [((req.prompt_len,), req.pieces[0][2].dtype)] * layers
+        tensors = self.allocate(specs)
+        req.out, req.scales = tensors[:layers], (tensors[layers:] if fp8 else None)
+        for start, rows, scales in req.pieces:
+            n = rows.shape[1]
+            for j in range(layers):
+                req.out[j][start : start + n].copy_(rows[j])
+                if fp8:
+                    req.scales[j][start : start + n].copy_(scales[j])
+        req.pieces = None
+        self._complete.append(req_id)
+
     def pop_complete(self) -> list[tuple[Any, list]]:
         """Requests whose every prompt position is captured: (key, one tensor per requested layer).
 
@@ -196,6 +268,8 @@ class Assembler:
         out = []
         for req_id in done:
             req = self._requests.pop(req_id)
+            if req.generating:
+                self._closed[req_id] = self._last_step
             position = 0
             for start in sorted(req.chunks):
                 if start != position:

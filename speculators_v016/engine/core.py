@@ -32,6 +32,7 @@ from speculators_v016.engine.assembly import Allocate, Assembler, AttributionErr
 from speculators_v016.engine.context_length import context_length_error
 from speculators_v016.engine.cpu_attention import attention_overrides
 from speculators_v016.engine.executor import capture_executor, executor_kind
+from speculators_v016.engine.generation import Decoding, Generated, Generation
 from speculators_v016.engine.vllm_check import require_vllm
 from speculators_v016.layers import LayerPlan
 from speculators_v016.protocol import CaptureConfig
@@ -233,6 +234,8 @@ class CaptureEngine:
         self._sampling = SamplingParams(max_tokens=1, temperature=0.0)
         self._sampling_logprobs = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
         self._logprob_keys: dict[str, Any] = {}  # request id -> key, for prompts whose logprobs are wanted
+        self._decoding: dict[str, Decoding] = {}  # request id -> what a generating request sampled so far
+        self.generated: dict[Any, Generated] = {}  # key -> a finished generating request's tokens, until taken
         self.prompt_logprobs: dict[Any, Any] = {}  # key -> vLLM's log p(token t+1 | ..t), [len - 1]
         self._next_id = 0
         self._step = 0
@@ -284,17 +287,27 @@ class CaptureEngine:
 
         while len(waiting) < window:
             try:
-                key, ids = next(feed)
+                item = next(feed)
             except StopIteration:
                 return False
-            ids = self.check_prompt(key, ids)
+            if item is None:  # a feed with nothing ready until a sample it waits for is yielded
+                if not waiting:
+                    raise RuntimeError("the feed has nothing ready and no request is running: it waits for nothing")
+                return True
+            key, ids, generation = item if len(item) == 3 else (*item, None)
+            ids = self.check_prompt(key, ids, generation=generation)
             rid = f"s{self._next_id}"
             self._next_id += 1
-            assembler.add_request(rid, (key, ids), len(ids))
+            assembler.add_request(rid, (key, ids, rid), len(ids), generating=generation is not None)
             waiting.add(rid)
-            params = self._sampling
-            if want is not None and want(key):
-                params, self._logprob_keys[rid] = self._sampling_logprobs, key
+            logprobs = want is not None and want(key)
+            if logprobs:
+                self._logprob_keys[rid] = key
+            if generation is not None:
+                self._decoding[rid] = Decoding(len(ids), generation)
+                params = generation.sampling_params(prompt_logprobs=logprobs)
+            else:
+                params = self._sampling_logprobs if logprobs else self._sampling
             self.scheduler.add_request(
                 Request(
                     rid, ids, params, None, None, arrival_time=time.time(), block_hasher=self.core.request_block_hasher
@@ -304,12 +317,21 @@ class CaptureEngine:
             self.stats.tokens += len(ids)
         return True
 
-    def check_prompt(self, key: Any, ids, count: bool = True) -> list[int]:
-        """The prompt as a list, truncated to ``max_model_len - 1``; PromptError if unusable."""
+    def check_prompt(self, key: Any, ids, count: bool = True, generation: Generation | None = None) -> list[int]:
+        """The prompt as a list, truncated to ``max_model_len - 1``; PromptError if unusable (a generating
+        prompt is never truncated: it must leave room for its ``max_new_tokens`` and the step past them)."""
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
         if not ids:
             raise PromptError(f"prompt {key!r} is empty")
         check_token_ids(key, ids, self.vocab_size)
+        if generation is not None:
+            room = self.max_prompt_len + 1 - generation.max_new_tokens - 1
+            if len(ids) > room:
+                raise PromptError(
+                    f"prompt {key!r}: {len(ids)} tokens and {generation.max_new_tokens} new ones (and the step past "
+                    f"them) exceed max_model_len {self.max_prompt_len + 1}"
+                )
+            return ids
         if len(ids) > self.max_prompt_len and count:
             logger.warning(
                 "prompt {!r}: {} tokens truncated to {} (max_model_len - 1)", key, len(ids), self.max_prompt_len
@@ -344,6 +366,18 @@ class CaptureEngine:
         outputs = self.scheduler.update_from_output(step.scheduler_output, output)
         if self._logprob_keys:
             self._keep_prompt_logprobs(outputs)
+        if self._decoding:
+            self._take_sampled(outputs, assembler)
+
+    def _take_sampled(self, outputs: dict, assembler: Assembler) -> None:
+        """The tokens a step sampled for generating requests: their samples grow, and end at a stop or the cap."""
+        for batch in outputs.values():
+            for out in batch.outputs:
+                decoding = self._decoding.get(out.request_id)
+                if decoding is None or decoding.finished or not out.new_token_ids:
+                    continue
+                ended = decoding.add(out.new_token_ids, out.new_logprobs)
+                assembler.grow(out.request_id, decoding.result.length, final=ended)
 
     def _keep_prompt_logprobs(self, outputs: dict) -> None:
         """vLLM's prompt logprobs of the prompts that asked for them (they come whole, with the first token)."""
@@ -413,8 +447,7 @@ class CaptureEngine:
                     self._retire(in_flight.pop(), assembler)
                 elif assembler.pending_steps:
                     self._consume(self.executor.capture_rpc("speculators_capture_flush"), assembler)
-                for (key, ids), states in assembler.pop_complete():
-                    yield key, ids, states
+                yield from self._handed_out(assembler.pop_complete())
                 waiting.intersection_update(assembler.unfinished())
                 if not (more or waiting or in_flight or self.scheduler.has_requests()):
                     return
@@ -434,12 +467,30 @@ class CaptureEngine:
                 ) from exc
             raise
 
+    def _handed_out(self, complete: list) -> list:
+        """Complete requests as the caller gets them; a generating one ends in the scheduler (it ran a step
+        past its end, or further) and its ids and result are the sample's: :attr:`generated` by key."""
+        out, finished = [], []
+        for (key, ids, rid), states in complete:
+            decoding = self._decoding.pop(rid, None)
+            if decoding is not None:
+                finished.append(rid)
+                ids = ids + decoding.result.token_ids
+                self.generated[key] = decoding.result
+            out.append((key, ids, states))
+        if finished:
+            from vllm.v1.request import RequestStatus  # noqa: PLC0415 - vLLM only where an engine runs
+
+            self.scheduler.finish_requests(finished, RequestStatus.FINISHED_ABORTED)
+        return out
+
     def _abandon(self, waiting: set, in_flight: deque) -> None:
         """Abort admitted prompts and retire the steps in flight (the engine stays usable)."""
         from vllm.v1.request import RequestStatus
 
-        self.scheduler.finish_requests(list(waiting), RequestStatus.FINISHED_ABORTED)
+        self.scheduler.finish_requests(list(waiting) + list(self._decoding), RequestStatus.FINISHED_ABORTED)
         self._logprob_keys.clear()
+        self._decoding.clear()
         scratch = Assembler(self.plan.capture_order, fp8=self.config.fp8)
         while in_flight:
             self._retire(in_flight.pop(), scratch, keep=False)

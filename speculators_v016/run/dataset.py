@@ -318,6 +318,16 @@ def _template_refusals(rows: list[tuple[str, list[dict]]], tokenizer) -> list[tu
     return out
 
 
+def run_order(count: int, seed: int, max_samples: int | None) -> list[int]:
+    """The rows a run uses, in its order: shuffled as upstream does (datasets' shuffle with the seed), then cut."""
+    import datasets  # noqa: PLC0415 - datasets is slow to import; only a run needs it
+
+    order = list(range(count))
+    if count:
+        order = datasets.Dataset.from_dict({"i": order}).shuffle(seed=seed)["i"]
+    return order if max_samples is None else order[:max_samples]
+
+
 def prepare_samples(
     paths: list[str],
     tokenizer,
@@ -339,11 +349,7 @@ def prepare_samples(
     if seq_length < 1:
         raise ValueError(f"seq_length must be at least 1, got {seq_length}")
     kind, rows, sources, skipped = load_rows(paths, skip_bad_rows, hf_cache_dir)
-    order = list(range(len(rows)))
-    if rows:  # shuffle like upstream: datasets' shuffle with the seed
-        order = datasets.Dataset.from_dict({"i": order}).shuffle(seed=seed)["i"]
-    if max_samples is not None:
-        order = order[:max_samples]
+    order = run_order(len(rows), seed, max_samples)
     picked = [rows[i][1] for i in order]
     if kind == "pretokenized":
         ids = [r[0][:seq_length] for r in picked]

@@ -37,12 +37,14 @@ from speculators_v016.config import RunConfig
 from speculators_v016.engine.buffer_pool import BufferPool
 from speculators_v016.layers import LayerPlan
 from speculators_v016.run.dataset import PreparedSamples, prepare_samples
+from speculators_v016.run.regenerate import RegenerationWork
 from speculators_v016.shared.shm_records import reclaim_and_log
 from speculators_v016.store import checksum as checksums
 from speculators_v016.store import run_config
 from speculators_v016.store.atomic_files import WriteError
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.outdir import OutputDir, ShardedRoot, shard_dir
+from speculators_v016.store.regenerated import NOT_GENERATED
 from speculators_v016.store.sample_format import parse_sample_name
 from speculators_v016.store.writer import SampleWriter
 from speculators_v016.target import PromptError, TargetInfo, check_token_ids
@@ -54,6 +56,9 @@ class NonFiniteError(RuntimeError):
 
 class SelfCheckError(RuntimeError):
     """The captured states failed the run's own check (logit check, or states no model produces)."""
+
+
+FINISHED = {"stop": "ended by the target", "length": "cut at --max-new-tokens (kept, marked)"}
 
 
 @dataclass
@@ -69,6 +74,7 @@ class RunSummary:
     seconds: float = 0.0
     generation_seconds: float = 0.0
     logit_check: dict = field(default_factory=dict)
+    regenerated: dict = field(default_factory=dict)  # --regenerate: turns by finish reason
 
     def lines(self) -> list[str]:
         rate = self.tokens / self.generation_seconds if self.generation_seconds else 0.0
@@ -81,12 +87,44 @@ class RunSummary:
             f"truncated:  {self.truncated} (to --seq-length; loss masks cut alongside)",
         ]
         out += [f"skipped:    {n} {reason}" for reason, n in sorted(self.skipped.items())] or ["skipped:    0"]
+        if self.regenerated:
+            reasons = ", ".join(f"{n} {FINISHED.get(r, r)}" for r, n in sorted(self.regenerated.items()))
+            out.append(f"regenerated: {sum(self.regenerated.values())} turns ({reasons})")
         if self.logit_check:
             out.append(f"logit check: {self.logit_check['line']}")
         return out
 
 
-def fingerprint(opts: RunConfig, samples: PreparedSamples, layer_ids: list[int]) -> dict:
+class PrefillWork:
+    """A run's samples taken as the dataset has them (its responses): token samples, prefilled."""
+
+    def __init__(self, samples: PreparedSamples):
+        self.samples = samples
+        self.kind, self.sources, self.skipped, self.truncated = (
+            samples.kind,
+            samples.sources,
+            samples.skipped,
+            samples.truncated,
+        )
+        self.count = len(samples)
+
+    def shard(self, num_shards: int, shard_index: int) -> list[int]:
+        return [i for i in range(self.count) if i % num_shards == shard_index]
+
+    def feed(self, pending: list[int]):
+        return ((i, self.samples.input_ids[i]) for i in pending)
+
+    def tokens(self, pending: list[int]) -> int:
+        return sum(len(self.samples.input_ids[i]) for i in pending)
+
+    def finish(self, index: int, ids: list[int], engine) -> tuple[torch.Tensor, None, None]:
+        return torch.tensor(self.samples.loss_masks[index][: len(ids)], dtype=torch.long), None, None
+
+    def take_cut(self) -> list:
+        return []
+
+
+def fingerprint(opts: RunConfig, samples, layer_ids: list[int]) -> dict:
     generation = {
         "layer_ids": layer_ids,
         "format": opts.format,
@@ -97,6 +135,8 @@ def fingerprint(opts: RunConfig, samples: PreparedSamples, layer_ids: list[int])
     }
     if opts.engine.hidden_states_dtype != "auto":  # absent for "auto": folders of earlier releases still resume
         generation["hidden_states_dtype"] = opts.engine.hidden_states_dtype
+    if opts.regenerate:  # absent otherwise: folders of earlier releases still resume
+        generation["regenerate"] = samples.describe()
     return {
         "model": run_config.model_fingerprint(opts.engine.model),
         "dataset": {"sources": samples.sources, "kind": samples.kind},
@@ -128,47 +168,59 @@ def run(opts: RunConfig, progress_to=None) -> RunSummary:
         if out.removed_leftovers:
             logger.warning("removed {} temporary files left by an interrupted run", len(out.removed_leftovers))
         tokenizer = AutoTokenizer.from_pretrained(opts.engine.model, trust_remote_code=opts.engine.trust_remote_code)
-        samples = prepare_samples(
-            list(opts.train_data_path),
-            tokenizer,
-            opts.seq_length,
-            max_samples=opts.max_samples,
-            seed=opts.seed,
-            num_proc=opts.num_preprocessing_workers,
-            assistant_pattern=opts.assistant_pattern,
-            turn_dropout=opts.turn_dropout,
-            hf_cache_dir=opts.hf_cache_dir,
-            skip_bad_rows=opts.skip_bad_rows,
-        )
-        summary.skipped, summary.truncated = dict(samples.skipped), samples.truncated
-        if not len(samples):
-            raise PromptError(f"no usable sample in {list(opts.train_data_path)} (skipped: {dict(samples.skipped)})")
-        fp = fingerprint(opts, samples, list(plan.layer_ids))
+        if opts.regenerate:
+            work = RegenerationWork.prepare(opts, tokenizer)
+        else:
+            work = PrefillWork(
+                prepare_samples(
+                    list(opts.train_data_path),
+                    tokenizer,
+                    opts.seq_length,
+                    max_samples=opts.max_samples,
+                    seed=opts.seed,
+                    num_proc=opts.num_preprocessing_workers,
+                    assistant_pattern=opts.assistant_pattern,
+                    turn_dropout=opts.turn_dropout,
+                    hf_cache_dir=opts.hf_cache_dir,
+                    skip_bad_rows=opts.skip_bad_rows,
+                )
+            )
+        summary.skipped, summary.truncated = dict(work.skipped), work.truncated
+        if not work.count:
+            raise PromptError(f"no usable sample in {list(opts.train_data_path)} (skipped: {dict(work.skipped)})")
+        fp = fingerprint(opts, work, list(plan.layer_ids))
         has_samples = any(parse_sample_name(p.name) for p in directory.iterdir())
         existing = run_config.check_resume(directory, fp, has_samples)
         done = Manifest(directory).reconcile()
         algorithm = checksum_of_run(directory, existing, done, opts.checksum)
-        mine = [i for i in range(len(samples)) if i % opts.num_shards == opts.shard_index]
+        mine = work.shard(opts.num_shards, opts.shard_index)
         pending = [i for i in mine if i + opts.start_idx not in done]
         summary.already_done = len(mine) - len(pending)
-        if opts.token_freq_path:
-            _save_token_frequencies(samples, opts.token_freq_path)
+        if opts.token_freq_path and not opts.regenerate:  # a regenerating run's: from what it generated, after it
+            _save_token_frequencies(work.samples, opts.token_freq_path)
         if not pending:
             logger.info("all {} samples of this shard are already written", len(mine))
+            if opts.regenerate:  # a run killed before it wrote regenerated.jsonl: written now
+                work.begin(directory, [], done, None)
+                work.end(directory, set(done))
             summary.seconds = time.monotonic() - started
             return summary
-        for i in pending:  # before the engine starts
-            check_token_ids(f"sample {i}", samples.input_ids[i], target.vocab_size, f" of {opts.engine.model}")
+        if not opts.regenerate:
+            for i in pending:  # before the engine starts
+                ids = work.samples.input_ids[i]
+                check_token_ids(f"sample {i}", ids, target.vocab_size, f" of {opts.engine.model}")
         cpus = os.sched_getaffinity(0)  # before vLLM's CPU worker pins this thread to one core
         generator = VllmHiddenStatesGenerator.from_config(opts.engine, plan)
         try:
-            config = existing or _new_config(generator, opts, samples, fp, len(mine))
+            config = existing or _new_config(generator, opts, work, fp, len(mine))
             config["speculators_v016"]["checksum"] = algorithm  # an earlier release's folder: now said
             run_config.save(directory, config)
             _announce(generator, opts, len(pending), summary.already_done)
-            _generate(generator, samples, pending, directory, opts, summary, progress_to, cpus, algorithm)
+            _generate(generator, work, pending, directory, opts, summary, progress_to, cpus, algorithm, done)
         finally:
             generator.shutdown()
+        if opts.regenerate and opts.token_freq_path:
+            _save_token_frequencies_of(work.records.values(), opts.token_freq_path)
         summary.seconds = time.monotonic() - started
         config["speculators_v016"]["last_run"] = asdict(summary)
         run_config.save(directory, config)
@@ -199,7 +251,7 @@ def _announce(generator, opts: RunConfig, pending: int, done: int) -> None:
 
 def _generate(
     generator,
-    samples: PreparedSamples,
+    work,
     pending: list[int],
     directory: Path,
     opts: RunConfig,
@@ -207,11 +259,14 @@ def _generate(
     progress_to=None,
     cpus=None,
     algorithm: str = checksums.DEFAULT,
+    done: dict | None = None,
 ) -> None:
     layer_ids = list(generator.plan.layer_ids)
     engine = generator.engine
     checker = _logit_checker(generator, opts) if opts.logit_check_samples > 0 else None
     checked = set(pending[: opts.logit_check_samples]) if checker is not None and checker.active else set()
+    if opts.regenerate:
+        work.begin(directory, pending, done or {}, checked.__contains__)
     if checked:
         engine.warm_prompt_logprobs()  # vLLM compiles its prompt-logprobs kernel here, not in the first step
     pool = BufferPool()  # each sample's states: one block, back to the pool once its file is written
@@ -229,17 +284,20 @@ def _generate(
         checksum=algorithm,
     )
 
-    def put(name: int, sample: dict) -> None:
+    def put(name: int, sample: dict, record: dict | None = None) -> None:
+        if record is not None:  # on disk before the sample can be listed (speculators_v016.store.regenerated)
+            work.journal.append(record)
         block = fp8.tensors_of(sample["hidden_states"])  # FP8: codes and scales, one block
         writer.put(name, sample, done=lambda: pool.give_back(block))
 
     window = max(opts.batch_size, 2 * opts.engine.max_num_seqs)
-    total_tokens = sum(len(samples.input_ids[i]) for i in pending)
+    total_tokens = work.tokens(pending)  # None: a regenerating run's, not known before the target writes them
     started = time.monotonic()
+    by_samples = total_tokens is None  # then the bar counts samples (its ETA), the tokens go in its postfix
     bar = tqdm(
-        total=total_tokens,
-        unit="tok",
-        unit_scale=True,
+        total=len(pending) if by_samples else total_tokens,
+        unit="sample" if by_samples else "tok",
+        unit_scale=not by_samples,
         disable=not opts.progress or progress_to is None,
         desc=f"0/{len(pending)} samples",
         dynamic_ncols=True,
@@ -247,38 +305,50 @@ def _generate(
         mininterval=1.0,
     )
     try:
-        feed = ((i, samples.input_ids[i]) for i in pending)
+        feed = work.feed(pending)
         want = checked.__contains__ if checked else None
         for index, ids, states in engine.stream(feed, window=window, prompt_logprobs=want, allocate=pool.take):
             theirs = engine.prompt_logprobs.pop(index, None) if index in checked else None
             name = index + opts.start_idx
             input_ids = torch.tensor(ids, dtype=torch.long)
+            mask, record, sampled_logprobs = work.finish(index, ids, engine)
+            if theirs is not None and sampled_logprobs is not None:  # log p of every token after the first
+                theirs = torch.cat([theirs.float(), torch.tensor(sampled_logprobs, dtype=torch.float32)])
             _check_plausible(name, input_ids, states, layer_ids, bool(awaiting))
             if index in awaiting and theirs is not None:
                 _check_logits(checker, name, input_ids, states, theirs, len(held))
-            mask = torch.tensor(samples.loss_masks[index][: len(ids)], dtype=torch.long)
             sample = {"input_ids": input_ids, "hidden_states": states, "loss_mask": mask}
             if awaiting:
-                held.append((name, sample))
+                held.append((name, sample, record))
             else:
-                put(name, sample)
+                put(name, sample, record)
             summary.tokens += len(ids)
-            bar.update(len(ids))
-            if index in awaiting:
+            bar.update(1 if by_samples else len(ids))
+            if by_samples:
+                bar.set_postfix_str(f"{summary.tokens / max(time.monotonic() - started, 1e-9):,.0f} tok/s", False)
+            cut = work.take_cut()
+            for cut_index, why in cut:
+                logger.warning("sample {}: not generated: {}", cut_index + opts.start_idx, why)
+                summary.skipped[NOT_GENERATED] = summary.skipped.get(NOT_GENERATED, 0) + 1
+            if index in awaiting or any(i in awaiting for i, _ in cut):
                 awaiting.discard(index)
+                awaiting.difference_update(i for i, _ in cut)
                 if not awaiting:  # every checked sample judged and passed: write what waited, drop the head
                     checker.release()
-                    for held_name, held_sample in held:
-                        put(held_name, held_sample)
+                    for held_sample in held:
+                        put(*held_sample)
                     held.clear()
             _note_rejected(writer.take_rejected(), summary, opts)
             bar.set_description(f"{writer.written}/{len(pending)} samples")
-        for held_name, held_sample in held:  # judged and passed; a checked sample vLLM gave no logprobs for
-            put(held_name, held_sample)
+        for held_sample in held:  # judged and passed; a checked sample vLLM gave no logprobs for
+            put(*held_sample)
     finally:
         summary.generation_seconds = time.monotonic() - started
         try:
             writer.close()
+            if opts.regenerate:
+                work.end(directory, set(Manifest(directory).entries()))
+                summary.regenerated = dict(work.finish_reasons)
         finally:
             summary.written, summary.bytes = writer.written, writer.bytes
             bar.set_description(f"{writer.written}/{len(pending)} samples")
@@ -400,7 +470,15 @@ def _save_token_frequencies(samples: PreparedSamples, path: str) -> None:
         raise WriteError(errno.EIO, f"cannot write --token-freq-path {path}: {exc}") from exc
 
 
-def _new_config(generator, opts: RunConfig, samples: PreparedSamples, fp: dict, shard_samples: int) -> dict:
+def _save_token_frequencies_of(records, path: str) -> None:
+    """Upstream's token_freq.pt of a regenerating run: the generated (trainable) tokens of its samples."""
+    _save_token_frequencies(
+        PreparedSamples([r["token_ids"] for r in records], [[1] * len(r["token_ids"]) for r in records], "", []),
+        path,
+    )
+
+
+def _new_config(generator, opts: RunConfig, samples, fp: dict, shard_samples: int) -> dict:
     from speculators.data_generation.config_generator import DataGenerationConfig
 
     import speculators_v016
@@ -410,7 +488,7 @@ def _new_config(generator, opts: RunConfig, samples: PreparedSamples, fp: dict, 
         train_data_path=list(opts.train_data_path),
         seq_length=opts.seq_length,
         cache_dir=str(opts.hf_cache_dir or ""),
-        num_samples=len(samples),
+        num_samples=samples.count,
         max_samples=opts.max_samples,
         seed=opts.seed,
     ).to_dict()
@@ -424,9 +502,11 @@ def _new_config(generator, opts: RunConfig, samples: PreparedSamples, fp: dict, 
         "target_quantization": generator.quantization,  # None: unquantized
         "start_idx": opts.start_idx,
         "shard": {"index": opts.shard_index, "count": opts.num_shards, "samples": shard_samples},
-        "dataset_samples": len(samples),
+        "dataset_samples": samples.count,
         "fingerprint": fp,
     }
+    if opts.regenerate:
+        config["speculators_v016"]["regenerate"] = samples.describe()
     if opts.engine.fp8:
         config["speculators_v016"]["hidden_states_scaling"] = fp8.SCALING
         schema = config["format"]["schema"]

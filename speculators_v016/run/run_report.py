@@ -19,9 +19,10 @@ def exit_code(exc: BaseException) -> ExitCode:
     from speculators_v016.store.manifest import ManifestError
     from speculators_v016.store.outdir import OutputDirError
     from speculators_v016.store.run_config import ResumeMismatchError
-    from speculators_v016.target import ContextLengthError, PromptError, RemoteCodeError
+    from speculators_v016.target import ContextLengthError, GenerationSetupError, PromptError, RemoteCodeError
 
-    if isinstance(exc, (BadRowError, PromptError, LayerIdError, RemoteCodeError, ContextLengthError)):
+    bad_input = (BadRowError, PromptError, LayerIdError, RemoteCodeError, ContextLengthError, GenerationSetupError)
+    if isinstance(exc, bad_input):
         return ExitCode.BAD_INPUT
     if isinstance(exc, (OutputDirError, ResumeMismatchError, ManifestError)):
         return ExitCode.OUTPUT_REFUSED

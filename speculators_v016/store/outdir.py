@@ -34,7 +34,8 @@ CONFIG = "data_config.json"
 LOCK = ".speculators-data-gen.lock"
 SHARD_DIR = re.compile(r"^shard-(\d{5})-of-(\d{5})$")
 LOGS = "logs"  # the CLI's log files (speculators_v016.run.console)
-OURS = {CONFIG, MANIFEST, LOCK, LOGS}
+REGENERATED = ("regenerated.jsonl", "regenerated.journal.jsonl")  # a --regenerate run's text (store.regenerated)
+OURS = {CONFIG, MANIFEST, LOCK, LOGS, *REGENERATED}
 # the shared-memory records folder of runs with the multiprocess executor: in /dev/shm itself, so in an
 # --output-dir of /dev/shm (speculators_v016.shared.shm_records); ours, never a sample or a run's file
 SHM_RECORDS = re.compile(rf"^{re.escape(RECORDS_PREFIX)}\d+$")

@@ -35,7 +35,7 @@ import torch
 
 from speculators_v016 import fp8
 from speculators_v016.checks.degenerate import degenerate_layers
-from speculators_v016.store import checksum
+from speculators_v016.store import checksum, regenerated
 from speculators_v016.store.atomic_files import TMP_PREFIX
 from speculators_v016.store.manifest import Manifest, ManifestError
 from speculators_v016.store.outdir import CONFIG, SHARD_DIR, is_ours, unsharded_run_files
@@ -77,8 +77,9 @@ class FolderSettings:
     shard_count: int
     dataset_samples: int
     start_idx: int
-    skipped: int  # samples the last run did not write (NaN/Inf)
+    skipped: int  # samples the last run did not write (NaN/Inf; --regenerate: turns without room)
     storage: str = "auto"  # hidden_states_dtype: "auto" (the engine's dtype) or "fp8_e4m3"
+    regenerated: bool = False  # a --regenerate run's folder: its text is checked against its samples
 
 
 def _field(config: dict, path: str, kind):
@@ -127,11 +128,21 @@ def folder_settings(folder: Path) -> FolderSettings | None:
             shard_count=_field(config, "speculators_v016.shard.count", int),
             dataset_samples=_field(config, "speculators_v016.dataset_samples", int),
             start_idx=_field(config, "speculators_v016.start_idx", int),
-            skipped=len(last_run.get("non_finite", [])) if isinstance(last_run, dict) else 0,
+            skipped=_skipped(last_run),
             storage=storage,
+            regenerated=bool(config["speculators_v016"].get("regenerate")),
         )
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+
+
+def _skipped(last_run) -> int:
+    """Samples the last run counted and did not write: NaN/Inf states, turns --regenerate had no room for."""
+    if not isinstance(last_run, dict):
+        return 0
+    reasons = last_run.get("skipped") if isinstance(last_run.get("skipped"), dict) else {}
+    cut = reasons.get(regenerated.NOT_GENERATED, 0)
+    return len(last_run.get("non_finite", [])) + (cut if isinstance(cut, int) else 0)
 
 
 def _folders(root: Path, report: Report) -> list[Path]:
@@ -273,6 +284,9 @@ def _verify_folder(
         for line, index, first in manifest.duplicates()
     ]
     listed = {e.file for e in entries.values()}
+    journal = regenerated.read_journal(folder) if settings.regenerated else {}
+    if settings.regenerated:
+        report.problems += regenerated.folder_problems(folder, set(entries), journal, complete=not partial)
     for name in names:
         parsed = parse_sample_name(name)
         if parsed and (name not in listed or parsed[1] != fmt):
@@ -307,6 +321,8 @@ def _verify_folder(
             continue
         length, problems = _check_sample(path, settings.layer_ids, hidden, dtype, settings.storage)
         report.problems += problems
+        if settings.regenerated and not problems:
+            report.problems += regenerated.sample_problems(path, journal.get(index))
         if length != entry.tokens and not problems:
             report.problems.append(f"{path}: {length} tokens, the manifest says {entry.tokens}")
         report.samples += 1

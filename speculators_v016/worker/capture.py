@@ -65,6 +65,7 @@ from speculators_v016.shared.slot_ring import SlotRing
 from speculators_v016.worker import cpu_async, cpu_rope
 from speculators_v016.worker.aux_outputs import install_aux_outputs
 from speculators_v016.worker.check_forward import engine_check_forward
+from speculators_v016.worker.cpu_seeds import discarded_generators_aside
 from speculators_v016.worker.staging import Fp8Buffers, StagingCopier, StagingPlan, plan_staging
 
 
@@ -420,6 +421,9 @@ class CaptureWorkerExtension:
         previous step's copy, and each step costs the engine two RPCs, not three.
         """
         pending = self._speculators_capture.advance(self.model_runner, step, slot)
+        if self.model_runner.device.type == "cpu":  # seeded requests with chunked prompts (worker.cpu_seeds)
+            with discarded_generators_aside(self.model_runner):
+                return paired_output(self.sample_tokens(grammar_output), pending)
         return paired_output(self.sample_tokens(grammar_output), pending)
 
     def speculators_capture_flush(self) -> StepCapture | None:

@@ -26,7 +26,7 @@ def two_cpu_workers(monkeypatch):
 
 
 def test_tp2_equals_tp1(tiny_model, two_cpu_workers):
-    """States under tensor parallel 2 equal TP=1's within 1e-5; only the output rank replies."""
+    """States under tensor parallel 2 equal TP=1's within 1e-5 (prefill and generating); only the output rank replies."""
     from speculators_v016.checks.logit_check import LogitChecker
     from speculators_v016.generator import VllmHiddenStatesGenerator
 
@@ -42,8 +42,10 @@ def test_tp2_equals_tp1(tiny_model, two_cpu_workers):
         for key, ids, states in gen.engine.stream(enumerate(prompts), prompt_logprobs=lambda _: True):
             checker.add(key, torch.tensor(ids), states, gen.engine.prompt_logprobs.pop(key))
         assert checker.result.ok and checker.result.samples == len(prompts), checker.result.line()
+        regenerated_tp2 = regenerate(gen, prompts)
     with VllmHiddenStatesGenerator(model_dir, **ENGINE) as gen:
         tp1 = gen.generate(prompts)
+        regenerated_tp1 = regenerate(gen, prompts)
         worker = gen.engine.executor.driver_worker.worker  # uniprocess: the worker lives here
     assert (
         worker._speculators_capture.closed and worker._speculators_capture.ring is None
@@ -52,3 +54,21 @@ def test_tp2_equals_tp1(tiny_model, two_cpu_workers):
         (a - b).abs().max().item() for x, y in zip(tp1, tp2) for a, b in zip(x["hidden_states"], y["hidden_states"])
     )
     assert worst < TOLERANCE
+    # generating requests (--regenerate) under TP 2: TP 1's greedy tokens, and their decode-time states
+    assert {k: v[0] for k, v in regenerated_tp2.items()} == {k: v[0] for k, v in regenerated_tp1.items()}
+    worst = max(
+        (a - b).abs().max().item()
+        for k in regenerated_tp1
+        for a, b in zip(regenerated_tp1[k][1], regenerated_tp2[k][1])
+    )
+    assert worst < TOLERANCE
+
+
+def regenerate(gen, prompts) -> dict:
+    """Greedy generating requests (24 new tokens, EOS stops): {prompt: (generated ids, states)}."""
+    from speculators_v016.engine.generation import Generation
+
+    generation, out = Generation(24, stop_token_ids=frozenset({2})), {}
+    for key, _ids, states in gen.engine.stream((i, p, generation) for i, p in enumerate(prompts)):
+        out[key] = (gen.engine.generated.pop(key).token_ids, states)
+    return out

@@ -103,6 +103,8 @@ def test_every_run_option_set_from_its_variable_reaches_the_config(field, captur
     argv = [a for name, flag in REQUIRED.items() if name != field.param for a in (flag, str(tmp_path / name))]
     if field.name == "shard_index":
         argv += ["--num-shards", "8"]
+    if field.meta["section"] == config.REGENERATION and field.name != "regenerate":
+        argv += ["--regenerate"]  # sampling options need it (a usage error otherwise: tested apart)
     result = invoke(argv, env={rule(field.flag, None): text})
     assert result.exit_code == 0, result.output
     got = captured["config"]

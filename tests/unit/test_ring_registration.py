@@ -71,8 +71,9 @@ class Runner:
         aux = [torch.randn(8, 4, generator=gen) for _ in range(2)]
         self.execute_model_state = SimpleNamespace(aux_hidden_states=aux)
         self.input_batch = SimpleNamespace(
-            num_reqs=2, req_ids=["a", "b"], num_computed_tokens_cpu=np.zeros(2, dtype=np.int64)
+            num_reqs=2, req_ids=["a", "b"], num_computed_tokens_cpu=np.zeros(2, dtype=np.int64), generators={}
         )
+        self.discard_request_mask = SimpleNamespace(np=np.zeros(2, dtype=bool))  # no partial prefill
         self.query_start_loc = SimpleNamespace(np=np.array([0, rows // 2, rows], dtype=np.int32))
         return aux
 

@@ -1,0 +1,472 @@
+"""On-policy samples (``--regenerate``): the target writes every assistant turn, and the run captures it.
+
+For each conversation the target answers each of its assistant turns in order, conditioned on the
+history as regenerated so far: the source's assistant turns are never shown to it. Each prompt is the
+history rendered by the target's chat template with its generation prompt, as a server renders a
+chat request (where the template drops earlier turns' reasoning, so does the prompt).
+
+**One sample per generated turn**, for every template: ``input_ids`` = the prompt's ids + the ids
+the target sampled (never re-tokenized from text), ``loss_mask`` = 1 on the sampled ids. The ids
+before every supervised position are then exactly those the target conditioned on when it sampled
+it, whether or not the template re-renders history. A sample carrying several turns would hold
+re-tokenized text of earlier turns, which may differ from what was sampled; and it would save no
+compute (prefix caching is off, so each turn's history is prefilled to generate it anyway), only
+the disk of the repeated history (masked positions).
+
+This module is the plan and the feed (:class:`Regeneration`): which samples exist (their indices
+are fixed before anything runs, so resume and sharding work as for prefill runs), each turn's
+prompt, its sampling settings (:func:`resolve_sampling`) and seed, and the record of what was
+generated (:mod:`speculators_v016.store.regenerated` keeps those records on disk).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speculators_v016.engine.generation import Generated, Generation
+from speculators_v016.run.dataset import BadRowError, load_rows, run_order
+from speculators_v016.store import regenerated
+from speculators_v016.target import GenerationSetupError
+
+#: ShareGPT's and the chat format's role names -> the chat template's
+ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "system": "system",
+}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The run's sampling settings, resolved: the option where given, else the target's
+    ``generation_config.json`` (``from_model`` names which came from there)."""
+
+    temperature: float
+    top_p: float
+    top_k: int  # 0: off
+    max_new_tokens: int | None  # None: up to --seq-length
+    seed: int
+    from_model: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
+
+
+def _generation_config(model_path: str) -> dict | None:
+    path = Path(model_path) / "generation_config.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise GenerationSetupError(f"{path}: not readable JSON ({exc})") from exc
+
+
+def resolve_sampling(
+    model_path: str,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    max_new_tokens: int | None,
+    seed: int,
+) -> Sampling:
+    """The sampling settings: each option given wins; the rest come from the target's generation_config.json
+    (``do_sample: false`` there means greedy). Without that file the temperature must be given."""
+    config = _generation_config(model_path)
+    if config is None:
+        if temperature is None:
+            raise GenerationSetupError(
+                f"{model_path} has no generation_config.json, so the target's sampling settings are unknown: "
+                "give --temperature (and --top-p, --top-k if the model wants them)"
+            )
+        config = {}
+    from_model = []
+    if temperature is None:
+        if config.get("do_sample") is False:
+            temperature = 0.0
+        else:
+            temperature = float(config.get("temperature", 1.0))
+        from_model.append("temperature")
+    if top_p is None:
+        top_p = float(config.get("top_p", 1.0))
+        from_model += ["top_p"] if "top_p" in config else []
+    if top_k is None:
+        top_k = int(config.get("top_k", 0) or 0)
+        from_model += ["top_k"] if "top_k" in config else []
+    if max_new_tokens is None and config.get("max_new_tokens"):
+        max_new_tokens = int(config["max_new_tokens"])
+        from_model.append("max_new_tokens")
+    return Sampling(temperature, top_p, top_k, max_new_tokens, seed, tuple(from_model))
+
+
+def sample_seed(run_seed: int, index: int) -> int:
+    """The seed of sample ``index``: fixed by the run's seed and the index alone (resume, shards, any batch)."""
+    digest = hashlib.blake2b(f"{run_seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def stop_token_ids(tokenizer, model_path: str) -> frozenset[int]:
+    """Where a turn ends: the tokenizer's and generation_config's EOS ids, and the template's end of turn
+    (the special token the template writes right after an assistant turn's text)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    eos = (_generation_config(model_path) or {}).get("eos_token_id")
+    ids.update(int(i) for i in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+    ids |= end_of_turn_ids(tokenizer)
+    return frozenset(ids)
+
+
+def end_of_turn_ids(tokenizer) -> set[int]:
+    """The special token right after an assistant turn's text in the template's rendering (none if plain text)."""
+    marker = "regenerate probe text"
+    chat = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": marker}]
+    try:
+        text = tokenizer.apply_chat_template(chat, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that cannot render this has no end of turn to find
+        return set()
+    after = text[text.find(marker) + len(marker) :] if marker in text else ""
+    special = set(tokenizer.all_special_ids) | {
+        i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)
+    }
+    head = tokenizer(after, add_special_tokens=False)["input_ids"][:1]
+    return {int(head[0])} if head and head[0] in special else set()
+
+
+def check_generation_prompt(tokenizer) -> None:
+    """Refuse a chat template that adds nothing for ``add_generation_prompt`` (the target would continue the
+    user's text, not answer it)."""
+    chat = [{"role": "user", "content": "hello"}]
+    try:
+        plain = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=False)
+        prompted = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001 - the template's own error, named
+        raise GenerationSetupError(f"the target's chat template cannot render a user turn: {exc}") from exc
+    if plain == prompted:
+        raise GenerationSetupError(
+            "the target's chat template has no generation prompt (add_generation_prompt adds nothing), so it "
+            "cannot start an assistant turn: --regenerate needs a chat model's template"
+        )
+
+
+@dataclass
+class Conversation:
+    """A source conversation as regeneration sees it: its turns, and where its samples start."""
+
+    number: int  # position in the run's (shuffled, cut) order
+    where: str  # file:line of the source row
+    turns: list[dict]  # role/content; the assistant turns' content is the source's (never shown)
+    first_index: int  # the sample index of its first assistant turn
+    answers: int  # assistant turns to generate (one sample each)
+
+
+def plan(rows: list[tuple[str, list[dict]]], skip_bad_rows: bool) -> tuple[list[Conversation], dict]:
+    """The conversations in the run's order with their sample indices; ``(plan, skipped by reason)``.
+
+    A turn's role must be one the chat format knows; assistant turns before the first user turn are
+    dropped (nothing asked them); a conversation without a user turn answered by an assistant turn is a
+    bad row (named, or skipped and counted with ``skip_bad_rows``)."""
+    out, skipped, index = [], {}, 0
+    for where, raw in rows:
+        try:
+            turns = []
+            for i, turn in enumerate(raw):
+                role = ROLES.get(turn["from"].lower())
+                if role is None:
+                    raise BadRowError(f"{where}: turn {i} has role {turn['from']!r}, which --regenerate cannot use")
+                if role == "assistant" and not any(t["role"] == "user" for t in turns):
+                    continue
+                turns.append({"role": role, "content": turn["value"]})
+            answers = sum(t["role"] == "assistant" for t in turns)
+            if answers == 0:
+                raise BadRowError(f"{where}: no user turn followed by an assistant turn: nothing to regenerate")
+        except BadRowError:
+            if not skip_bad_rows:
+                raise
+            skipped["nothing to regenerate (no user turn answered)"] = (
+                skipped.get("nothing to regenerate (no user turn answered)", 0) + 1
+            )
+            continue
+        out.append(Conversation(len(out), where, turns, index, answers))
+        index += answers
+    return out, skipped
+
+
+@dataclass
+class _Open:
+    conversation: Conversation
+    turn: int  # the assistant turn to generate next (0-based among the conversation's answers)
+    history: list[dict] = field(default_factory=list)  # turns as the target's history so far
+
+
+class Regeneration:
+    """The feed of a regenerating run: each conversation's next turn once its previous one is generated.
+
+    ``feed()`` yields ``(index, prompt_ids, Generation)``, or None while every ready turn is out and the
+    rest wait for a turn in flight; :meth:`complete` takes a generated turn and returns its record.
+    ``done``: records of samples already written (a resume), by index: their turns are not generated again,
+    their text is the history. A conversation whose prompt leaves no room for a new token is cut there.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        conversations: list[Conversation],
+        sampling: Sampling,
+        stop_ids: frozenset[int],
+        seq_length: int,
+        done: dict[int, dict],
+        start_idx: int = 0,
+        logprobs_for=None,
+    ):
+        self.tokenizer, self.sampling, self.stop_ids, self.seq_length = tokenizer, sampling, stop_ids, seq_length
+        self.start_idx, self.logprobs_for = start_idx, logprobs_for or (lambda index: False)
+        self._ready: deque[_Open] = deque()
+        self._out: dict[int, _Open] = {}
+        self.cut: list[tuple[int, str]] = []  # (sample index, why) of turns that could not be generated
+        for conv in conversations:
+            self._ready.append(self._resume(conv, done))
+
+    def _resume(self, conv: Conversation, done: dict[int, dict]) -> _Open:
+        """The conversation from its first turn not yet written, with the written turns' text as history."""
+        state = _Open(conv, 0)
+        for turn in self._turns_until_answer(state):
+            state.history.append(turn)
+        while state.turn < conv.answers and (conv.first_index + state.turn + self.start_idx) in done:
+            record = done[conv.first_index + state.turn + self.start_idx]
+            self._advance(state, record["text"])
+        return state
+
+    def _turns_until_answer(self, state: _Open) -> list[dict]:
+        """The source's non-assistant turns before assistant turn ``state.turn`` (after the previous one)."""
+        out, answers = [], -1
+        for turn in state.conversation.turns:
+            if turn["role"] == "assistant":
+                answers += 1
+                if answers >= state.turn:
+                    break
+                continue
+            if answers == state.turn - 1:
+                out.append(turn)
+        return out
+
+    def _advance(self, state: _Open, text: str) -> None:
+        """Turn ``state.turn`` answered with ``text``: into the history, then the next turn's source turns."""
+        state.history.append({"role": "assistant", "content": text})
+        state.turn += 1
+        if state.turn < state.conversation.answers:
+            state.history.extend(self._turns_until_answer(state))
+
+    @property
+    def remaining(self) -> bool:
+        return bool(self._ready or self._out)
+
+    def feed(self) -> Iterator[tuple[int, list[int], Generation] | None]:
+        while self._ready or self._out:
+            if not self._ready:
+                yield None
+                continue
+            state = self._ready.popleft()
+            if state.turn >= state.conversation.answers:
+                continue
+            index = state.conversation.first_index + state.turn + self.start_idx
+            prompt = self.prompt_ids(state.history)
+            room = self.seq_length - len(prompt)
+            cap = min(room, self.sampling.max_new_tokens or room)
+            if cap < 1:  # this turn and the conversation's later ones (they would follow it)
+                why = f"the prompt of turn {state.turn} has {len(prompt)} tokens, --seq-length {self.seq_length}"
+                last = state.conversation.first_index + state.conversation.answers + self.start_idx
+                self.cut.extend((i, why) for i in range(index, last))
+                continue
+            self._out[index] = state
+            generation = Generation(
+                max_new_tokens=cap,
+                temperature=self.sampling.temperature,
+                top_p=self.sampling.top_p,
+                top_k=self.sampling.top_k,
+                seed=sample_seed(self.sampling.seed, index),
+                stop_token_ids=self.stop_ids,
+                logprobs=bool(self.logprobs_for(index)),
+            )
+            yield index, prompt, generation
+
+    def prompt_ids(self, history: list[dict]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(history, tokenize=True, add_generation_prompt=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+    def text_of(self, generated: Generated) -> str:
+        """The turn's text as a server returns it: special tokens (the stop among them) left out."""
+        return self.tokenizer.decode(generated.token_ids, skip_special_tokens=True)
+
+    def complete(self, index: int, generated: Generated) -> dict:
+        """Sample ``index`` generated: its record (what the JSONL keeps), and its conversation's next turn queued."""
+        state = self._out.pop(index)
+        text = self.text_of(generated)
+        record = {
+            "index": index,
+            "source": state.conversation.where,
+            "conversation": state.conversation.number,
+            "turn": state.turn,
+            "prompt_tokens": generated.prompt_len,
+            "token_ids": generated.token_ids,
+            "text": text,
+            "finish_reason": generated.finish_reason,
+            "seed": sample_seed(self.sampling.seed, index),
+        }
+        self._advance(state, text)
+        self._ready.append(state)
+        return record
+
+
+def records_by_conversation(
+    records: dict[int, dict], conversations: list[Conversation], sampling: Sampling, start_idx: int = 0
+) -> list[dict[str, Any]]:
+    """The regenerated conversations, one JSON object each, in the run's order (only turns written);
+    ``records`` by sample name (index + ``start_idx``)."""
+    out: list[dict[str, Any]] = []
+    for conv in conversations:
+        answers = [records.get(conv.first_index + t + start_idx) for t in range(conv.answers)]
+        if not any(answers):
+            continue
+        turns, answer = [], 0
+        for turn in conv.turns:
+            if turn["role"] != "assistant":
+                turns.append({"role": turn["role"], "content": turn["content"]})
+                continue
+            record = answers[answer]
+            answer += 1
+            if record is None:
+                break
+            turns.append(
+                {
+                    "role": "assistant",
+                    "content": record["text"],
+                    "finish_reason": record["finish_reason"],
+                    "sample": record["index"],
+                }
+            )
+        out.append({"conversation": conv.number, "source": conv.where, "turns": turns, "sampling": sampling.as_dict()})
+    return out
+
+
+class RegenerationWork:
+    """A ``--regenerate`` run's samples: planned from the rows, generated by the engine, recorded as text.
+
+    The pipeline's side of this module: :meth:`prepare` (the plan, the sampling, the target's checks,
+    before the engine starts), :meth:`begin` (the journal and the feed, after the resume check),
+    :meth:`finish` (a generated sample's mask, record and vLLM's logprobs), :meth:`end` (the
+    conversations file).
+    """
+
+    kind = "conversations"
+
+    def __init__(self, tokenizer, conversations, sampling, stop_ids, seq_length, sources, skipped, start_idx):
+        self.tokenizer, self.conversations, self.sampling = tokenizer, conversations, sampling
+        self.stop_ids, self.seq_length, self.sources, self.skipped = stop_ids, seq_length, sources, skipped
+        self.start_idx, self.truncated = start_idx, 0
+        self.count = sum(c.answers for c in conversations)
+        self.regeneration: Regeneration | None = None
+        self.journal = None
+        self.records: dict[int, dict] = {}  # by sample name: this folder's, read at begin, then this run's
+        self.finish_reasons: dict[str, int] = {}
+        self._cut_seen = 0
+
+    @classmethod
+    def prepare(cls, opts, tokenizer) -> RegenerationWork:
+        kind, rows, sources, skipped = load_rows(list(opts.train_data_path), opts.skip_bad_rows, opts.hf_cache_dir)
+        if kind != "conversations":
+            raise BadRowError(
+                "--regenerate needs conversations: pre-tokenized rows (input_ids) have no turns to answer"
+            )
+        check_generation_prompt(tokenizer)
+        sampling = resolve_sampling(
+            opts.engine.model, opts.temperature, opts.top_p, opts.top_k, opts.max_new_tokens, opts.seed
+        )
+        picked = [rows[i] for i in run_order(len(rows), opts.seed, opts.max_samples)]
+        conversations, more_skipped = plan(picked, opts.skip_bad_rows)
+        for reason, n in more_skipped.items():
+            skipped[reason] += n
+        stop_ids = stop_token_ids(tokenizer, opts.engine.model)
+        return cls(tokenizer, conversations, sampling, stop_ids, opts.seq_length, sources, skipped, opts.start_idx)
+
+    def describe(self) -> dict:
+        """What data_config.json and the fingerprint record of the regeneration."""
+        return {
+            "on_policy": True,
+            "sampling": self.sampling.as_dict(),
+            "stop_token_ids": sorted(self.stop_ids),
+            "samples": "one per generated turn (prompt: the history as regenerated, by the chat template)",
+            "conversations_file": "regenerated.jsonl",
+        }
+
+    def shard(self, num_shards: int, shard_index: int) -> list[int]:
+        """This shard's sample indices: whole conversations (a turn needs the one before it)."""
+        return [
+            c.first_index + t
+            for c in self.conversations
+            if c.number % num_shards == shard_index
+            for t in range(c.answers)
+        ]
+
+    def begin(self, directory: Path, pending: list[int], done: dict, logprobs_for) -> None:
+        journal = regenerated.read_journal(directory)
+        names = {int(name) for name in done}
+        missing = sorted(names - set(journal))
+        if missing:
+            raise RuntimeError(
+                f"{directory}: samples {missing[:5]} are listed in manifest.jsonl but "
+                f"{regenerated.JOURNAL} has no record of them: not a folder this tool wrote as it is"
+            )
+        self.records = {name: journal[name] for name in names}
+        by_index = {name - self.start_idx: record for name, record in self.records.items()}
+        mine = set(pending)
+        convs = [c for c in self.conversations if any(c.first_index + t in mine for t in range(c.answers))]
+        self.regeneration = Regeneration(
+            self.tokenizer, convs, self.sampling, self.stop_ids, self.seq_length, by_index, logprobs_for=logprobs_for
+        )
+        self.journal = regenerated.Journal(directory)
+
+    def feed(self, pending: list[int]):
+        return self.regeneration.feed()
+
+    def tokens(self, pending: list[int]) -> int | None:
+        return None  # not known before the target has written them
+
+    def finish(self, index: int, ids: list[int], engine) -> tuple[torch.Tensor, dict, list[float] | None]:
+        """Sample ``index`` generated: its loss mask (1 on the sampled ids), its record, vLLM's logprobs."""
+        generated = engine.generated.pop(index)
+        record = self.regeneration.complete(index, generated)
+        record["index"] = index + self.start_idx
+        self.records[record["index"]] = record
+        self.finish_reasons[generated.finish_reason] = self.finish_reasons.get(generated.finish_reason, 0) + 1
+        mask = torch.zeros(len(ids), dtype=torch.long)
+        mask[generated.prompt_len :] = 1
+        return mask, record, generated.logprobs
+
+    def take_cut(self) -> list[tuple[int, str]]:
+        """Turns that could not be generated since the last call (their prompt left no room): (index, why)."""
+        cut = self.regeneration.cut[self._cut_seen :]
+        self._cut_seen = len(self.regeneration.cut)
+        return cut
+
+    def end(self, directory: Path, listed: set[int]) -> None:
+        """The journal closed, and ``regenerated.jsonl`` written from the records of the ``listed`` samples."""
+        if self.journal is not None:
+            self.journal.close()
+        records = {name: r for name, r in self.records.items() if name in listed}
+        lines = records_by_conversation(records, self.conversations, self.sampling, self.start_idx)
+        regenerated.write_conversations(directory, lines)

@@ -1,0 +1,125 @@
+"""What ``--regenerate`` wrote, as text: a journal while the run goes, the conversations file after it.
+
+``regenerated.journal.jsonl``: one line per generated sample (its index, source row, turn, prompt
+length, sampled ids, text, finish reason, seed), appended and fsynced *before* the sample goes to the
+writer, so every sample the manifest lists has its line (a line without a listed sample, from a
+killed run, is ignored; a later line of the same index wins). A resume reads it for the text of the
+turns already written, the history of the turns still to come.
+
+``regenerated.jsonl``: the regenerated conversations, one JSON object per line in the run's order
+(turns with their text and finish reason, each assistant turn naming its sample), written whole and
+atomically at the end of each run from the journal's lines of listed samples: it depends only on
+what is written, so a resumed run's file equals an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from speculators_v016.store.atomic_files import WriteError, write_atomic
+from speculators_v016.store.sample_format import load_sample
+
+JOURNAL = "regenerated.journal.jsonl"
+CONVERSATIONS = "regenerated.jsonl"
+#: the run summary's reason for turns without room under --seq-length (verify counts them as skipped)
+NOT_GENERATED = "turn not generated (prompt reaches --seq-length)"
+
+
+def read_journal(directory: Path) -> dict[int, dict]:
+    """The journal's records by sample index (a later line wins; a torn last line is ignored)."""
+    path = directory / JOURNAL
+    records: dict[int, dict] = {}
+    if not path.exists():
+        return records
+    with path.open("rb") as fh:
+        for raw in fh:
+            if not raw.endswith(b"\n"):
+                break  # the line a killed run was writing
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                continue  # a line a killed run left torn, ended by the next run (its sample is not listed)
+            records[int(record["index"])] = record
+    return records
+
+
+class Journal:
+    """The open journal of a run (appending)."""
+
+    def __init__(self, directory: Path):
+        self.path = directory / JOURNAL
+        try:
+            self._fh = self.path.open("ab")
+            if self._fh.tell() and not _ends_with_newline(self.path):
+                self._fh.write(b"\n")  # end the line a killed run left torn: the next one starts clean
+        except OSError as exc:
+            raise WriteError(exc.errno, f"cannot write {self.path}: {exc.strerror or exc}") from exc
+
+    def append(self, record: dict) -> None:
+        """One record, on disk before this returns."""
+        try:
+            self._fh.write(json.dumps(record, ensure_ascii=False).encode() + b"\n")
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+        except OSError as exc:
+            raise WriteError(exc.errno, f"cannot write {self.path}: {exc.strerror or exc}") from exc
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with path.open("rb") as fh:
+        fh.seek(-1, os.SEEK_END)
+        return fh.read(1) == b"\n"
+
+
+def write_conversations(directory: Path, conversations: list[dict]) -> None:
+    """``regenerated.jsonl``, whole and atomically."""
+    text = "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in conversations)
+    write_atomic(directory, CONVERSATIONS, text.encode())
+
+
+def sample_problems(path: Path, record: dict | None) -> list[str]:
+    """A listed sample against its journal line: the sampled ids end it, masked 1 exactly on them."""
+    if record is None:
+        return [f"{path}: listed, but {JOURNAL} has no record of it"]
+    data = load_sample(path, dequantize_to=None)
+    ids, mask = data["input_ids"].tolist(), data["loss_mask"].tolist()
+    prompt, tokens = record.get("prompt_tokens"), record.get("token_ids")
+    if not isinstance(prompt, int) or not isinstance(tokens, list) or prompt + len(tokens) != len(ids):
+        return [f"{path}: {len(ids)} tokens, its {JOURNAL} record says {prompt} + {len(tokens or [])}"]
+    problems = []
+    if ids[prompt:] != tokens:
+        problems.append(f"{path}: its generated ids differ from its {JOURNAL} record")
+    if mask != [0] * prompt + [1] * len(tokens):
+        problems.append(f"{path}: loss_mask is not 1 on exactly the generated ids")
+    return problems
+
+
+def folder_problems(directory: Path, listed: set[int], journal: dict[int, dict], complete: bool) -> list[str]:
+    """regenerated.jsonl against the journal: every assistant turn names a listed sample and holds its text;
+    ``complete``: every listed sample is in it once."""
+    path = directory / CONVERSATIONS
+    if not path.exists():
+        return [f"{path}: missing (a --regenerate run writes it at its end)"] if complete else []
+    problems, seen = [], []
+    for number, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            line = json.loads(raw)
+            turns = [t for t in line["turns"] if t["role"] == "assistant"]
+            for turn in turns:
+                record = journal.get(turn["sample"])
+                if turn["sample"] not in listed or record is None:
+                    problems.append(f"{path}:{number}: names sample {turn['sample']}, which is not listed")
+                elif record["text"] != turn["content"] or record["finish_reason"] != turn["finish_reason"]:
+                    problems.append(f"{path}:{number}: sample {turn['sample']}'s text differs from {JOURNAL}")
+                seen.append(turn["sample"])
+        except (ValueError, KeyError, TypeError) as exc:
+            problems.append(f"{path}:{number}: not a conversation this tool writes ({type(exc).__name__}: {exc})")
+    if complete and sorted(seen) != sorted(listed):
+        missing = sorted(listed - set(seen))
+        problems.append(f"{path}: lists {len(seen)} turns for {len(listed)} samples (absent: {missing[:5]})")
+    return problems

@@ -1,0 +1,193 @@
+"""speculators-data-gen --regenerate on CPU vLLM: on-policy samples, their text, resume after SIGKILL, bad input."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from helpers.cli import CPU, invoke, load_all, write_jsonl
+from helpers.reference import TOLERANCE, hf_layer_outputs
+from speculators_v016.run.demo import corpus_lines
+from speculators_v016.store.manifest import Manifest
+
+SAMPLING = ["--regenerate", "--temperature", "0.7", "--top-p", "0.95", "--max-new-tokens", "20", "--seed", "3"]
+
+
+def chats(count: int) -> list[dict]:
+    """Conversations of one and two exchanges (the second answer must see the first regenerated one)."""
+    rng, lines = random.Random(5), corpus_lines()
+    rows = []
+    for i in range(count):
+        turns = [{"from": "human", "value": rng.choice(lines)}, {"from": "gpt", "value": "SOURCE ANSWER " * 3}]
+        if i % 3 == 0:
+            turns += [{"from": "human", "value": rng.choice(lines)}, {"from": "gpt", "value": "SOURCE AGAIN"}]
+        rows.append({"conversations": turns})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("data") / "chats.jsonl", chats(12))  # 16 turns to answer
+
+
+def args(model_dir, data_file, out, *extra):
+    return [
+        "--target-model-path",
+        model_dir,
+        "--train-data-path",
+        data_file,
+        "--output-dir",
+        out,
+        "--seq-length",
+        256,
+        "--token-freq-path",
+        out.parent / "tf.pt",
+        "--max-num-seqs",
+        3,
+        *SAMPLING,
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, model_dir, data_file):
+    """One uninterrupted regenerating run."""
+    out = tmp_path_factory.mktemp("ref") / "out"
+    result = invoke(*args(model_dir, data_file, out))
+    assert result.exit_code == 0, result.output
+    assert "verify:     ok (16 samples" in result.output, result.output
+    return out
+
+
+def test_samples_are_the_prompts_the_target_saw_and_what_it_sampled(reference_run, model_dir):
+    """Each sample is its turn's rendered history + the sampled ids, masked 1 on exactly those ids."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    samples = load_all(reference_run)
+    lines = [json.loads(x) for x in (reference_run / "regenerated.jsonl").read_text().splitlines()]
+    assert sorted(samples) == list(range(16)) and len(lines) == 12
+    journal = {}
+    for raw in (reference_run / "regenerated.journal.jsonl").read_text().splitlines():
+        record = json.loads(raw)
+        journal[record["index"]] = record
+    for line in lines:
+        history = []
+        for turn in line["turns"]:
+            if turn["role"] != "assistant":
+                history.append({"role": turn["role"], "content": turn["content"]})
+                continue
+            assert "SOURCE" not in turn["content"]
+            sample, record = samples[turn["sample"]], journal[turn["sample"]]
+            prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True)
+            ids, mask = sample["input_ids"].tolist(), sample["loss_mask"].tolist()
+            assert ids == prompt + record["token_ids"]  # the tokens before every supervised position
+            assert mask == [0] * len(prompt) + [1] * len(record["token_ids"])
+            assert turn["finish_reason"] in ("stop", "length") and record["text"] == turn["content"]
+            history.append({"role": "assistant", "content": turn["content"]})
+    config = json.loads((reference_run / "data_config.json").read_text())
+    regen = config["speculators_v016"]["regenerate"]
+    assert regen["on_policy"] is True and regen["sampling"]["temperature"] == 0.7
+    assert regen["sampling"]["max_new_tokens"] == 20 and regen["stop_token_ids"]
+    assert lines[0]["sampling"]["seed"] == 3
+    assert torch.load(reference_run.parent / "tf.pt")  # token frequencies of the generated tokens
+
+
+def test_captured_states_equal_transformers_on_the_final_sequences(reference_run, model_dir):
+    """Decode-time states of every sample equal transformers' prefill of the same sequence within 1e-5."""
+    samples = load_all(reference_run)
+    picked = [samples[i] for i in (0, 1, 7)]
+    reference = hf_layer_outputs(model_dir, [s["input_ids"].tolist() for s in picked])
+    for sample, ref in zip(picked, reference):
+        for state, layer in zip(sample["hidden_states"], (2, 4, 5, 7)):
+            assert (state - ref[layer]).abs().max().item() < TOLERANCE
+
+
+def test_a_killed_regenerating_run_resumes_to_the_same_tokens_and_text(tmp_path, reference_run, model_dir, data_file):
+    """SIGKILL mid-run at temperature 0.7, then resume: the same ids, masks and regenerated.jsonl, byte for byte."""
+    out = tmp_path / "killed"
+    cmd = [
+        sys.executable,
+        "-m",
+        "speculators_v016.run.cli",
+        *map(str, args(model_dir, data_file, out, "--write-workers", 1)),
+    ]
+    proc = subprocess.Popen(cmd, env={**os.environ, **CPU}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if len(Manifest(out).entries()) >= 4:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    partial = len(Manifest(out).entries())
+    assert 4 <= partial < 16
+    result = invoke(*args(model_dir, data_file, out))
+    assert result.exit_code == 0, result.output
+    assert f"({partial} already done before this run)" in result.output
+    resumed, reference = load_all(out), load_all(reference_run)
+    assert sorted(resumed) == sorted(reference)
+    for i in reference:
+        assert torch.equal(resumed[i]["input_ids"], reference[i]["input_ids"]), f"sample {i}"
+        assert torch.equal(resumed[i]["loss_mask"], reference[i]["loss_mask"])
+        for a, b in zip(resumed[i]["hidden_states"], reference[i]["hidden_states"]):
+            assert (a - b).abs().max().item() < TOLERANCE
+    assert (out / "regenerated.jsonl").read_bytes() == (reference_run / "regenerated.jsonl").read_bytes()
+
+
+def test_regeneration_options_need_regenerate(tmp_path, model_dir, data_file):
+    """--temperature without --regenerate is a usage error naming both."""
+    result = invoke(
+        "--target-model-path",
+        model_dir,
+        "--train-data-path",
+        data_file,
+        "--output-dir",
+        tmp_path / "o",
+        "--temperature",
+        "0.5",
+    )
+    assert result.exit_code == 2 and "--temperature" in result.output and "--regenerate" in result.output
+
+
+def test_bad_regeneration_inputs_are_named(tmp_path, model_dir):
+    """Pre-tokenized rows, a model without generation_config.json, a row without a user turn: exit 3, named."""
+    tokens = write_jsonl(tmp_path / "tok.jsonl", [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}])
+    result = invoke(*args(model_dir, tokens, tmp_path / "a"))
+    assert result.exit_code == 3 and "pre-tokenized rows" in result.output, result.output
+    bare = tmp_path / "bare-model"
+    shutil.copytree(model_dir, bare)
+    (bare / "generation_config.json").unlink()
+    chats_file = write_jsonl(tmp_path / "c.jsonl", chats(2))
+    plain = [a for a in args(bare, chats_file, tmp_path / "b") if a not in ("--temperature", "0.7")]
+    result = invoke(*plain)
+    assert result.exit_code == 3 and "no generation_config.json" in result.output, result.output
+    lonely = write_jsonl(tmp_path / "l.jsonl", [{"conversations": [{"from": "gpt", "value": "hi"}]}])
+    result = invoke(*args(model_dir, lonely, tmp_path / "c"))
+    assert result.exit_code == 3 and f"{lonely}:1: no user turn" in result.output, result.output
+
+
+def test_verify_checks_the_text_against_the_samples(tmp_path, reference_run):
+    """verify passes the run, and names an edited turn text and a journal whose ids differ from a sample's."""
+    assert invoke("verify", reference_run).exit_code == 0
+    edited = tmp_path / "edited"
+    shutil.copytree(reference_run, edited)
+    lines = (edited / "regenerated.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    first["turns"][1]["content"] += " (edited)"
+    (edited / "regenerated.jsonl").write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    result = invoke("verify", edited)
+    assert result.exit_code == 1 and "text differs from regenerated.journal.jsonl" in result.output, result.output
+    shutil.copy(reference_run / "regenerated.jsonl", edited / "regenerated.jsonl")
+    journal = [json.loads(x) for x in (edited / "regenerated.journal.jsonl").read_text().splitlines()]
+    journal[0]["token_ids"][-1] ^= 1
+    (edited / "regenerated.journal.jsonl").write_text("".join(json.dumps(r) + "\n" for r in journal))
+    result = invoke("verify", edited)
+    assert result.exit_code == 1 and "generated ids differ" in result.output, result.output
