@@ -16,6 +16,7 @@ uses :meth:`VllmHiddenStatesGenerator.from_config`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
@@ -23,10 +24,18 @@ from loguru import logger
 
 from speculators_v016.config import EngineConfig, default_of
 from speculators_v016.engine.core import CaptureEngine
+from speculators_v016.engine.generation import Generation, sample_seed
 from speculators_v016.layers import LayerPlan
 from speculators_v016.target import RemoteCodeError, TargetInfo
 
-__all__ = ["RemoteCodeError", "VllmHiddenStatesGenerator", "num_decoder_layers"]
+__all__ = ["Generation", "RemoteCodeError", "VllmHiddenStatesGenerator", "num_decoder_layers"]
+
+
+def _seeded(generation: Generation, index: int) -> Generation:
+    """Prompt ``index``'s generation: its own seed from the given one and the index (None stays None)."""
+    if generation.seed is None:
+        return generation
+    return dataclasses.replace(generation, seed=sample_seed(generation.seed, index))
 
 
 def num_decoder_layers(model_path: str, trust_remote_code: bool = False) -> int:
@@ -98,16 +107,33 @@ class VllmHiddenStatesGenerator:
         """The layer ids in both conventions, as data files record them."""
         return self.plan.describe()
 
-    def stream(self, token_ids: Iterable[Sequence[int]] | torch.Tensor) -> Iterator[dict]:
-        """Yield ``{"index", "input_ids", "hidden_states", "loss_mask"}`` as each prompt completes."""
+    def stream(
+        self, token_ids: Iterable[Sequence[int]] | torch.Tensor, generation: Generation | None = None
+    ) -> Iterator[dict]:
+        """Yield ``{"index", "input_ids", "hidden_states", "loss_mask"}`` as each prompt completes.
+
+        ``generation`` (on-policy data, as ``--regenerate``): the target continues each prompt as it
+        says (sampling, stop tokens, cap; its ``seed``, if any, makes each prompt's seed with the prompt's
+        index) and the states are captured in the same pass: ``input_ids`` is the prompt and the sampled
+        ids, ``loss_mask`` 1 on the sampled ids, plus ``"finish_reason"`` ("stop" or "length").
+        """
         rows = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
-        for index, ids, states in self.engine.stream(enumerate(rows)):
-            yield {
+        feed = (
+            enumerate(rows) if generation is None else ((i, ids, _seeded(generation, i)) for i, ids in enumerate(rows))
+        )
+        for index, ids, states in self.engine.stream(feed):
+            item = {
                 "index": index,
                 "input_ids": torch.tensor(ids, dtype=torch.long),
                 "hidden_states": states,
                 "loss_mask": None,
             }
+            if generation is not None:
+                result = self.engine.generated.pop(index)
+                item["loss_mask"] = torch.zeros(len(ids), dtype=torch.long)
+                item["loss_mask"][result.prompt_len :] = 1
+                item["finish_reason"] = result.finish_reason
+            yield item
 
     def generate(self, token_ids: Sequence[Sequence[int]] | torch.Tensor) -> list[dict]:
         """Upstream's call: all results, in input order."""

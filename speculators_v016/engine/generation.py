@@ -12,6 +12,7 @@ last label, the end-of-turn token, keeps the state that predicts it.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -49,6 +50,12 @@ class Generation:
             prompt_logprobs=0 if prompt_logprobs else None,
             skip_special_tokens=False,
         )
+
+
+def sample_seed(run_seed: int, index: int) -> int:
+    """The seed of sample ``index``: fixed by the run's seed and the index alone (resume, shards, any batch)."""
+    digest = hashlib.blake2b(f"{run_seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 @dataclass

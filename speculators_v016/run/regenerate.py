@@ -21,7 +21,6 @@ generated (:mod:`speculators_v016.store.regenerated` keeps those records on disk
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import deque
 from collections.abc import Iterator
@@ -31,7 +30,7 @@ from typing import Any
 
 import torch
 
-from speculators_v016.engine.generation import Generated, Generation
+from speculators_v016.engine.generation import Generated, Generation, sample_seed
 from speculators_v016.run.dataset import BadRowError, load_rows, run_order
 from speculators_v016.store import regenerated
 from speculators_v016.target import GenerationSetupError
@@ -111,12 +110,6 @@ def resolve_sampling(
         max_new_tokens = int(config["max_new_tokens"])
         from_model.append("max_new_tokens")
     return Sampling(temperature, top_p, top_k, max_new_tokens, seed, tuple(from_model))
-
-
-def sample_seed(run_seed: int, index: int) -> int:
-    """The seed of sample ``index``: fixed by the run's seed and the index alone (resume, shards, any batch)."""
-    digest = hashlib.blake2b(f"{run_seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 def stop_token_ids(tokenizer, model_path: str) -> frozenset[int]:

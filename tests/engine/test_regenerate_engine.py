@@ -192,3 +192,19 @@ def test_a_prompt_without_room_for_its_new_tokens_is_refused(generator):
     with pytest.raises(PromptError, match="exceed max_model_len 256"):
         list(generator.engine.stream([("long", list(range(5, 240)), Generation(NEW))]))
     assert regenerate(generator, [[5, 6, 7]], Generation(3))[0]["generated"].finish_reason == "length"
+
+
+def test_the_generators_stream_regenerates_with_upstreams_dict(generator, prompts, stop_ids):
+    """generator.stream(..., generation=) yields upstream's dict: prompt + sampled ids, mask 1 on them."""
+    from speculators_v016.engine.generation import sample_seed
+
+    generation = Generation(NEW, temperature=0.7, seed=5, stop_token_ids=stop_ids)
+    items = {item["index"]: item for item in generator.stream(prompts[:3], generation=generation)}
+    gens = {i: Generation(NEW, temperature=0.7, seed=sample_seed(5, i), stop_token_ids=stop_ids) for i in range(3)}
+    direct = _seeded(generator, prompts[:3], gens, None, None)
+    for i, item in items.items():
+        prompt_len = len(prompts[i])
+        assert item["input_ids"].tolist() == direct[i]["ids"]
+        assert item["loss_mask"].tolist() == [0] * prompt_len + [1] * (len(direct[i]["ids"]) - prompt_len)
+        assert item["finish_reason"] == direct[i]["generated"].finish_reason
+        assert len(item["hidden_states"]) == LAYERS
