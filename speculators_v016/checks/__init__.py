@@ -3,6 +3,8 @@
 ``finite`` (no NaN/Inf), ``degenerate`` (no layer a real model never produces: all zeros, or one
 row repeated), ``logit_check`` (the captured last layer, normed and projected, reproduces vLLM's
 logits), ``layer_replay`` (one decoder layer at a time in transformers, from the captured stream)
-and ``fidelity`` (every layer against transformers on the same weights). They judge states;
-they never import the engine, the worker, the store or a run.
+and ``fidelity`` (every layer against transformers on the same weights); ``self_check`` is what
+stops a run (:class:`~speculators_v016.checks.self_check.SelfCheckError`) and the samples it holds
+back until the logit check has judged. They judge states; they never import the engine, the worker,
+the store or a run.
 """

@@ -14,7 +14,7 @@ all zeros, one row repeated for different tokens: :mod:`~speculators_v016.checks
 logprobs (:mod:`~speculators_v016.checks.logit_check`). Until the logit check has
 judged its samples, every finished sample is held back from the writer; a
 failure stops the run with :class:`SelfCheckError` (exit 7) before anything it
-judged is written, so a resume redoes them.
+judged is written, so a resume redoes them (both in :mod:`~speculators_v016.checks.self_check`).
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from loguru import logger
 from tqdm import tqdm
 
 from speculators_v016 import fp8
-from speculators_v016.checks.degenerate import degenerate_layers, may_be_degenerate
 from speculators_v016.checks.finite import non_finite
+from speculators_v016.checks.self_check import HoldBack, NonFiniteError
+from speculators_v016.checks.self_check import SelfCheckError as SelfCheckError  # re-exported: callers import it here
 from speculators_v016.config import RunConfig
 from speculators_v016.engine.buffer_pool import BufferPool
 from speculators_v016.layers import LayerPlan
@@ -48,15 +49,6 @@ from speculators_v016.store.regenerated import NOT_GENERATED
 from speculators_v016.store.sample_format import parse_sample_name
 from speculators_v016.store.writer import SampleWriter
 from speculators_v016.target import PromptError, TargetInfo, check_token_ids
-
-
-class NonFiniteError(RuntimeError):
-    """Too many samples had NaN or Inf hidden states."""
-
-
-class SelfCheckError(RuntimeError):
-    """The captured states failed the run's own check (logit check, or states no model produces)."""
-
 
 FINISHED = {"stop": "ended by the target", "length": "cut at --max-new-tokens (kept, marked)"}
 
@@ -270,9 +262,6 @@ def _generate(
     if checked:
         engine.warm_prompt_logprobs()  # vLLM compiles its prompt-logprobs kernel here, not in the first step
     pool = BufferPool()  # each sample's states: one block, back to the pool once its file is written
-    # every finished sample waits here until the logit check has judged all of its samples
-    awaiting = set(checked)
-    held: list[tuple[int, dict]] = []
 
     writer = SampleWriter(
         directory,
@@ -289,6 +278,9 @@ def _generate(
             work.journal.append(record)
         block = fp8.tensors_of(sample["hidden_states"])  # FP8: codes and scales, one block
         writer.put(name, sample, done=lambda: pool.give_back(block))
+
+    # every finished sample waits here until the logit check has judged all of its samples
+    hold = HoldBack(checked, checker, layer_ids, put)
 
     window = max(opts.batch_size, 2 * opts.engine.max_num_seqs)
     total_tokens = work.tokens(pending)  # None: a regenerating run's, not known before the target writes them
@@ -314,14 +306,9 @@ def _generate(
             mask, record, sampled_logprobs = work.finish(index, ids, engine)
             if theirs is not None and sampled_logprobs is not None:  # log p of every token after the first
                 theirs = torch.cat([theirs.float(), torch.tensor(sampled_logprobs, dtype=torch.float32)])
-            _check_plausible(name, input_ids, states, layer_ids, bool(awaiting))
-            if index in awaiting and theirs is not None:
-                _check_logits(checker, name, input_ids, states, theirs, len(held))
+            hold.judge(index, name, input_ids, states, theirs)
             sample = {"input_ids": input_ids, "hidden_states": states, "loss_mask": mask}
-            if awaiting:
-                held.append((name, sample, record))
-            else:
-                put(name, sample, record)
+            hold.admit(index, name, sample, record)
             summary.tokens += len(ids)
             bar.update(1 if by_samples else len(ids))
             if by_samples:
@@ -330,18 +317,10 @@ def _generate(
             for cut_index, why in cut:
                 logger.warning("sample {}: not generated: {}", cut_index + opts.start_idx, why)
                 summary.skipped[NOT_GENERATED] = summary.skipped.get(NOT_GENERATED, 0) + 1
-            if index in awaiting or any(i in awaiting for i, _ in cut):
-                awaiting.discard(index)
-                awaiting.difference_update(i for i, _ in cut)
-                if not awaiting:  # every checked sample judged and passed: write what waited, drop the head
-                    checker.release()
-                    for held_sample in held:
-                        put(*held_sample)
-                    held.clear()
+            hold.forget(i for i, _ in cut)  # a checked turn that will never come is not waited for
             _note_rejected(writer.take_rejected(), summary, opts)
             bar.set_description(f"{writer.written}/{len(pending)} samples")
-        for held_sample in held:  # judged and passed; a checked sample vLLM gave no logprobs for
-            put(*held_sample)
+        hold.finish()
     finally:
         summary.generation_seconds = time.monotonic() - started
         try:
@@ -412,36 +391,6 @@ def _note_rejected(rejected: list, summary: RunSummary, opts: RunConfig) -> None
         raise NonFiniteError(
             f"{len(summary.non_finite)} samples with NaN/Inf hidden states "
             f"(limit --max-bad-samples {opts.max_bad_samples}); first: {summary.non_finite[0]}"
-        )
-
-
-def _check_plausible(name: int, input_ids: torch.Tensor, states: list, layer_ids: list[int], holding: bool) -> None:
-    """Raise SelfCheckError if a layer of sample ``name`` holds states no model produces."""
-    if not may_be_degenerate(input_ids, states):
-        return
-    found = degenerate_layers(input_ids, states)
-    if found:
-        j, what = found[0]
-        kept = (
-            "nothing of this run was written" if holding else "samples written before it passed this check and are kept"
-        )
-        raise SelfCheckError(
-            f"self-check failed: sample {name}, layer {layer_ids[j]}: {what}. No model produces this: the "
-            f"capture is broken, and the run stops ({kept}; this sample is not written). Please report it "
-            "with the log"
-        )
-
-
-def _check_logits(checker, name: int, input_ids: torch.Tensor, states: list, theirs, held: int) -> None:
-    """Raise SelfCheckError if sample ``name``'s last layer does not reproduce vLLM's own logits."""
-    delta = checker.add(name, input_ids, states, theirs)
-    if not checker.last_passed:  # NaN fails too
-        raise SelfCheckError(
-            f"self-check failed: sample {name}: the captured last layer, normed and projected, does not reproduce "
-            f"vLLM's own prompt logprobs (logit check: max |delta| {delta:.3g}, tolerance "
-            f"{checker.describe_tolerance()}). The captured states are wrong for this model or setup; the run "
-            f"stops before writing any sample ({held + 1} finished samples held back; a resume redoes them). "
-            "Please report it with the log"
         )
 
 

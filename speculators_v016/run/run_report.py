@@ -12,9 +12,9 @@ from speculators_v016.exit_codes import ExitCode
 
 
 def exit_code(exc: BaseException) -> ExitCode:
+    from speculators_v016.checks.self_check import SelfCheckError
     from speculators_v016.layers import LayerIdError
     from speculators_v016.run.dataset import BadRowError
-    from speculators_v016.run.pipeline import SelfCheckError
     from speculators_v016.store.atomic_files import WriteError
     from speculators_v016.store.manifest import ManifestError
     from speculators_v016.store.outdir import OutputDirError

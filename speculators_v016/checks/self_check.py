@@ -1,0 +1,104 @@
+"""The run's self-check: what decides that a run stops, and the samples it holds back until then.
+
+Every finished sample's layers are screened for states no model produces
+(:mod:`~speculators_v016.checks.degenerate`); the first samples the logit
+check judges must reproduce vLLM's own prompt logprobs
+(:mod:`~speculators_v016.checks.logit_check`). A failure is a
+:class:`SelfCheckError` (exit 7). Until the logit check has judged all of its
+samples, :class:`HoldBack` keeps every finished sample from the writer, so a
+failure stops the run before anything it judged is written (a resume redoes
+them). :class:`NonFiniteError`: more samples with NaN/Inf states than the run
+allows (the writer rejects each, :mod:`~speculators_v016.checks.finite`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from speculators_v016.checks.degenerate import degenerate_layers, may_be_degenerate
+
+
+class NonFiniteError(RuntimeError):
+    """Too many samples had NaN or Inf hidden states."""
+
+
+class SelfCheckError(RuntimeError):
+    """The captured states failed the run's own check (logit check, or states no model produces)."""
+
+
+def check_plausible(name: int, input_ids: torch.Tensor, states: list, layer_ids: list[int], holding: bool) -> None:
+    """Raise SelfCheckError if a layer of sample ``name`` holds states no model produces."""
+    if not may_be_degenerate(input_ids, states):
+        return
+    found = degenerate_layers(input_ids, states)
+    if found:
+        j, what = found[0]
+        kept = (
+            "nothing of this run was written" if holding else "samples written before it passed this check and are kept"
+        )
+        raise SelfCheckError(
+            f"self-check failed: sample {name}, layer {layer_ids[j]}: {what}. No model produces this: the "
+            f"capture is broken, and the run stops ({kept}; this sample is not written). Please report it "
+            "with the log"
+        )
+
+
+def check_logits(checker, name: int, input_ids: torch.Tensor, states: list, theirs, held: int) -> None:
+    """Raise SelfCheckError if sample ``name``'s last layer does not reproduce vLLM's own logits."""
+    delta = checker.add(name, input_ids, states, theirs)
+    if not checker.last_passed:  # NaN fails too
+        raise SelfCheckError(
+            f"self-check failed: sample {name}: the captured last layer, normed and projected, does not reproduce "
+            f"vLLM's own prompt logprobs (logit check: max |delta| {delta:.3g}, tolerance "
+            f"{checker.describe_tolerance()}). The captured states are wrong for this model or setup; the run "
+            f"stops before writing any sample ({held + 1} finished samples held back; a resume redoes them). "
+            "Please report it with the log"
+        )
+
+
+class HoldBack:
+    """Finished samples, held back from the writer until the logit check has judged every sample it checks.
+
+    ``checked``: the indexes the logit check judges (empty: nothing is held);
+    ``checker``: the run's :class:`~speculators_v016.checks.logit_check.LogitChecker`
+    (released once all of them passed); ``put(name, sample)``: hand a sample to
+    the writer.
+    """
+
+    def __init__(self, checked: set, checker, layer_ids: list[int], put: Callable[[int, dict], None]):
+        self.checker, self.layer_ids, self.put = checker, layer_ids, put
+        self.awaiting = set(checked)  # checked samples not judged yet
+        self.held: list[tuple] = []  # (name, sample, what else put takes)
+
+    def judge(self, index, name: int, input_ids: torch.Tensor, states: list, theirs) -> None:
+        """Raise SelfCheckError if sample ``index`` (file name ``name``) fails the self-check; ``theirs``:
+        vLLM's prompt logprobs of a checked sample."""
+        check_plausible(name, input_ids, states, self.layer_ids, bool(self.awaiting))
+        if index in self.awaiting and theirs is not None:
+            check_logits(self.checker, name, input_ids, states, theirs, len(self.held))
+
+    def admit(self, index, name: int, sample: dict, *extra) -> None:
+        """Write judged sample ``index`` now, or hold it back while checked samples are not judged yet;
+        ``extra`` goes to ``put`` with it (a --regenerate sample's record)."""
+        if self.awaiting:
+            self.held.append((name, sample, *extra))
+        else:
+            self.put(name, sample, *extra)
+        self.forget([index])
+
+    def forget(self, indexes) -> None:
+        """``indexes`` are judged (or will never come: a turn --regenerate had no room for); once no checked
+        sample is left, what waited is written."""
+        before = bool(self.awaiting)
+        self.awaiting.difference_update(indexes)
+        if before and not self.awaiting:  # every checked sample judged and passed: write what waited, drop the head
+            self.checker.release()
+            self.finish()
+
+    def finish(self) -> None:
+        """Write what is still held: judged and passed (a checked sample vLLM gave no logprobs for)."""
+        for held in self.held:
+            self.put(*held)
+        self.held.clear()
