@@ -7,13 +7,14 @@ The tree::
     CheckConfig              one ``check`` (speculators_v016.run.check)
       engine: EngineConfig
     ConsoleConfig            what the terminal shows (the command group's options, for every subcommand)
+    VerifyConfig, DemoConfig, CleanShmConfig   the ``verify``, ``demo`` and ``clean-shm`` subcommands
 
 Each field is declared with :func:`setting`: its default, its help text (the
 field's documentation), its bounds, and, for the fields that are options of
 the command, the option's spelling and help section. Choices are ``Literal``
 types. :mod:`speculators_v016.run.cli` generates the click options of the
-main command and of ``check`` from these fields (:data:`MAIN_OPTIONS`,
-:data:`CHECK_OPTIONS`), so a new option is one field here, and the
+main command and of every subcommand from these fields (:data:`MAIN_OPTIONS`,
+:data:`CHECK_OPTIONS`, ...), so a new option is one field here, and the
 environment variable of option ``--some-option`` is always
 ``SPECULATORS_DATA_GEN_SOME_OPTION``. Values that depend on others
 (``max_model_len`` from ``seq_length``, the engine's seed) are computed once,
@@ -110,6 +111,7 @@ def setting(
     case_sensitive: bool = True,
     required: bool = False,
     kind: str | None = None,
+    hidden: bool = False,
     default_factory: Any = MISSING,
 ) -> Any:
     """A field of the tree and, with ``section``, an option of the command.
@@ -122,7 +124,7 @@ def setting(
     (resolved by :meth:`RunConfig.build`, e.g. ``--tensor-parallel-size``:
     all visible GPUs). ``min``/``max``/``min_open``: bounds, checked here and
     by the option. ``kind``: a value with its own parser on the command line
-    (``"layer_ids"``, ``"dir"``).
+    (``"layer_ids"``, ``"dir"``). ``hidden``: an option left out of ``--help`` (for tests).
     """
     meta = {
         "help": help,
@@ -137,6 +139,7 @@ def setting(
         "case_sensitive": case_sensitive,
         "required": required,
         "kind": kind,
+        "hidden": hidden,
     }
     if default_factory is not MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
@@ -605,3 +608,50 @@ def env_name(flag: str, command: str | None = None) -> str:
 def default_of(cls: type, name: str) -> Any:
     """Field ``name``'s default in ``cls`` (for signatures that repeat a field, e.g. the generator's)."""
     return next(f.default for f in fields_of(cls) if f.name == name)
+
+
+# -- the other subcommands ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyConfig:
+    """``speculators-data-gen verify DIRECTORY``: a run's folder read back (speculators_v016.store.verify)."""
+
+    directory: Path = setting(MISSING, "The run's --output-dir, with its shard-* folders (the command's argument).")
+    partial: bool = setting(False, "Check what is there, not that the run is complete.", section=CHECKS)
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """``speculators-data-gen demo``: the whole pipeline on a tiny random model (speculators_v016.run.demo)."""
+
+    directory: Path = setting(
+        Path("speculators-demo"), "Where the tiny model and the data go.", option="--dir", section=OUTPUT, kind="dir"
+    )
+    format: SampleFormat = setting("safetensors", "The samples' format, as the run's --format.", section=OUTPUT)
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+
+@dataclass(frozen=True)
+class CleanShmConfig:
+    """``speculators-data-gen clean-shm``: the shared memory dead runs recorded, listed or deleted
+    (speculators_v016.shared.shm_records)."""
+
+    yes: bool = setting(False, "Delete what is listed (without it: only list).", section=OUTPUT)
+    shm_dir: str = setting(
+        "/dev/shm", "The shared-memory folder to look in (tests give their own).", section=OUTPUT, hidden=True
+    )
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+
+#: Their options, as MAIN_OPTIONS gives the main command's.
+VERIFY_OPTIONS = ((VerifyConfig, None, {}),)
+DEMO_OPTIONS = ((DemoConfig, None, {}),)
+CLEAN_SHM_OPTIONS = ((CleanShmConfig, None, {}),)

@@ -18,15 +18,21 @@ import click
 
 from speculators_v016.config import (
     CHECK_OPTIONS,
+    CLEAN_SHM_OPTIONS,
+    DEMO_OPTIONS,
     ENV_PREFIX,
     MAIN_OPTIONS,
     SECTIONS,
     TERMINAL,
+    VERIFY_OPTIONS,
     CheckConfig,
+    CleanShmConfig,
     ConfigError,
     ConsoleConfig,
+    DemoConfig,
     EngineConfig,
     RunConfig,
+    VerifyConfig,
     env_name,
     option_fields,
     parse_layer_ids,
@@ -95,7 +101,14 @@ def config_option(f):
     """The click option decorator of config field ``f`` (see :func:`speculators_v016.config.setting`)."""
     decls = [f.flag] + ([f.meta["short"]] if f.meta["short"] else []) + [f.param]
     if f.base is bool:
-        return click.option(*decls, cls=ConfigOption, is_flag=True, help=f.meta["help"], section=f.meta["section"])
+        return click.option(
+            *decls,
+            cls=ConfigOption,
+            is_flag=True,
+            help=f.meta["help"],
+            hidden=f.meta["hidden"],
+            section=f.meta["section"],
+        )
     return click.option(
         *decls,
         cls=ConfigOption,
@@ -104,6 +117,7 @@ def config_option(f):
         required=f.meta["required"],
         multiple=f.base is tuple and f.meta["kind"] is None,
         help=f.meta["help"],
+        hidden=f.meta["hidden"],
         section=f.meta["section"],
         keep_empty=f.meta["kind"] == "layer_ids",
     )
@@ -129,6 +143,14 @@ def _values_of(cls, values: dict, spec: tuple = MAIN_OPTIONS) -> dict:
             value = values[f.param]
             out[f.name] = not value if f.meta["negate"] else tuple(value) if isinstance(value, list) else value
     return out
+
+
+def command_config(cls, values: dict, spec: tuple, **arguments):
+    """A subcommand's config (``cls``) from its option values (and its ``arguments``), or a usage error."""
+    try:
+        return cls(**_values_of(cls, values, spec), **arguments)
+    except ConfigError as exc:
+        raise usage_error(exc) from None
 
 
 def run_config(values: dict) -> RunConfig:
@@ -243,10 +265,7 @@ def cli(ctx, **values):
     vLLM with eagle_aux_hidden_state_layer_ids = [L+1 for all but the last id];
     data_config.json records both.
     """
-    try:
-        terminal = ConsoleConfig(**_values_of(ConsoleConfig, values))
-    except ConfigError as exc:
-        raise usage_error(exc) from None
+    terminal = command_config(ConsoleConfig, values, MAIN_OPTIONS)
     ctx.obj = {"mode": terminal.mode, "log_level": terminal.log_level}
     if ctx.invoked_subcommand is not None:
         return
@@ -275,18 +294,19 @@ def cli(ctx, **values):
 
 @cli.command()
 @click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--partial", is_flag=True, help="Check what is there, not that the run is complete.")
+@config_options(VERIFY_OPTIONS)
 @click.pass_obj
-def verify(obj, directory, partial):
+def verify(obj, directory, **values):
     """Check DIRECTORY (and its shard-* folders): every sample present once, intact, as configured."""
+    config = command_config(VerifyConfig, values, VERIFY_OPTIONS, directory=directory)
     from speculators_v016.run.console import Console, scratch_log_path
     from speculators_v016.store.verify import verify as run_verify
 
     with Console(scratch_log_path("verify"), obj["mode"], obj["log_level"]) as console:
         try:
-            report = run_verify(directory, partial=partial)
+            report = run_verify(config.directory, partial=config.partial)
         except Exception as exc:  # noqa: BLE001 - verify reports findings; anything else is a bug of ours, said so
-            console.failure(f"FAIL {directory}: verify could not run ({type(exc).__name__}: {exc})")
+            console.failure(f"FAIL {config.directory}: verify could not run ({type(exc).__name__}: {exc})")
             console.log_exception(exc)
             sys.exit(ExitCode.PROBLEMS_FOUND)
         for problem in report.problems:
@@ -331,29 +351,22 @@ def check(obj, **values):
 
 
 @cli.command()
-@click.option(
-    "--dir",
-    "where",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("speculators-demo"),
-    help="Where the tiny model and the data go.",
-)
-@click.option("--format", "fmt", type=click.Choice(["safetensors", "pt"]), default="safetensors")
+@config_options(DEMO_OPTIONS)
 @click.pass_obj
-def demo(obj, where, fmt):
+def demo(obj, **values):
     """Run the whole pipeline on a tiny random model and bundled sample conversations."""
+    config = command_config(DemoConfig, values, DEMO_OPTIONS)
     from speculators_v016.run.console import Console, log_path
     from speculators_v016.run.demo import run_demo
 
-    with Console(log_path(where, "demo"), obj["mode"], obj["log_level"]) as console:
-        code = run_demo(where, fmt, console)
+    with Console(log_path(config.directory, "demo"), obj["mode"], obj["log_level"]) as console:
+        code = run_demo(config.directory, config.format, console)
     sys.exit(code)
 
 
 @cli.command("clean-shm")
-@click.option("--yes", is_flag=True, help="Delete what is listed (without it: only list).")
-@click.option("--shm-dir", default="/dev/shm", show_default=True, hidden=True)
-def clean_shm(yes, shm_dir):
+@config_options(CLEAN_SHM_OPTIONS)
+def clean_shm(**values):
     """List (and with --yes delete) the shared memory that dead runs of ours recorded in /dev/shm.
 
     Every run records the segments its processes create (our capture ring,
@@ -366,8 +379,9 @@ def clean_shm(yes, shm_dir):
     """
     from speculators_v016.shared.shm_records import reclaim, report_lines
 
-    result = reclaim(shm_dir, delete=yes)
-    for line in report_lines(result, shm_dir, deleted=yes):
+    config = command_config(CleanShmConfig, values, CLEAN_SHM_OPTIONS)
+    result = reclaim(config.shm_dir, delete=config.yes)
+    for line in report_lines(result, config.shm_dir, deleted=config.yes):
         click.echo(line)
     sys.exit(ExitCode.OK)
 

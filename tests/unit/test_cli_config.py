@@ -9,7 +9,17 @@ import pytest
 from click.testing import CliRunner
 
 from speculators_v016 import config
-from speculators_v016.config import CheckConfig, ConfigError, ConsoleConfig, EngineConfig, RunConfig, option_fields
+from speculators_v016.config import (
+    CheckConfig,
+    CleanShmConfig,
+    ConfigError,
+    ConsoleConfig,
+    DemoConfig,
+    EngineConfig,
+    RunConfig,
+    VerifyConfig,
+    option_fields,
+)
 from speculators_v016.run import cli as cli_module
 from speculators_v016.run.cli import _join_multi_value, cli
 
@@ -208,11 +218,21 @@ def test_an_empty_layer_ids_variable_is_refused_like_the_empty_option(variable, 
 
 
 def test_the_commands_have_one_option_per_field_and_every_field_a_doc():
-    """A new option is one field: the main command's and check's options are exactly their fields, each documented."""
-    for command, spec in ((cli, config.MAIN_OPTIONS), (cli.commands["check"], config.CHECK_OPTIONS)):
-        params = {p.name for p in command.params if p.name not in ("help", "version")}
+    """A new option is one field: every command's options are exactly its fields, each documented."""
+    specs = {
+        None: config.MAIN_OPTIONS,
+        "check": config.CHECK_OPTIONS,
+        "verify": config.VERIFY_OPTIONS,
+        "demo": config.DEMO_OPTIONS,
+        "clean-shm": config.CLEAN_SHM_OPTIONS,
+    }
+    assert set(specs) == {None, *cli.commands}
+    for name, spec in specs.items():
+        command = cli.commands[name] if name else cli
+        params = {p.name for p in command.params if isinstance(p, click.Option) and p.name not in ("help", "version")}
         assert params == {f.param for f in option_fields(spec)}, command.name
-    for cls in (EngineConfig, RunConfig, ConsoleConfig, CheckConfig):
+    classes = (EngineConfig, RunConfig, ConsoleConfig, CheckConfig, VerifyConfig, DemoConfig, CleanShmConfig)
+    for cls in classes:
         undocumented = [f.name for f in config.fields_of(cls) if f.name != "engine" and not f.meta.get("help")]
         assert not undocumented, (cls.__name__, undocumented)
 
