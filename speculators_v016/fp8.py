@@ -84,7 +84,7 @@ def _triton_kernel(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     if not USE_TRITON:
         return False
     try:
-        from speculators_v016 import fp8_triton
+        from speculators_v016 import fp8_triton  # noqa: PLC0415 - Triton, CUDA only; without it the torch path
     except ImportError:  # no Triton: the torch operations, same values in more passes
         return False
     if not fp8_triton.usable(rows, codes, scales):

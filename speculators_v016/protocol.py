@@ -59,7 +59,7 @@ class RingSpec:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The engine's dtype (what the worker's aux states must be)."""
-        import torch
+        import torch  # noqa: PLC0415 - torch only for dtypes: clean-shm loads this module without torch
 
         return getattr(torch, self.dtype)
 
@@ -70,7 +70,7 @@ class RingSpec:
     @property
     def state_dtype(self) -> torch.dtype:
         """What a slot's states hold: the engine's dtype, or e4m3 codes."""
-        import torch
+        import torch  # noqa: PLC0415 - torch only for dtypes: clean-shm loads this module without torch
 
         return torch.float8_e4m3fn if self.fp8 else self.torch_dtype
 

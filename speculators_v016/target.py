@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from transformers import AutoConfig
+
 
 class PromptError(ValueError):
     """A prompt that cannot be run (empty, or token ids outside the vocabulary)."""
@@ -27,8 +29,6 @@ class TargetInfo:
 
     @classmethod
     def read(cls, model_path: str, trust_remote_code: bool = False) -> TargetInfo:
-        from transformers import AutoConfig
-
         try:
             config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         except ValueError as exc:

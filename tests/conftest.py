@@ -11,15 +11,23 @@ import os
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per CPU engine
 os.environ.setdefault("VLLM_MLA_DISABLE", "1")  # DeepSeek on CPU: plain attention (the CPU backend has no MLA)
 
+import fcntl
+import json
+from pathlib import Path
+
 import pytest
 
-from helpers.reference import NUM_LAYERS
-from speculators_v016.testing.tiny_models import build_tiny_model
+from speculators_v016.protocol import PREFIX, SHM_DIR
+from speculators_v016.shared.shm_records import reclaim
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """Build (once) and return the folder of a tiny model of the given architecture (and layer count)."""
+    # every pytest process loads this file (the xdist controller too): transformers only where models are built
+    from helpers.reference import NUM_LAYERS  # noqa: PLC0415 - transformers, see above
+    from speculators_v016.testing.tiny_models import build_tiny_model  # noqa: PLC0415 - transformers, see above
+
     built: dict[tuple[str, int], str] = {}
 
     def get(arch: str, num_layers: int = NUM_LAYERS) -> str:
@@ -70,9 +78,6 @@ _SHM_BEFORE: set[str] = set()
 def _shm_left() -> set[str]:
     """What a run of ours left in /dev/shm: dead runs' recorded segments still there, and ring files of
     dead processes (a ring is unlinked once the worker mapped it)."""
-    from speculators_v016.protocol import PREFIX, SHM_DIR
-    from speculators_v016.shared.shm_records import reclaim
-
     left = {
         f"{seg.name} (recorded by dead run {run.run})"
         for run in reclaim(SHM_DIR, delete=False).runs
@@ -107,9 +112,6 @@ def pytest_sessionfinish(session, exitstatus):
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if not ARCHITECTURE_RESULTS:
         return
-    import fcntl
-    import json
-    from pathlib import Path
 
     out = Path(__file__).resolve().parents[1] / "build" / "test-results"
     out.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import AutoModelForCausalLM
 
 #: Largest allowed (max abs error / max abs reference value), by engine dtype (the float32 criterion).
 RELATIVE_TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
@@ -63,8 +64,6 @@ def reference_layer_outputs(
     model_path: str, prompts: list[list[int]], dtype: torch.dtype, trust_remote_code: bool = False
 ) -> list[list[torch.Tensor]]:
     """transformers' output of every decoder layer (before the final norm), per prompt."""
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code).eval()
     layers = decoder_layers(model)
     seen: dict[int, torch.Tensor] = {}

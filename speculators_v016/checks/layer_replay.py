@@ -26,7 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.integrations.accelerate import init_empty_weights
 
 from speculators_v016.checks.fidelity import FLIPPED_ROWS, row_errors
 
@@ -96,9 +99,6 @@ class LayerReplayer:
     """transformers' decoder layers of one checkpoint, built and loaded one at a time."""
 
     def __init__(self, model_path: str, trust_remote_code: bool = False):
-        from transformers import AutoConfig, AutoModelForCausalLM
-        from transformers.integrations.accelerate import init_empty_weights
-
         self.path = Path(model_path)
         try:
             config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
@@ -175,8 +175,6 @@ class LayerReplayer:
         return captured["out"][0]
 
     def _load(self, layer: int, module: nn.Module) -> None:
-        from safetensors import safe_open
-
         wanted = {name: f"{self.prefix}.{layer}.{name}" for name, _ in module.named_parameters()}
         wanted |= {
             name: f"{self.prefix}.{layer}.{name}"
@@ -235,7 +233,6 @@ def _weight_map(path: Path) -> dict[str, str]:
     single = path / "model.safetensors"
     if not single.exists():
         raise ReplayUnavailable(f"no safetensors checkpoint in {path}")
-    from safetensors import safe_open
 
     with safe_open(str(single), framework="pt") as f:
         return {key: single.name for key in f.keys()}

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from speculators_v016.fp8 import Fp8States
 
@@ -113,7 +114,6 @@ def _weight_files(model_path: str) -> dict[str, Path]:
     index = root / "model.safetensors.index.json"
     if index.exists():
         return {k: root / v for k, v in json.loads(index.read_text())["weight_map"].items()}
-    from safetensors import safe_open
 
     files = sorted(root.glob("*.safetensors"))
     out = {}
@@ -124,8 +124,6 @@ def _weight_files(model_path: str) -> dict[str, Path]:
 
 
 def _read(files: dict[str, Path], names: list[str]) -> torch.Tensor | None:
-    from safetensors import safe_open
-
     for name in names:
         if name in files:
             with safe_open(str(files[name]), "pt") as fh:

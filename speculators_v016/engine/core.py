@@ -129,7 +129,7 @@ class CaptureEngine:
 
     def _vllm_config(self):
         """vLLM's config from ours, field by field; async scheduling set as we run it."""
-        from vllm.engine.arg_utils import EngineArgs
+        from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415 - vLLM only when an engine starts
 
         s = self.config
         args = EngineArgs(
@@ -172,8 +172,8 @@ class CaptureEngine:
 
     def _start(self, config) -> None:
         """The ring, then vLLM's engine core with our executor (workers load the model and set up capture)."""
-        from vllm.v1.engine.core import EngineCore
-        from vllm.v1.executor.abstract import Executor
+        from vllm.v1.engine.core import EngineCore  # noqa: PLC0415 - vLLM only when an engine starts
+        from vllm.v1.executor.abstract import Executor  # noqa: PLC0415 - vLLM only when an engine starts
 
         global _IN_PROCESS_ENGINES
         executor_class = Executor.get_class(config)
@@ -203,7 +203,9 @@ class CaptureEngine:
             if self._in_process and _IN_PROCESS_ENGINES == 0:
                 # A start refused in this process (e.g. by the stream proof) has set up vLLM's
                 # parallel state here; the next engine needs it fresh, as after a shutdown.
-                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+                from vllm.distributed.parallel_state import (  # noqa: PLC0415 - vLLM only when an engine starts
+                    cleanup_dist_env_and_memory,
+                )
 
                 cleanup_dist_env_and_memory()
             raise
@@ -229,7 +231,7 @@ class CaptureEngine:
             raise ValueError(f"the loaded model has {layers} decoder layers, the layer plan {self.plan.num_layers}")
 
     def _reset_run_state(self) -> None:
-        from vllm.sampling_params import SamplingParams
+        from vllm.sampling_params import SamplingParams  # noqa: PLC0415 - vLLM only when an engine starts
 
         self._sampling = SamplingParams(max_tokens=1, temperature=0.0)
         self._sampling_logprobs = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
@@ -283,7 +285,7 @@ class CaptureEngine:
     # -- requests ---------------------------------------------------------
     def _admit(self, feed: Iterator, assembler: Assembler, window: int, waiting: set, want=None) -> bool:
         """Move prompts from ``feed`` into the scheduler until ``window`` are open."""
-        from vllm.v1.request import Request
+        from vllm.v1.request import Request  # noqa: PLC0415 - vLLM only when an engine starts
 
         while len(waiting) < window:
             try:
@@ -486,7 +488,7 @@ class CaptureEngine:
 
     def _abandon(self, waiting: set, in_flight: deque) -> None:
         """Abort admitted prompts and retire the steps in flight (the engine stays usable)."""
-        from vllm.v1.request import RequestStatus
+        from vllm.v1.request import RequestStatus  # noqa: PLC0415 - vLLM only when an engine starts
 
         self.scheduler.finish_requests(list(waiting) + list(self._decoding), RequestStatus.FINISHED_ABORTED)
         self._logprob_keys.clear()
@@ -549,6 +551,8 @@ class CaptureEngine:
             # with an expert-parallel group) needs it fresh.
             _IN_PROCESS_ENGINES -= 1
             if _IN_PROCESS_ENGINES == 0:
-                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+                from vllm.distributed.parallel_state import (  # noqa: PLC0415 - vLLM only when an engine starts
+                    cleanup_dist_env_and_memory,
+                )
 
                 cleanup_dist_env_and_memory()

@@ -12,6 +12,7 @@ changes: the block size is where KV pages are cut, not what attention computes.
 
 from __future__ import annotations
 
+import torch
 from loguru import logger
 
 #: The block size vLLM 0.16's CPU attention runs bfloat16 at on AMX processors (its vec16 kernels).
@@ -21,14 +22,12 @@ BF16_NAMES = ("auto", "bfloat16", "bf16")
 
 def amx_tiles() -> bool:
     """Does this processor have AMX tiles (what vLLM's CPU attention asks torch)?"""
-    import torch
-
     probe = getattr(getattr(torch._C, "_cpu", None), "_is_amx_tile_supported", None)
     return bool(probe and probe())
 
 
 def on_cpu_platform() -> bool:
-    from vllm.platforms import current_platform
+    from vllm.platforms import current_platform  # noqa: PLC0415 - vLLM only when an engine starts
 
     return current_platform.is_cpu()
 

@@ -80,7 +80,7 @@ def capture_executor(base: type, capture: CaptureConfig, ring: SlotRing | None) 
             into ``slot``, then sampled. One RPC where vLLM's executor runs ours (uni, mp; not with a
             KV connector, whose aggregator reads the replies), else the capture RPC and vLLM's own."""
             if self.kind in ("uni", "mp") and getattr(self, "kv_output_aggregator", None) is None:
-                from vllm import envs
+                from vllm import envs  # noqa: PLC0415 - vLLM only when an engine starts
 
                 return self.capture_rpc(
                     "speculators_capture_sample",

@@ -13,7 +13,7 @@ class VllmVersionError(ImportError):
 def require_vllm() -> str:
     """Return the installed vLLM version, or raise if it is not 0.16.x."""
     try:
-        import vllm
+        import vllm  # noqa: PLC0415 - the check itself: is vLLM importable, and which
     except ImportError as exc:
         raise VllmVersionError(
             f"vLLM {SUPPORTED} is required for hidden-state generation and is not importable ({exc}). {INSTALL_HINT}"

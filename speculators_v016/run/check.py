@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from transformers import AutoTokenizer
 
 from speculators_v016.checks.fidelity import (
     RELATIVE_TOLERANCE,
@@ -23,8 +24,13 @@ from speculators_v016.checks.fidelity import (
     compare,
     reference_layer_outputs,
 )
-from speculators_v016.checks.layer_replay import ReplayReport
+from speculators_v016.checks.layer_replay import ReplayReport, replay_inputs, replay_layers
+from speculators_v016.checks.logit_check import LogitChecker
 from speculators_v016.config import CheckConfig
+from speculators_v016.generator import VllmHiddenStatesGenerator
+from speculators_v016.layers import LayerPlan
+from speculators_v016.run.dataset import prepare_samples
+from speculators_v016.target import TargetInfo
 
 
 @dataclass
@@ -67,15 +73,6 @@ def check(config: CheckConfig) -> CheckReport:
     ``config.transformers=False`` skips only the whole-model comparison (targets
     that do not fit here); the logit check and the layer replay run anyway.
     """
-    from transformers import AutoTokenizer
-
-    from speculators_v016.checks.layer_replay import replay_inputs, replay_layers
-    from speculators_v016.checks.logit_check import LogitChecker
-    from speculators_v016.generator import VllmHiddenStatesGenerator
-    from speculators_v016.layers import LayerPlan
-    from speculators_v016.run.dataset import prepare_samples
-    from speculators_v016.target import TargetInfo
-
     model = config.engine.model
     tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=config.engine.trust_remote_code)
     prepared = prepare_samples(

@@ -281,13 +281,15 @@ def cli(ctx, **values):
     if missing:
         raise click.UsageError(f"missing {', '.join(missing)} (or a subcommand: verify, check, demo, clean-shm)")
     config = run_config(values)
-    from speculators_v016.run.console import Console, run_log_path
-    from speculators_v016.run.run_report import run_and_report
-    from speculators_v016.store.outdir import shard_name
+    from speculators_v016.run.console import Console, run_log_path  # noqa: PLC0415 - imports torch; --help must not
+    from speculators_v016.store.outdir import shard_name  # noqa: PLC0415 - imports torch; --help must not
 
     shards = config.num_shards
     suffix = f"-{shard_name(config.shard_index, shards)}" if shards > 1 else ""
     with Console(run_log_path(config.output_dir, "run", suffix), ctx.obj["mode"], terminal.log_level) as console:
+        # the run's heavy imports under the console: what they print goes to the log
+        from speculators_v016.run.run_report import run_and_report  # noqa: PLC0415 - torch, transformers; off --help
+
         code = run_and_report(config, console)
     ctx.exit(code)
 
@@ -299,8 +301,8 @@ def cli(ctx, **values):
 def verify(obj, directory, **values):
     """Check DIRECTORY (and its shard-* folders): every sample present once, intact, as configured."""
     config = command_config(VerifyConfig, values, VERIFY_OPTIONS, directory=directory)
-    from speculators_v016.run.console import Console, scratch_log_path
-    from speculators_v016.store.verify import verify as run_verify
+    from speculators_v016.run.console import Console, scratch_log_path  # noqa: PLC0415 - imports torch; --help must not
+    from speculators_v016.store.verify import verify as run_verify  # noqa: PLC0415 - imports torch; --help must not
 
     with Console(scratch_log_path("verify"), obj["mode"], obj["log_level"]) as console:
         try:
@@ -327,8 +329,7 @@ def verify(obj, directory, **values):
 @click.pass_obj
 def check(obj, **values):
     """Check captured states: vLLM's logits, each layer replayed in transformers, the whole model if it fits."""
-    from speculators_v016.run.console import Console, scratch_log_path
-    from speculators_v016.run.run_report import exit_code
+    from speculators_v016.run.console import Console, scratch_log_path  # noqa: PLC0415 - imports torch; --help must not
 
     try:
         config = CheckConfig.build(
@@ -337,8 +338,10 @@ def check(obj, **values):
     except ConfigError as exc:
         raise usage_error(exc) from None
     with Console(scratch_log_path("check"), obj["mode"], obj["log_level"]) as console:
+        from speculators_v016.run.run_report import exit_code  # noqa: PLC0415 - torch, transformers; off --help
+
         try:
-            from speculators_v016.run.check import check as run_check
+            from speculators_v016.run.check import check as run_check  # noqa: PLC0415 - torch, transformers; off --help
 
             report = run_check(config)
         except Exception as exc:  # noqa: BLE001 - explained, logged, exit code by kind
@@ -356,10 +359,11 @@ def check(obj, **values):
 def demo(obj, **values):
     """Run the whole pipeline on a tiny random model and bundled sample conversations."""
     config = command_config(DemoConfig, values, DEMO_OPTIONS)
-    from speculators_v016.run.console import Console, log_path
-    from speculators_v016.run.demo import run_demo
+    from speculators_v016.run.console import Console, log_path  # noqa: PLC0415 - imports torch; --help must not
 
     with Console(log_path(config.directory, "demo"), obj["mode"], obj["log_level"]) as console:
+        from speculators_v016.run.demo import run_demo  # noqa: PLC0415 - torch, transformers; off --help
+
         code = run_demo(config.directory, config.format, console)
     sys.exit(code)
 
@@ -377,7 +381,7 @@ def clean_shm(**values):
     it recorded a segment (within a second of its creation, during engine start)
     leaves a name no record holds: it is not touched here; remove it by hand.
     """
-    from speculators_v016.shared.shm_records import reclaim, report_lines
+    from speculators_v016.shared.shm_records import reclaim, report_lines  # noqa: PLC0415 - +10 ms on --help
 
     config = command_config(CleanShmConfig, values, CLEAN_SHM_OPTIONS)
     result = reclaim(config.shm_dir, delete=config.yes)

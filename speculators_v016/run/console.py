@@ -24,6 +24,10 @@ import traceback
 from pathlib import Path
 from typing import TextIO
 
+from loguru import logger
+
+from speculators_v016.store.outdir import SHARD_DIR, is_ours
+
 MODES = ("normal", "verbose", "quiet")
 TAIL_LINES = 12
 
@@ -65,8 +69,6 @@ def private_dir() -> Path:
 def run_log_path(output_dir: Path, kind: str = "run", suffix: str = "") -> Path:
     """The log of a run: in ``output_dir/logs`` (shared by the shards of a sharded run), unless that folder
     holds files not ours (the run will refuse it, and we add nothing to it): then in :func:`private_dir`."""
-    from speculators_v016.store.outdir import SHARD_DIR, is_ours
-
     out = Path(output_dir)
     try:
         foreign = out.exists() and (
@@ -110,8 +112,6 @@ class Console:
 
     # -- set-up -----------------------------------------------------------
     def __enter__(self) -> Console:
-        from loguru import logger
-
         fd = self._open_log() if self.log_file is not None else None
         if fd is not None:
             sys.stdout.flush()
@@ -162,8 +162,6 @@ class Console:
         self.close()
 
     def close(self) -> None:
-        from loguru import logger
-
         logger.remove()
         if self._saved is None:
             return

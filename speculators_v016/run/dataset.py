@@ -27,6 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import datasets
 from loguru import logger
 
 from speculators_v016.store.run_config import file_sha256
@@ -257,7 +258,10 @@ def load_rows(paths: list[str], skip_bad_rows: bool, hf_cache_dir: str | None):
         if path.suffix not in (".json", ".jsonl"):
             if path.exists():
                 raise BadRowError(f"--train-data-path {given}: not a .json or .jsonl file")
-            from speculators.data_generation.preprocessing import DATASET_CONFIGS, load_raw_dataset
+            from speculators.data_generation.preprocessing import (  # noqa: PLC0415 - upstream is slow to import
+                DATASET_CONFIGS,
+                load_raw_dataset,
+            )
 
             if given not in DATASET_CONFIGS:
                 raise BadRowError(
@@ -304,7 +308,9 @@ def load_rows(paths: list[str], skip_bad_rows: bool, hf_cache_dir: str | None):
 def _template_refusals(rows: list[tuple[str, list[dict]]], tokenizer) -> list[tuple[str, str]]:
     """``(file:line, reason)`` of each conversation whose chat template raises (``raise_exception``), as upstream
     renders it (its own normalization of the turns, without turn dropout)."""
-    from speculators.data_generation.preprocessing import _normalize_conversation
+    from speculators.data_generation.preprocessing import (  # noqa: PLC0415 - upstream is slow to import
+        _normalize_conversation,
+    )
 
     out = []
     for where, turns in rows:
@@ -342,8 +348,6 @@ def prepare_samples(
     skip_bad_rows: bool = False,
 ) -> PreparedSamples:
     """Load, validate, shuffle, cut and tokenize the inputs into samples."""
-    import datasets
-
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"max_samples must be at least 1 (or None for all), got {max_samples}")
     if seq_length < 1:
@@ -356,7 +360,9 @@ def prepare_samples(
         masks = [r[1][:seq_length] for r in picked]
         cut = [len(r[0]) > seq_length for r in picked]
     else:
-        from speculators.data_generation.preprocessing import build_eagle3_dataset
+        from speculators.data_generation.preprocessing import (  # noqa: PLC0415 - upstream is slow to import
+            build_eagle3_dataset,
+        )
 
         random.seed(seed)  # turn dropout draws from `random`
         table = datasets.Dataset.from_dict({"conversations": picked})

@@ -13,7 +13,11 @@ import os
 from importlib import resources
 from pathlib import Path
 
+from speculators_v016.config import RunConfig
 from speculators_v016.exit_codes import ExitCode
+from speculators_v016.run.run_report import run_and_report
+from speculators_v016.store.sample_format import load_sample
+from speculators_v016.testing.tiny_models import DEFAULT_CORPUS, build_tiny_model
 
 CONVERSATIONS = "conversations.jsonl"
 SEQ_LENGTH = 512
@@ -31,11 +35,6 @@ def corpus_lines() -> list[str]:
 
 
 def run_demo(where: Path, fmt: str, console) -> int:
-    from speculators_v016.config import RunConfig
-    from speculators_v016.run.run_report import run_and_report
-    from speculators_v016.store.sample_format import load_sample
-    from speculators_v016.testing.tiny_models import DEFAULT_CORPUS, build_tiny_model
-
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the CPU default takes half the RAM
     where = Path(where)
     model = where / "model"

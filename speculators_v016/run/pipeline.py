@@ -26,16 +26,21 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import datasets
 import torch
 from loguru import logger
 from tqdm import tqdm
+from transformers import AutoTokenizer
 
+import speculators_v016
 from speculators_v016 import fp8
 from speculators_v016.checks.finite import non_finite
+from speculators_v016.checks.logit_check import LogitChecker
 from speculators_v016.checks.self_check import HoldBack, NonFiniteError
 from speculators_v016.checks.self_check import SelfCheckError as SelfCheckError  # re-exported: callers import it here
 from speculators_v016.config import RunConfig
 from speculators_v016.engine.buffer_pool import BufferPool
+from speculators_v016.generator import VllmHiddenStatesGenerator
 from speculators_v016.layers import LayerPlan
 from speculators_v016.run.dataset import PreparedSamples, prepare_samples
 from speculators_v016.run.regenerate import RegenerationWork
@@ -145,10 +150,6 @@ def fingerprint(opts: RunConfig, samples, layer_ids: list[int]) -> dict:
 
 def run(opts: RunConfig, progress_to=None) -> RunSummary:
     """Make the samples of ``opts``; a progress bar goes to ``progress_to`` (a text stream) if given."""
-    from transformers import AutoTokenizer
-
-    from speculators_v016.generator import VllmHiddenStatesGenerator
-
     started = time.monotonic()
     reclaim_and_log()  # dead runs' shared memory, also when this run has nothing left to do
     directory = shard_dir(Path(opts.output_dir), opts.shard_index, opts.num_shards)
@@ -396,15 +397,14 @@ def _note_rejected(rejected: list, summary: RunSummary, opts: RunConfig) -> None
 
 def _logit_checker(generator, opts: RunConfig):
     """The logit check of this run, if the last layer is captured (see speculators_v016.checks.logit_check)."""
-    from speculators_v016.checks.logit_check import LogitChecker
-
     return LogitChecker(opts.engine.model, generator.engine.dtype, generator.plan.last_layer_index)
 
 
 def _save_token_frequencies(samples: PreparedSamples, path: str) -> None:
     """Upstream's token_freq.pt (its own function: trainable-token counts; an existing file is kept)."""
-    import datasets
-    from speculators.train.vocab_mapping import save_token_frequency_distribution
+    from speculators.train.vocab_mapping import (  # noqa: PLC0415 - upstream is slow to import
+        save_token_frequency_distribution,
+    )
 
     table = datasets.Dataset.from_dict({"input_ids": samples.input_ids, "loss_mask": samples.loss_masks})
     table.set_format(type="torch")
@@ -428,9 +428,9 @@ def _save_token_frequencies_of(records, path: str) -> None:
 
 
 def _new_config(generator, opts: RunConfig, samples, fp: dict, shard_samples: int) -> dict:
-    from speculators.data_generation.config_generator import DataGenerationConfig
-
-    import speculators_v016
+    from speculators.data_generation.config_generator import (  # noqa: PLC0415 - upstream is slow to import
+        DataGenerationConfig,
+    )
 
     config = DataGenerationConfig.from_generator(
         generator=generator,

@@ -8,19 +8,20 @@ from __future__ import annotations
 
 import errno
 
+from speculators_v016.checks.self_check import SelfCheckError
 from speculators_v016.exit_codes import ExitCode
+from speculators_v016.layers import LayerIdError
+from speculators_v016.run.dataset import BadRowError
+from speculators_v016.run.pipeline import run
+from speculators_v016.store.atomic_files import WriteError
+from speculators_v016.store.manifest import ManifestError
+from speculators_v016.store.outdir import OutputDirError
+from speculators_v016.store.run_config import ResumeMismatchError
+from speculators_v016.store.verify import verify
+from speculators_v016.target import ContextLengthError, GenerationSetupError, PromptError, RemoteCodeError
 
 
 def exit_code(exc: BaseException) -> ExitCode:
-    from speculators_v016.checks.self_check import SelfCheckError
-    from speculators_v016.layers import LayerIdError
-    from speculators_v016.run.dataset import BadRowError
-    from speculators_v016.store.atomic_files import WriteError
-    from speculators_v016.store.manifest import ManifestError
-    from speculators_v016.store.outdir import OutputDirError
-    from speculators_v016.store.run_config import ResumeMismatchError
-    from speculators_v016.target import ContextLengthError, GenerationSetupError, PromptError, RemoteCodeError
-
     bad_input = (BadRowError, PromptError, LayerIdError, RemoteCodeError, ContextLengthError, GenerationSetupError)
     if isinstance(exc, bad_input):
         return ExitCode.BAD_INPUT
@@ -37,8 +38,6 @@ def _message(exc: BaseException, code: int, log_trouble: str | None = None, log_
     """What the terminal says: our message; the exception's type only where it is not one of ours (5). A full
     disk naming no file, while the log cannot be written, was the log's (the output of vLLM, datasets, tqdm
     goes there)."""
-    from speculators_v016.store.atomic_files import WriteError
-
     if code == ExitCode.WRITE_FAILED and not isinstance(exc, WriteError) and getattr(exc, "filename", None):
         return f"error: cannot write {exc.filename}: {exc.strerror}"
     if code == ExitCode.WRITE_FAILED and not isinstance(exc, WriteError) and log_trouble:
@@ -51,9 +50,6 @@ def _message(exc: BaseException, code: int, log_trouble: str | None = None, log_
 
 def run_and_report(opts, console, verify_after: bool = True) -> int:
     """Run the pipeline under ``console``: progress, summary and verify line, or the error and the log."""
-    from speculators_v016.run.pipeline import run
-    from speculators_v016.store.verify import verify
-
     try:
         summary = run(opts, progress_to=console.err if console.progress and opts.progress else None)
     except KeyboardInterrupt:

@@ -28,6 +28,8 @@ import struct
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from speculators_v016 import fp8
 from speculators_v016.fp8 import Fp8States
@@ -104,8 +106,6 @@ def header_metadata(layer_ids: list[int], quantized: bool) -> dict[str, str]:
 
 def read_header_metadata(path: str | Path) -> dict:
     """The ``__metadata__`` of a safetensors file ({} without one), read from its header alone."""
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="pt") as fh:
         return dict(fh.metadata() or {})
 
@@ -157,8 +157,6 @@ def load_sample(path: str | Path, dequantize_to: torch.dtype | None = torch.floa
     """
     path = Path(path)
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
         tensors = load_file(str(path))
         count = sum(1 for k in tensors if k.startswith("hidden_states."))
         scales = sum(1 for k in tensors if k.startswith("hidden_states_scale."))

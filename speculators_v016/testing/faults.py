@@ -59,7 +59,14 @@ from pathlib import Path
 
 import torch
 
+from speculators_v016.checks.logit_check import LogitChecker
+from speculators_v016.engine.buffer_pool import BufferPool
+from speculators_v016.engine.core import CaptureEngine
 from speculators_v016.fp8 import Fp8States
+from speculators_v016.shared.slot_ring import SlotRing, file_bytes
+from speculators_v016.store import atomic_files, writer
+from speculators_v016.store.manifest import Manifest
+from speculators_v016.store.sample_format import parse_sample_name
 
 VARIABLE = "SPECULATORS_V016_FAULT"
 COMMAND = "speculators-data-gen"
@@ -83,8 +90,6 @@ def _kill() -> None:
 
 def _wait_for_entries(directory: str, count: int, timeout: float = 10.0) -> None:
     """Wait until the manifest in ``directory`` lists ``count`` samples (group commits run on their own thread)."""
-    from speculators_v016.store.manifest import Manifest
-
     deadline = time.monotonic() + timeout
     while len(Manifest(Path(directory)).entries()) < count and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -94,9 +99,6 @@ def install() -> None:
     """Wrap the seams that the armed fault needs (nothing when the variable is unset)."""
     point = os.environ.get(VARIABLE, "").partition(":")[0]
     if point in ("kill-mid-write", "enospc-write"):
-        from speculators_v016.store import atomic_files
-        from speculators_v016.store.sample_format import parse_sample_name
-
         original_parts = atomic_files.write_parts
 
         def write_parts(fh, parts, digest):
@@ -119,8 +121,6 @@ def install() -> None:
 
         atomic_files.write_parts = write_parts
     elif point == "kill-after-rename":
-        from speculators_v016.store import writer
-
         original_durable = writer.write_durable
 
         def write_durable(directory, name, parts, **options):
@@ -131,8 +131,6 @@ def install() -> None:
 
         writer.write_durable = write_durable
     elif point in ("kill-before-manifest", "kill-mid-commit", "kill-after-commit"):
-        from speculators_v016.store.manifest import Manifest
-
         original_append = Manifest.append
 
         def append(self, *entries):
@@ -156,8 +154,6 @@ def install() -> None:
 
         Manifest.append = append
     elif point == "nan-sample":
-        from speculators_v016.engine.core import CaptureEngine
-
         original_stream = CaptureEngine.stream
 
         def stream(self, *args, **kwargs):
@@ -173,8 +169,6 @@ def install() -> None:
 
         CaptureEngine.stream = stream
     elif point == "zero-states":
-        from speculators_v016.engine.core import CaptureEngine
-
         original_stream = CaptureEngine.stream
         zeroing = []
 
@@ -192,8 +186,6 @@ def install() -> None:
 
         CaptureEngine.stream = stream
     elif point == "wrong-layer":
-        from speculators_v016.engine.core import CaptureEngine
-
         original_stream = CaptureEngine.stream
         armed = []
 
@@ -212,8 +204,6 @@ def install() -> None:
 
         CaptureEngine.stream = stream
     elif point == "done-raises":
-        from speculators_v016.engine.buffer_pool import BufferPool
-
         original_give_back = BufferPool.give_back
         refusing = []
 
@@ -225,8 +215,6 @@ def install() -> None:
 
         BufferPool.give_back = give_back
     elif point == "half-zero-rows":
-        from speculators_v016.engine.core import CaptureEngine
-
         original_stream = CaptureEngine.stream
         armed = []
 
@@ -245,8 +233,6 @@ def install() -> None:
 
         CaptureEngine.stream = stream
     elif point in ("shift-check", "wrong-layer-check"):
-        from speculators_v016.checks.logit_check import LogitChecker
-
         original_add = LogitChecker.add
 
         def add(self, key, input_ids, states, vllm_logprobs):
@@ -263,8 +249,6 @@ def install() -> None:
 
         LogitChecker.add = add
     elif point in ("ring-vanish", "ring-replace"):
-        from speculators_v016.shared.slot_ring import SlotRing, file_bytes
-
         original_create = SlotRing.create.__func__
 
         def create(cls, **kwargs):

@@ -11,6 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -229,9 +234,6 @@ DEFAULT_CORPUS = [
 
 def train_tokenizer(corpus: Iterable[str], vocab_size: int = 512):
     """A byte-level BPE tokenizer (transformers' fast tokenizer) trained on ``corpus``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -266,9 +268,6 @@ def build_tiny_model(
 
     ``dtype``: the checkpoint's (``bfloat16``: weights stored and declared bf16, as released models are).
     """
-    import torch
-    import transformers
-
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose from {sorted(ARCHITECTURES)}")
     out = Path(out)

@@ -29,10 +29,12 @@ engine's bf16 copy of them is the same number.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from speculators_v016.testing.tiny_models import build_tiny_model
 
@@ -72,8 +74,6 @@ def _quantized_pair(
     ``convert(name, tensor)`` returns None (keep the tensor in both) or
     ``(quantized tensors by name, the dequantized tensor)``.
     """
-    from safetensors.torch import load_file, save_file
-
     base = build_tiny_model(out / "dequantized", arch, num_layers=num_layers, **overrides)
     weights = load_file(str(base / "model.safetensors"))
     quantized, twin = {}, {}
@@ -134,7 +134,6 @@ def build_tiny_w4a8_moe(
     out: str | Path, arch: str = "deepseek_v3", *, num_layers: int = 4, group_size: int = 32, **overrides
 ) -> tuple[Path, Path]:
     """Write ``out/w4a8`` (routed experts INT4, compressed-tensors) and ``out/dequantized``; return both."""
-    import re
 
     def convert(name: str, tensor: torch.Tensor):
         if not re.search(EXPERT, name):

@@ -116,7 +116,7 @@ def find_decoder_stack(model: nn.Module) -> DecoderStack:
 
 def has_builtin_aux(model: nn.Module) -> bool:
     """Does vLLM implement EAGLE-3 aux outputs for this model class?"""
-    from vllm.model_executor.models.interfaces import supports_eagle3
+    from vllm.model_executor.models.interfaces import supports_eagle3  # noqa: PLC0415 - vLLM: tests/gpu run without it
 
     return bool(supports_eagle3(model)) and hasattr(model, "set_aux_hidden_state_layers")
 

@@ -83,7 +83,7 @@ class _Pending:
 @functools.cache
 def _paired_class() -> type:
     """vLLM's async output type, carrying a step's model output and the previous step's capture."""
-    from vllm.v1.outputs import AsyncModelRunnerOutput
+    from vllm.v1.outputs import AsyncModelRunnerOutput  # noqa: PLC0415 - vLLM: tests/gpu run without it
 
     class PairedOutput(AsyncModelRunnerOutput):
         def __init__(self, output: Any, pending: _Pending | None):

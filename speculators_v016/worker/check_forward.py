@@ -35,7 +35,9 @@ def _silence(module: nn.Module, args, kwargs, output):
 
 @contextlib.contextmanager
 def _silent_kv_layers(model: nn.Module):
-    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.model_executor.layers.attention_layer_base import (  # noqa: PLC0415 - vLLM: tests/gpu run without it
+        AttentionLayerBase,
+    )
 
     handles = [
         m.register_forward_hook(_silence, with_kwargs=True)
@@ -51,7 +53,7 @@ def _silent_kv_layers(model: nn.Module):
 
 def engine_check_forward(runner) -> CheckForward:
     """A :class:`CheckForward` on ``runner``'s model: :data:`CHECK_TOKENS` fixed random tokens at positions 0..T-1."""
-    from vllm.forward_context import set_forward_context
+    from vllm.forward_context import set_forward_context  # noqa: PLC0415 - vLLM: tests/gpu run without it
 
     model = runner.get_model()
     tokens = CHECK_TOKENS

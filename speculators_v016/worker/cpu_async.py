@@ -57,7 +57,7 @@ def install(device: torch.device) -> bool:
     """Use the CPU output class in this process if ``device`` is the CPU; return whether it did."""
     if device.type != "cpu":
         return False
-    from vllm.v1.worker import gpu_model_runner
+    from vllm.v1.worker import gpu_model_runner  # noqa: PLC0415 - vLLM: tests/gpu run without it
 
     current = gpu_model_runner.AsyncGPUModelRunnerOutput
     if current.__name__ != "CpuAsyncModelRunnerOutput":

@@ -55,6 +55,7 @@ calls (tensor-parallel layers communicate inside their forward).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -306,8 +307,6 @@ def _name(where: Location) -> str:
 
 def _param_name(module: nn.Module, where: Location) -> str:
     """The parameter name at ``where`` (for messages only: conventions never depend on it)."""
-    import inspect
-
     kind, key = where
     if kind == "kw":
         return str(key)

@@ -7,11 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from speculators_v016.run import pipeline
+from speculators_v016.run import run_report
 from speculators_v016.run.console import Console
 from speculators_v016.run.pipeline import RunSummary, SelfCheckError
 from speculators_v016.run.run_report import exit_code, run_and_report
-from speculators_v016.store import verify as verify_module
 from speculators_v016.store.manifest import ManifestError
 
 
@@ -45,7 +44,7 @@ def test_a_failure_with_a_full_log_keeps_its_exit_code_and_one_message(monkeypat
     def fail(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", "/out/data_3.safetensors")
 
-    monkeypatch.setattr(pipeline, "run", fail)
+    monkeypatch.setattr(run_report, "run", fail)  # the pipeline's run, as run_report calls it
     console = Console(None)
     monkeypatch.setattr(sys, "stderr", _Full())  # the log's descriptor, on a full disk
     code = run_and_report(opts(), console)
@@ -57,12 +56,12 @@ def test_a_failure_with_a_full_log_keeps_its_exit_code_and_one_message(monkeypat
 
 def test_a_post_run_verify_that_raises_is_reported_not_a_traceback(monkeypatch, capsys, tmp_path):
     """The post-run verify runs under the run's error handling: a message and exit 1, never a traceback."""
-    monkeypatch.setattr(pipeline, "run", lambda *a, **k: RunSummary(str(tmp_path)))
+    monkeypatch.setattr(run_report, "run", lambda *a, **k: RunSummary(str(tmp_path)))
 
     def broken(*args, **kwargs):
         raise KeyError("format")
 
-    monkeypatch.setattr(verify_module, "verify", broken)
+    monkeypatch.setattr(run_report, "verify", broken)  # the store's verify, as run_report calls it
     code = run_and_report(opts(), Console(None))
     assert code == 1
     captured = capsys.readouterr()
