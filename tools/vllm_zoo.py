@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import json
+import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -523,8 +525,6 @@ def render_markdown(rows: list[LayerClass], vllm_version: str) -> str:
 
 
 def installed_models_dir() -> tuple[Path, str]:
-    import importlib.util
-
     spec = importlib.util.find_spec("vllm")
     if spec is None or spec.origin is None:
         raise SystemExit("vllm is not installed")
@@ -532,8 +532,6 @@ def installed_models_dir() -> tuple[Path, str]:
     version = "unknown"
     version_file = root / "_version.py"
     if version_file.exists():
-        import re
-
         found = re.search(r"^__version__\b.*?['\"]([^'\"]+)['\"]", version_file.read_text(), re.M)
         version = found.group(1) if found else version
     return root / "model_executor" / "models", version

@@ -2,18 +2,24 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import blake3
 import pytest
 import torch
 
 from helpers.cli import CPU, assert_one_voice, conversations, invoke, load_all, write_jsonl
 from helpers.reference import TOLERANCE, hf_layer_outputs
+from speculators_v016.config import ConfigError, RunConfig, launcher_shards
+from speculators_v016.run.cli import _join_multi_value
 from speculators_v016.store.manifest import Manifest
+from speculators_v016.store.verify import verify
+from speculators_v016.testing.faults import VARIABLE as FAULT
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +117,6 @@ def test_upstream_invocation_with_pt_format(tmp_path, model_dir, data_file):
 
 def test_layer_ids_nargs_from_the_command_line():
     """The real entry point turns upstream's `--layer-ids 2 16 29` into one value."""
-    from speculators_v016.run.cli import _join_multi_value
-
     assert _join_multi_value(["--layer-ids", "2", "16", "29", "--seed", "1"], "--layer-ids") == [
         "--layer-ids",
         "2 16 29",
@@ -258,8 +262,6 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, model_dir, data_file
 
 def test_a_default_run_lists_standard_blake3_digests(reference_run):
     """Every manifest line of a default run holds the BLAKE3 of its file's bytes, and data_config.json says so."""
-    import blake3
-
     config = json.loads((reference_run / "data_config.json").read_text())
     assert config["speculators_v016"]["checksum"] == "blake3"
     lines = [json.loads(line) for line in (reference_run / "manifest.jsonl").read_text().splitlines()]
@@ -313,7 +315,9 @@ def test_an_earlier_releases_sha256_folder_resumes_as_sha256(tmp_path, model_dir
 
 def test_trainer_dataset_reads_both_formats(reference_run, tmp_path, model_dir, data_file):
     """upstream's Eagle3SampleFileDataset loads our safetensors and pt folders."""
-    from speculators.train.data import Eagle3SampleFileDataset
+    from speculators.train.data import (  # noqa: PLC0415 - upstream: slow to import, this test only
+        Eagle3SampleFileDataset,
+    )
 
     pt_out = tmp_path / "pt"
     result = invoke(
@@ -414,8 +418,6 @@ def test_check_without_transformers_uses_only_the_final_head(model_dir, data_fil
 
 def test_check_replay_finds_a_wrong_intermediate_layer(model_dir, data_file):
     """Injected: layer 4 holds layer 3's states. The logit check passes; the layer replay fails on 4 and 5."""
-    from speculators_v016.testing.faults import VARIABLE as FAULT
-
     result = invoke(
         "check",
         "--target-model-path",
@@ -445,8 +447,6 @@ def test_check_replay_finds_a_wrong_intermediate_layer(model_dir, data_file):
 
 def test_shards_default_from_the_launcher(monkeypatch):
     """--num-shards/--shard-index default to torchrun's WORLD_SIZE/RANK, else SLURM's, else 1/0."""
-    from speculators_v016.config import ConfigError, RunConfig, launcher_shards
-
     for name in ("WORLD_SIZE", "RANK", "SLURM_NTASKS", "SLURM_PROCID"):
         monkeypatch.delenv(name, raising=False)
     assert launcher_shards(None, None) == (1, 0)
@@ -467,10 +467,6 @@ def test_shards_default_from_the_launcher(monkeypatch):
 
 def test_quick_verify_after_a_run_skips_reading_files(reference_run, tmp_path):
     """The post-run check compares sizes with the manifest; `verify` reads contents and finds a flipped byte."""
-    import shutil
-
-    from speculators_v016.store.verify import verify
-
     copy = tmp_path / "copy"
     shutil.copytree(reference_run, copy)
     target = copy / "data_3.safetensors"

@@ -21,6 +21,7 @@ from speculators_v016.checks.fidelity import ROW_BOUNDS
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.sample_format import load_sample
 from speculators_v016.testing.faults import VARIABLE as FAULT
+from speculators_v016.testing.tiny_models import build_tiny_model
 
 #: Row error of a bf16 engine against transformers in fp32 (checks/fidelity.py says why)
 MEDIAN_BOUND, ROW_BOUND = ROW_BOUNDS["bfloat16"]
@@ -64,8 +65,6 @@ def assert_close_to_transformers(model, out):
 @pytest.fixture(scope="module")
 def bf16_checkpoint(tmp_path_factory):
     """A tiny Qwen2 saved in bf16 (config and weights), as released checkpoints are."""
-    from speculators_v016.testing.tiny_models import build_tiny_model
-
     return str(build_tiny_model(tmp_path_factory.mktemp("qwen2-bf16"), "qwen2", dtype="bfloat16"))
 
 

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from speculators_v016 import fp8
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.sample_format import load_sample
 from speculators_v016.testing.faults import VARIABLE as FAULT
+from speculators_v016.testing.tiny_models import build_tiny_model
 
 HIDDEN, LAYER_IDS, COUNT = 256, [2, 4, 6, 7], 12  # 6 and 7: the wrong-layer fault uses the adjacent layer
 
@@ -23,8 +25,6 @@ HIDDEN, LAYER_IDS, COUNT = 256, [2, 4, 6, 7], 12  # 6 and 7: the wrong-layer fau
 @pytest.fixture(scope="module")
 def wide_model(tmp_path_factory):
     """A tiny Llama with hidden 256 (the acceptance's width), 8 layers."""
-    from speculators_v016.testing.tiny_models import build_tiny_model
-
     return str(
         build_tiny_model(
             tmp_path_factory.mktemp("llama-256"), "llama", num_layers=8, hidden_size=HIDDEN, intermediate_size=512
@@ -160,7 +160,9 @@ def test_fp8_halves_the_bytes_per_token(fp8_run, bf16_run):
 
 def test_upstream_dataset_reads_fp8_in_its_dtype(fp8_run):
     """Eagle3SampleFileDataset dequantizes FP8 folders to its hidden_states_dtype (float32 by default)."""
-    from speculators.train.data import Eagle3SampleFileDataset
+    from speculators.train.data import (  # noqa: PLC0415 - upstream: slow to import, this test only
+        Eagle3SampleFileDataset,
+    )
 
     out, _ = fp8_run
     for dtype in (torch.float32, torch.bfloat16):
@@ -197,8 +199,6 @@ def test_fp8_as_pt_is_refused(tmp_path, wide_model, data_file):
 
 def test_resume_with_another_storage_is_refused(fp8_run, wide_model, data_file, tmp_path):
     """An FP8 folder is not resumed storing the engine's dtype: refused, naming hidden_states_dtype."""
-    import shutil
-
     out = tmp_path / "copy"
     shutil.copytree(fp8_run[0], out)
     (out / sorted(p.name for p in out.glob("data_*.safetensors"))[0]).unlink()

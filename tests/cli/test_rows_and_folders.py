@@ -9,14 +9,18 @@ import os
 import pickle
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from helpers.cli import conversations, generate, invoke, load_all, write_jsonl
-from helpers.reference import TOLERANCE
+from helpers.reference import TOLERANCE, hf_layer_outputs, max_abs_error
+from speculators_v016.store import checksum
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.outdir import LOCK
+from speculators_v016.testing.tiny_models import train_tokenizer
 
 COUNT = 30
 
@@ -109,11 +113,6 @@ def test_bad_layer_ids_fail_before_the_engine(ids, message, tmp_path, model_dir,
 
 def test_gpt2_runs_once_its_stream_is_proven(tmp_path, data_file):
     """GPT-2 (transformer.h, the stream as one tensor) runs after the start-up stream proof; states match transformers."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from helpers.reference import hf_layer_outputs, max_abs_error
-    from speculators_v016.testing.tiny_models import train_tokenizer
-
     model = tmp_path / "gpt2"
     tokenizer = train_tokenizer(["the quick brown fox jumps over the lazy dog"] * 5)
     GPT2LMHeadModel(
@@ -205,9 +204,6 @@ def test_hostile_pt_is_never_unpickled(tmp_path, model_dir, data_file):
     (out / "data_1.pt").write_bytes(hostile)
     manifest = Manifest(out)
     entries = manifest.entries()  # make the manifest agree, so verify gets as far as loading it
-    from dataclasses import replace
-
-    from speculators_v016.store import checksum
 
     digest = checksum.of_bytes(hostile, entries[1].algorithm)
     entries[1] = replace(entries[1], bytes=len(hostile), digest=digest)

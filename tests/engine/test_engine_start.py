@@ -4,6 +4,9 @@ import socket
 from datetime import timedelta
 
 import pytest
+from torch.distributed import TCPStore
+
+from speculators_v016.engine.core import port_taken
 
 
 @pytest.fixture
@@ -17,10 +20,6 @@ def held_port():
 
 def test_port_taken_reads_torch_s_own_error(held_port):
     """torch's store failing on a port in use is recognised; other start errors are not."""
-    from torch.distributed import TCPStore
-
-    from speculators_v016.engine.core import port_taken
-
     with pytest.raises(Exception) as caught:
         TCPStore("127.0.0.1", held_port, is_master=True, timeout=timedelta(seconds=5))
     assert port_taken(caught.value)
@@ -32,8 +31,10 @@ def test_port_taken_reads_torch_s_own_error(held_port):
 
 def test_a_taken_rendezvous_port_starts_again(model_dir, held_port, monkeypatch):
     """The port vLLM chose is taken before it binds it: the engine starts again on another and runs."""
-    import vllm.v1.executor.uniproc_executor as uniproc
-    from speculators.data_generation import VllmHiddenStatesGenerator
+    import vllm.v1.executor.uniproc_executor as uniproc  # noqa: PLC0415 - vLLM: slow to import, this test only
+    from speculators.data_generation import (  # noqa: PLC0415 - upstream: slow to import, this test only
+        VllmHiddenStatesGenerator,
+    )
 
     real, calls = uniproc.get_open_port, []
 

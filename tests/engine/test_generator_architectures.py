@@ -1,6 +1,7 @@
 """Qwen3, Qwen3-MoE (built-in aux outputs) and Mixtral (our taps adapter) against transformers."""
 
 from helpers.reference import NUM_LAYERS, TOLERANCE, hf_layer_outputs, max_abs_error, random_prompts
+from speculators_v016.generator import VllmHiddenStatesGenerator
 
 LAYERS = list(range(NUM_LAYERS))
 LENGTHS = [40, 333, 3, 128, 77]
@@ -8,8 +9,6 @@ ENGINE = dict(layer_ids=LAYERS, max_model_len=512, dtype="float32", max_num_batc
 
 
 def check(model_dir, builtin: bool, record=None, name="", **options):
-    from speculators_v016.generator import VllmHiddenStatesGenerator
-
     prompts = random_prompts(LENGTHS, seed=3)
     with VllmHiddenStatesGenerator(model_dir, **{**ENGINE, **options}) as gen:
         info = gen.engine.capture_info[0]

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from helpers.reference import NUM_LAYERS, TOLERANCE, hf_layer_outputs, max_abs_error, random_prompts
+from speculators_v016.generator import VllmHiddenStatesGenerator
 
 LAYERS = list(range(NUM_LAYERS))
 LENGTHS = [300, 7, 150, 61, 2, 520]
@@ -11,8 +12,6 @@ BASE = dict(layer_ids=LAYERS, max_model_len=1024, dtype="float32", max_num_seqs=
 
 
 def run(model_dir, prompts, **options):
-    from speculators_v016.generator import VllmHiddenStatesGenerator
-
     with VllmHiddenStatesGenerator(model_dir, **{**BASE, **options}) as gen:
         return gen.generate(prompts), gen.engine
 

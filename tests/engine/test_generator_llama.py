@@ -1,11 +1,15 @@
 """The vLLM 0.16 generator on a tiny Llama: exact states, attribution, contract, errors."""
 
+import os
+
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from helpers.reference import NUM_LAYERS, TOLERANCE, hf_layer_outputs, max_abs_error, random_prompts
 from speculators_v016.engine.core import PromptError
-from speculators_v016.layers import LayerIdError
+from speculators_v016.generator import num_decoder_layers
+from speculators_v016.layers import LayerIdError, LayerPlan
 
 ALL_LAYERS = list(range(NUM_LAYERS))
 # 700 > max_num_batched_tokens: split by chunked prefill; 10 prompts > max_num_seqs.
@@ -15,7 +19,9 @@ ENGINE = dict(max_model_len=1024, dtype="float32", enforce_eager=True, max_num_b
 
 @pytest.fixture(scope="module")
 def generator(model_dir):
-    from speculators.data_generation import VllmHiddenStatesGenerator
+    from speculators.data_generation import (  # noqa: PLC0415 - upstream: slow to import, this test only
+        VllmHiddenStatesGenerator,
+    )
 
     gen = VllmHiddenStatesGenerator(model_dir, layer_ids=ALL_LAYERS, **ENGINE)
     yield gen
@@ -89,8 +95,6 @@ def test_every_layer_matches_transformers(results, reference, generator, record_
 
 def test_last_layer_is_before_the_final_norm(results, reference, model_dir):
     """Layer n-1 is the pre-norm output; normed, it equals transformers' last hidden state."""
-    from transformers import AutoModelForCausalLM
-
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.tensor([random_prompts(LENGTHS)[2]])
     with torch.no_grad():
@@ -143,9 +147,6 @@ def test_tensor_input_is_accepted(generator, prompts, results):
 
 def test_default_layers(model_dir):
     """Default layer ids are upstream's [2, n//2, n-3, n-1] (distinct)."""
-    from speculators_v016.generator import num_decoder_layers
-    from speculators_v016.layers import LayerPlan
-
     assert LayerPlan.build(num_decoder_layers(model_dir), None).layer_ids == (2, 4, 5, 7)
 
 
@@ -173,7 +174,9 @@ def test_too_long_prompt_is_truncated_and_counted(generator):
 
 def test_invalid_layer_ids_fail_before_the_engine_starts(model_dir):
     """Out-of-range or duplicate layer ids raise LayerIdError before vLLM starts."""
-    from speculators.data_generation import VllmHiddenStatesGenerator
+    from speculators.data_generation import (  # noqa: PLC0415 - upstream: slow to import, this test only
+        VllmHiddenStatesGenerator,
+    )
 
     with pytest.raises(LayerIdError, match="out of range"):
         VllmHiddenStatesGenerator(model_dir, layer_ids=[0, NUM_LAYERS], **ENGINE)
@@ -183,7 +186,9 @@ def test_invalid_layer_ids_fail_before_the_engine_starts(model_dir):
 
 def test_pipeline_parallelism_is_refused(model_dir):
     """Pipeline parallelism is refused with the reason."""
-    from speculators.data_generation import VllmHiddenStatesGenerator
+    from speculators.data_generation import (  # noqa: PLC0415 - upstream: slow to import, this test only
+        VllmHiddenStatesGenerator,
+    )
 
     with pytest.raises(ValueError, match="pipeline parallelism is not supported"):
         VllmHiddenStatesGenerator(model_dir, pipeline_parallel_size=2, **ENGINE)
@@ -209,8 +214,6 @@ def test_bad_prompt_mid_stream_aborts_cleanly(generator, prompts):
 
 def test_library_use_leaves_the_callers_descriptors_alone(generator, prompts):
     """A library call never redirects stdout/stderr (only the CLI's console does)."""
-    import os
-
     before = [os.fstat(fd) for fd in (1, 2)]
     generator.generate([prompts[1]])
     after = [os.fstat(fd) for fd in (1, 2)]

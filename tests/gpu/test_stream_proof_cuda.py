@@ -19,6 +19,9 @@ import pytest
 import torch
 from torch import nn
 
+from speculators_v016.worker.aux_outputs import install_aux_outputs
+from speculators_v016.worker.stream_proof import CheckForward, StreamProofError
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 if torch.cuda.is_available():
@@ -104,9 +107,6 @@ class CausalLM(nn.Module):
 
 
 def install(model, ids):
-    from speculators_v016.worker.aux_outputs import install_aux_outputs
-    from speculators_v016.worker.stream_proof import CheckForward
-
     tokens = torch.arange(3, 3 + TOKENS, device="cuda")
     check = CheckForward(lambda: model(tokens, tokens), contextlib.nullcontext, TOKENS)
     return install_aux_outputs(model, ids, mode="taps", check=check)  # "auto" asks vLLM (not installed)
@@ -126,8 +126,6 @@ def test_the_proof_holds_on_a_cuda_fused_add_norm(dtype):
 
 def test_a_cuda_norm_reading_another_stream_is_refused():
     """bf16 on CUDA: a norm computing x + 2 * residual is none of the candidates: refused."""
-    from speculators_v016.worker.stream_proof import StreamProofError
-
     model = CausalLM(FusedAddRMSNorm(factor=2.0)).to("cuda", torch.bfloat16)
     with pytest.raises(StreamProofError, match=r"final norm \(FusedAddRMSNorm\): no known combination"):
         install(model, [4])

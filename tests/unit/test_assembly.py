@@ -1,9 +1,12 @@
 """Per-request stitching of step captures (pure logic, no engine)."""
 
+import os
+
 import pytest
 import torch
 
-from speculators_v016.engine.assembly import Assembler, AttributionError
+from speculators_v016.config import DEFAULT_COPY_THREADS
+from speculators_v016.engine.assembly import Assembler, AttributionError, copy_threads
 from speculators_v016.protocol import StepCapture
 
 
@@ -127,10 +130,5 @@ def test_copies_run_with_the_bounded_thread_count_and_restore_it():
 
 def test_gpu_engines_bound_copy_threads_cpu_engines_keep_vllms():
     """copy_threads: None on a CPU engine (vLLM's bound threads), at most DEFAULT_COPY_THREADS and the usable CPUs."""
-    import os
-
-    from speculators_v016.config import DEFAULT_COPY_THREADS
-    from speculators_v016.engine.assembly import copy_threads
-
     assert copy_threads("cpu") is None
     assert copy_threads("cuda") == min(DEFAULT_COPY_THREADS, len(os.sched_getaffinity(0)))

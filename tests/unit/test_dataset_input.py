@@ -6,7 +6,9 @@ import tracemalloc
 
 import pytest
 
+import speculators_v016.run.dataset as dataset
 from speculators_v016.run.dataset import BadRowError, load_rows, prepare_samples
+from speculators_v016.testing.tiny_models import CHAT_TEMPLATE, train_tokenizer
 
 
 def chat(i: int, words: int = 3) -> dict:
@@ -49,8 +51,6 @@ def test_non_utf8_element_of_a_json_array_is_a_bad_row(tmp_path):
 
 def test_json_array_rows_across_block_boundaries_read_exactly(tmp_path, monkeypatch):
     """Elements cut by the reading window (values of every JSON kind) are read as json.load reads them."""
-    import speculators_v016.run.dataset as dataset
-
     monkeypatch.setattr(dataset, "_CHUNK", 7)
     rows = [
         {"input_ids": [1, 22, 333, 4444], "loss_mask": [0, 1, 1, 1], "x": [True, None, -1.5e3, '\u00e9\\"']},
@@ -145,8 +145,6 @@ REJECTING = (
 
 @pytest.fixture(scope="module")
 def rejecting_tokenizer():
-    from speculators_v016.testing.tiny_models import CHAT_TEMPLATE, train_tokenizer
-
     tok = train_tokenizer(["question answer word " * 20, "REJECT ME"], vocab_size=300)
     assert tok.chat_template == CHAT_TEMPLATE
     tok.chat_template = REJECTING

@@ -1,5 +1,6 @@
 """FP8 (e4m3) storage: the quantizer, the ring's slot layout, the worker's CPU capture and the assembler."""
 
+import contextlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -8,11 +9,14 @@ import torch
 
 from helpers.capture import worker_setup
 from speculators_v016 import fp8
+from speculators_v016.checks.degenerate import degenerate_layers, may_be_degenerate
+from speculators_v016.checks.finite import non_finite
 from speculators_v016.engine.assembly import Assembler, AttributionError
 from speculators_v016.fp8 import Fp8States
 from speculators_v016.protocol import StepCapture
 from speculators_v016.shared.slot_ring import SlotRing
 from speculators_v016.worker.capture import CaptureWorkerExtension
+from speculators_v016.worker.staging import Fp8Buffers, StagingCopier, StagingPlan
 
 
 def wide_rows(rows=64, hidden=256, dtype=torch.bfloat16, seed=0):
@@ -256,15 +260,11 @@ class NoStreams:
         return self._Event()
 
     def use(self, stream):
-        import contextlib
-
         return contextlib.nullcontext()
 
 
 def test_fp8_staging_quantizes_as_its_device_step():
     """With FP8, staging buffers hold codes and scales: fill quantizes, drain copies both into the slot."""
-    from speculators_v016.worker.staging import Fp8Buffers, StagingCopier, StagingPlan
-
     ring = SlotRing.create(
         slots=3, num_ids=2, max_rows=40, hidden=256, dtype=torch.bfloat16, shared=False, hidden_states_dtype="fp8_e4m3"
     )
@@ -285,9 +285,6 @@ def test_fp8_staging_quantizes_as_its_device_step():
 
 def test_run_checks_see_fp8_layers():
     """The writer's NaN/Inf check and the self-check's degenerate screen read FP8 codes and scales."""
-    from speculators_v016.checks.degenerate import degenerate_layers, may_be_degenerate
-    from speculators_v016.checks.finite import non_finite
-
     good = Fp8States(*fp8.quantize(wide_rows(rows=6)))
     nan_scale = Fp8States(good.codes.clone(), good.scales.clone())
     nan_scale.scales[2] = float("nan")

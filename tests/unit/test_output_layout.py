@@ -5,8 +5,11 @@ import os
 from pathlib import Path
 
 import pytest
+from test_verify_findings import make_folder  # a folder as a run writes it
 
-from speculators_v016.store.outdir import LOCK, OutputDir, OutputDirError, ShardedRoot, shard_dir
+from speculators_v016.shared.shm_records import records_path
+from speculators_v016.store.outdir import LOCK, OutputDir, OutputDirError, ShardedRoot, shard_dir, unsharded_run_files
+from speculators_v016.store.verify import verify
 
 
 def test_a_sharded_run_into_an_unsharded_run_is_refused(tmp_path):
@@ -60,12 +63,6 @@ def test_an_output_dir_under_a_file_is_refused_by_name(tmp_path):
 
 def test_the_shared_memory_records_folder_is_never_a_foreign_file(tmp_path):
     """An --output-dir of /dev/shm holds the mp executor's records folder: resumes, shard roots, verify accept it."""
-    from test_verify_findings import make_folder  # a folder as a run writes it
-
-    from speculators_v016.shared.shm_records import records_path
-    from speculators_v016.store.outdir import unsharded_run_files
-    from speculators_v016.store.verify import verify
-
     out = make_folder(tmp_path / "shm")
     records = Path(records_path(str(out)))
     records.mkdir()

@@ -1,12 +1,18 @@
 """Sample files: streamed safetensors written from the tensors' memory, read back exactly."""
 
+import json
+import struct
+
 import blake3
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
+from speculators_v016 import fp8
+from speculators_v016.fp8 import Fp8States
 from speculators_v016.store.atomic_files import write_atomic
-from speculators_v016.store.sample_format import FORMAT_TAG, encode_parts, load_sample
+from speculators_v016.store.sample_format import FORMAT_TAG, encode_parts, load_sample, safetensors_parts
 
 
 def sample(dtype, length=7, hidden=5, layers=3):
@@ -29,7 +35,6 @@ def test_streamed_safetensors_reads_back_exactly(tmp_path, dtype):
     assert torch.equal(loaded["input_ids"], data["input_ids"])
     for j, h in enumerate(data["hidden_states"]):
         assert loaded[f"hidden_states.{j}"].dtype == dtype and torch.equal(loaded[f"hidden_states.{j}"], h)
-    from safetensors import safe_open
 
     with safe_open(str(tmp_path / "data_0.safetensors"), "pt") as fh:
         assert fh.metadata() == {"format": FORMAT_TAG, "layer_ids": "2,4,7"}
@@ -54,8 +59,6 @@ def test_pt_format_is_upstreams_layout(tmp_path):
 
 
 def fp8_sample(length=7, hidden=16, layers=3):
-    from speculators_v016 import fp8
-
     data = sample(torch.bfloat16, length, hidden, layers)
     data["hidden_states"] = [fp8.Fp8States(*fp8.quantize(h)) for h in data["hidden_states"]]
     return data
@@ -63,13 +66,6 @@ def fp8_sample(length=7, hidden=16, layers=3):
 
 def test_fp8_safetensors_holds_codes_scales_and_says_so(tmp_path):
     """FP8 files hold F8_E4M3 codes and F32 scales per layer; the metadata names them; load_sample dequantizes."""
-    import json
-    import struct
-
-    from safetensors import safe_open
-
-    from speculators_v016.fp8 import Fp8States
-
     data = fp8_sample()
     write_atomic(tmp_path, "data_0.safetensors", encode_parts(data, "safetensors", [2, 4, 7]))
     raw = (tmp_path / "data_0.safetensors").read_bytes()
@@ -105,8 +101,6 @@ def test_fp8_is_refused_as_pt_and_mixed(tmp_path):
 
 def test_fp8_file_without_its_scales_is_refused(tmp_path):
     """Codes without scales, or scales of the wrong length, are an error naming the file, never raw codes."""
-    from speculators_v016.store.sample_format import safetensors_parts
-
     data = fp8_sample(layers=2)
     codes = {f"hidden_states.{j}": h.codes for j, h in enumerate(data["hidden_states"])}
     base = {"input_ids": data["input_ids"], "loss_mask": data["loss_mask"]}

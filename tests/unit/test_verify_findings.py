@@ -2,11 +2,16 @@
 named by sample and layer, and a folder mixing layouts refused."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from speculators_v016 import fp8
+from speculators_v016.checks.degenerate import degenerate_layers, may_be_degenerate
 from speculators_v016.store.atomic_files import write_atomic
 from speculators_v016.store.manifest import NAME, Entry, Manifest
 from speculators_v016.store.sample_format import encode_parts, sample_name
@@ -239,8 +244,6 @@ def test_a_row_repeated_for_another_token_is_named(tmp_path):
 
 def test_the_run_screen_sees_single_rows_and_agrees_with_verify():
     """The run's cheap screen flags one zero row or one copied row, passes real-looking and same-token rows."""
-    from speculators_v016.checks.degenerate import degenerate_layers, may_be_degenerate
-
     ids = torch.arange(10, 19)
     good = states(9, 0)
     assert not may_be_degenerate(ids, good) and degenerate_layers(ids, good) == []
@@ -265,9 +268,6 @@ def test_the_run_screen_sees_single_rows_and_agrees_with_verify():
 
 def test_the_run_screen_sees_fp8_rows():
     """FP8 layers: a zero-code row or a copied row (codes and scale) is flagged and named."""
-    from speculators_v016 import fp8
-    from speculators_v016.checks.degenerate import degenerate_layers, may_be_degenerate
-
     ids = torch.arange(8)
     good = fp8.Fp8States(*fp8.quantize(torch.randn(8, 64)))
     assert not may_be_degenerate(ids, [good])
@@ -309,10 +309,6 @@ def test_a_duplicated_manifest_line_is_a_finding(tmp_path):
 
 def test_every_unreadable_sample_is_reported(tmp_path):
     """Two samples the user cannot read: `verify` names both and checks the rest (it stopped at the first)."""
-    import os
-    import subprocess
-    import sys
-
     out = make_folder(tmp_path / "out", count=6)
     for i in (1, 4):
         (out / f"data_{i}.safetensors").chmod(0)

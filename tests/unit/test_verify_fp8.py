@@ -1,11 +1,16 @@
 """`verify` on FP8 folders: codes, scales and shapes are checked, and each broken one is named."""
 
+import hashlib
+
 import torch
+from safetensors.torch import load_file
 
 from speculators_v016 import fp8
 from speculators_v016.fp8 import Fp8States
 from speculators_v016.store import run_config
-from speculators_v016.store.manifest import Manifest
+from speculators_v016.store.atomic_files import write_atomic
+from speculators_v016.store.manifest import Entry, Manifest
+from speculators_v016.store.sample_format import safetensors_parts
 from speculators_v016.store.verify import verify
 from speculators_v016.store.writer import SampleWriter
 
@@ -145,14 +150,6 @@ def test_a_multiplied_scale_alone_is_not_visible_from_content():
 
 def test_replaced_header_metadata_is_named(tmp_path):
     """A sample whose header metadata was replaced (manifest updated to match) fails verify, naming the fields."""
-    import hashlib
-
-    from safetensors.torch import load_file
-
-    from speculators_v016.store.atomic_files import write_atomic
-    from speculators_v016.store.manifest import Entry
-    from speculators_v016.store.sample_format import safetensors_parts
-
     folder = write_folder(tmp_path / "out", [fp8_states(9, 0), fp8_states(7, 1)])
     tensors = load_file(str(folder / "data_1.safetensors"))
     metadata = {"format": "speculators-v016/sample-v1", "layer_ids": "1,3", "hidden_states_dtype": "bfloat16"}

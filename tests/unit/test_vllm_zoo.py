@@ -9,6 +9,9 @@ import json
 import sys
 from pathlib import Path
 
+from speculators_v016.testing.tiny_models import ARCHITECTURES
+from speculators_v016.worker import aux_outputs
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 
@@ -45,8 +48,6 @@ def test_every_class_is_classified_with_a_reason():
 
 def test_the_table_knows_the_names_the_capture_uses():
     """The decoder, layer-list and final-norm names the table judges by are the capture's own."""
-    from speculators_v016.worker import aux_outputs
-
     assert (vllm_zoo.DECODER_NAMES, vllm_zoo.LAYERS_NAMES, vllm_zoo.NORM_NAMES) == (
         aux_outputs.DECODER_NAMES,
         aux_outputs.LAYERS_NAMES,
@@ -56,8 +57,6 @@ def test_the_table_knows_the_names_the_capture_uses():
 
 def test_tested_rows_name_families_the_engine_tests_run():
     """Every 'tested' row names a family that tests/engine builds (no stale claim)."""
-    from speculators_v016.testing.tiny_models import ARCHITECTURES
-
     rows = json.loads(vllm_zoo.TABLE_JSON.read_text())["classes"]
     tested = [r["reason"].split(" (")[0] for r in rows.values() if r["status"] == "tested"]
     families = {name.strip().split(" ")[0].rstrip(",") for reason in tested for name in reason.split(", ")}

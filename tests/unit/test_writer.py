@@ -9,6 +9,7 @@ import blake3
 import pytest
 import torch
 
+from speculators_v016.config import WRITER_NICE_INCREMENT
 from speculators_v016.run.run_report import exit_code
 from speculators_v016.store import atomic_files, group_commit
 from speculators_v016.store.atomic_files import WriteError
@@ -141,8 +142,6 @@ def test_workers_run_on_the_cpus_given(tmp_path):
 
 def test_workers_run_below_the_engine_and_drop_written_pages(tmp_path, monkeypatch):
     """Writer threads run WRITER_NICE_INCREMENT nice levels lower; each file's pages are dropped once fsynced."""
-    from speculators_v016.config import WRITER_NICE_INCREMENT
-
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     seen, dropped = set(), []
     real = os.posix_fadvise

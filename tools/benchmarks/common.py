@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 
 def bench_model(where: Path, hidden: int = 512, layers: int = 8, **overrides) -> Path:
     """A random Llama of benchmark size (built once); ``overrides`` go to its config."""
-    from speculators_v016.testing.tiny_models import build_tiny_model
+    from speculators_v016.testing.tiny_models import (  # noqa: PLC0415 - --before children import it on older checkouts
+        build_tiny_model,
+    )
 
     where = Path(where)
     if not (where / "config.json").exists():
@@ -21,8 +26,6 @@ def bench_model(where: Path, hidden: int = 512, layers: int = 8, **overrides) ->
 
 
 def prompts(count: int, length: int, vocab: int = 400, seed: int = 0) -> list[list[int]]:
-    import torch
-
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(5, vocab, (count, length), generator=gen).tolist()
 
@@ -55,6 +58,4 @@ def child(script: str, args: dict, code_from: str | None = None) -> dict:
 
 
 def peak_rss_mib() -> float:
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

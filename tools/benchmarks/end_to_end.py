@@ -35,6 +35,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
+from speculators_v016.generator import VllmHiddenStatesGenerator
+from speculators_v016.run.dataset import prepare_samples
+from speculators_v016.run.demo import corpus_lines
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
@@ -51,8 +57,6 @@ SHAPES = {
 
 
 def conversations(path: Path, count: int) -> Path:
-    from speculators_v016.run.demo import corpus_lines
-
     rng, lines = random.Random(0), corpus_lines()
     with path.open("w") as fh:
         for _ in range(count):
@@ -65,11 +69,6 @@ def conversations(path: Path, count: int) -> Path:
 
 
 def generator_alone(args: dict) -> dict:
-    from transformers import AutoTokenizer
-
-    from speculators_v016.generator import VllmHiddenStatesGenerator
-    from speculators_v016.run.dataset import prepare_samples
-
     samples = prepare_samples([args["data"]], AutoTokenizer.from_pretrained(args["model"]), SEQ, num_proc=1)
     gen = VllmHiddenStatesGenerator(
         args["model"],

@@ -27,8 +27,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from speculators_v016.checks.logit_check import FP8_SIGMAS, LOGIT_ULPS, TOLERANCE, LogitChecker, LogitCheckResult
+from speculators_v016.fp8 import MAX_RELATIVE_ERROR, Fp8States
+from speculators_v016.generator import VllmHiddenStatesGenerator
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -40,10 +48,6 @@ LAYERS = [2, 4, 6, 7]  # 6 and 7: the wrong-layer fault uses the adjacent layer
 
 def scaled_head(source: Path, where: Path, factor: float) -> Path:
     """A copy of ``source`` whose lm_head is multiplied by ``factor`` (logits spread like a real model's)."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     if not (where / "config.json").exists():
         shutil.copytree(source, where)
         weights = load_file(str(where / "model.safetensors"))
@@ -54,12 +58,6 @@ def scaled_head(source: Path, where: Path, factor: float) -> Path:
 
 def measure(args: dict) -> dict:
     """(child) Run the prompts storing bf16 and FP8; compare as described above."""
-    import torch
-
-    from speculators_v016.checks.logit_check import TOLERANCE, LogitChecker, LogitCheckResult
-    from speculators_v016.fp8 import MAX_RELATIVE_ERROR, Fp8States
-    from speculators_v016.generator import VllmHiddenStatesGenerator
-
     model, batch = args["model"], prompts(args["prompts"], args["length"], vocab=args["vocab"])
     runs = {}
     for storage in ("auto", "fp8_e4m3"):
@@ -164,7 +162,6 @@ def main() -> None:
         rows[name] = child(
             __file__, {"model": str(path), "prompts": opts.prompts, "length": opts.length, "vocab": vocab}
         )
-    from speculators_v016.checks.logit_check import FP8_SIGMAS, LOGIT_ULPS
 
     with recording(__file__):
         print(

@@ -34,6 +34,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+from torch.utils.data import DataLoader
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+from speculators_v016.run.demo import corpus_lines
+from speculators_v016.store.manifest import Manifest
+from speculators_v016.store.sample_format import load_sample
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import bench_model  # noqa: E402
@@ -44,8 +52,6 @@ STORAGES = ("auto", "fp8_e4m3")
 
 
 def conversations(count: int, seed: int = 0) -> list[dict]:
-    from speculators_v016.run.demo import corpus_lines
-
     rng, lines = random.Random(seed), corpus_lines()
     return [
         {
@@ -60,9 +66,6 @@ def conversations(count: int, seed: int = 0) -> list[dict]:
 
 def train_target(model: Path, chats: list[dict], steps: int) -> dict:
     """Teach the random target the corpus (next-token loss on whole chats) with transformers, in place."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     marker = model / "briefly-trained.json"
     if marker.exists():
         return json.loads(marker.read_text())
@@ -133,8 +136,6 @@ def generate(model: Path, data: Path, out: Path, storage: str) -> None:
 
 
 def split(folder: Path) -> tuple[list[str], list[str]]:
-    from speculators_v016.store.manifest import Manifest
-
     entries = sorted(Manifest(folder).entries().items())
     held = [str(folder / e.file) for i, e in entries if i % 5 == 4]
     return [str(folder / e.file) for i, e in entries if i % 5 != 4], held
@@ -142,11 +143,6 @@ def split(folder: Path) -> tuple[list[str], list[str]]:
 
 def reconstruction(work: Path) -> dict:
     """FP8 against bf16 of the same conversations: relative to row amax per element, and per row L2."""
-    import torch
-
-    from speculators_v016.store.manifest import Manifest
-    from speculators_v016.store.sample_format import load_sample
-
     ref_dir, fp8_dir = work / "data-auto", work / "data-fp8_e4m3"
     per_element, per_row, amax_max, tokens = [], [], 0.0, 0
     for index, entry in sorted(Manifest(ref_dir).entries().items()):
@@ -175,15 +171,28 @@ def reconstruction(work: Path) -> dict:
 
 def train_draft(args: dict) -> dict:
     """(child) Train the draft on one folder; evaluate on held-out sets; return the trainer's metrics."""
-    import torch
-    from speculators import SpeculatorsConfig, VerifierConfig
-    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-    from speculators.train.data import Eagle3SampleFileDataset, create_collate_fn
-    from speculators.train.trainer import Trainer, TrainerConfig
-    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
-    from torch.utils.data import DataLoader
-    from transformers import AutoConfig, LlamaConfig
+    from speculators import (  # noqa: PLC0415 - upstream's trainer: the training child only
+        SpeculatorsConfig,
+        VerifierConfig,
+    )
+    from speculators.models.eagle3 import (  # noqa: PLC0415 - upstream's trainer: the training child only
+        Eagle3DraftModel,
+        Eagle3SpeculatorConfig,
+    )
+    from speculators.proposals.greedy import (  # noqa: PLC0415 - upstream's trainer: the training child only
+        GreedyTokenProposalConfig,
+    )
+    from speculators.train.data import (  # noqa: PLC0415 - upstream's trainer: the training child only
+        Eagle3SampleFileDataset,
+        create_collate_fn,
+    )
+    from speculators.train.trainer import (  # noqa: PLC0415 - upstream's trainer: the training child only
+        Trainer,
+        TrainerConfig,
+    )
+    from speculators.train.vocab_mapping import (  # noqa: PLC0415 - upstream's trainer: the training child only
+        build_vocab_mappings_from_distribution,
+    )
 
     metrics: list[dict] = []
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -62,8 +63,6 @@ LABELS = {
 
 def measure(args: dict) -> dict:
     """In the child: start the engine, warm up, then time one pass over the prompts."""
-    import os
-
     batch = prompts(args["prompts"], args["length"])
     warm = prompts(4, args["length"], seed=1)
     engine = dict(
@@ -75,7 +74,7 @@ def measure(args: dict) -> dict:
     )
     mode = args["mode"]
     if mode == "llm":
-        from vllm import LLM, SamplingParams
+        from vllm import LLM, SamplingParams  # noqa: PLC0415 - each mode's child imports what it measures
 
         llm = LLM(model=args["model"], enable_prefix_caching=False, **engine)
         params = SamplingParams(max_tokens=1, temperature=0.0)
@@ -84,7 +83,9 @@ def measure(args: dict) -> dict:
         start = time.perf_counter()
         llm.generate(as_prompts, params, use_tqdm=False)
     else:
-        from speculators_v016.generator import VllmHiddenStatesGenerator
+        from speculators_v016.generator import (  # noqa: PLC0415 - each mode's child imports what it measures
+            VllmHiddenStatesGenerator,
+        )
 
         if mode == "tp2":
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1" if (os.cpu_count() or 1) >= 2 else "0|0")

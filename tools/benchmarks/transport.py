@@ -45,6 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from report import recording  # noqa: E402
 
+from speculators_v016.protocol import StepCapture
+from speculators_v016.shared.slot_ring import SlotRing
+
 LAYERS, HIDDEN, DTYPE = 4, 7168, torch.bfloat16
 MiB = 2**20
 
@@ -55,10 +58,9 @@ def rows_for(mib: int) -> int:
 
 def worker(to_worker, to_engine, ring_spec, max_rows: int) -> None:
     """The worker: answers each request with a tensor (a) or slot metadata (b, b+)."""
-    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
-
-    from speculators_v016.protocol import StepCapture
-    from speculators_v016.shared.slot_ring import SlotRing
+    from vllm.distributed.device_communicators.shm_broadcast import (  # noqa: PLC0415 - vLLM only once a transport runs
+        MessageQueue,
+    )
 
     requests_handle = to_worker.get()
     replies = MessageQueue(1, 1)
@@ -99,9 +101,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="steps per measurement, two in flight")
     args = ap.parse_args()
 
-    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
-
-    from speculators_v016.shared.slot_ring import SlotRing
+    from vllm.distributed.device_communicators.shm_broadcast import (  # noqa: PLC0415 - vLLM only once a transport runs
+        MessageQueue,
+    )
 
     max_rows = rows_for(max(args.sizes))
     ring = SlotRing.create(slots=2, num_ids=LAYERS, max_rows=max_rows, hidden=HIDDEN, dtype=DTYPE, shared=True)

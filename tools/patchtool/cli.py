@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
+from . import rebase
 from .artifact import ArtifactError, Pin
 from .worktree import (
     SeriesError,
@@ -97,11 +100,6 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_rebase(args: argparse.Namespace) -> int:
-    import json
-    from dataclasses import asdict
-
-    from . import rebase
-
     work, patches = Path(args.work), Path(args.patches)
     if args.abort:
         rebase.abort(work)
