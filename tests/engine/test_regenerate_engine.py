@@ -12,7 +12,8 @@ from helpers.reference import TOLERANCE, hf_layer_outputs, random_prompts
 from speculators_v016.checks.logit_check import LogitChecker
 from speculators_v016.engine.assembly import expected_rows
 from speculators_v016.engine.core import PromptError
-from speculators_v016.engine.generation import Generation
+from speculators_v016.engine.generation import Generation, sample_seed
+from speculators_v016.generator import VllmHiddenStatesGenerator
 
 LAYERS = 4
 # max_num_batched_tokens 48 < the longest prompt: chunked prefill, and decode rows beside prefill chunks
@@ -30,8 +31,6 @@ def family(request, tiny_model):
 
 @pytest.fixture(scope="module")
 def generator(family):
-    from speculators_v016.generator import VllmHiddenStatesGenerator
-
     gen = VllmHiddenStatesGenerator(family[1], layer_ids=list(range(LAYERS)), **ENGINE)
     assert bool(gen.engine.capture_info[0]["builtin_ids"]) == (family[0] == "llama")
     yield gen
@@ -196,8 +195,6 @@ def test_a_prompt_without_room_for_its_new_tokens_is_refused(generator):
 
 def test_the_generators_stream_regenerates_with_upstreams_dict(generator, prompts, stop_ids):
     """generator.stream(..., generation=) yields upstream's dict: prompt + sampled ids, mask 1 on them."""
-    from speculators_v016.engine.generation import sample_seed
-
     generation = Generation(NEW, temperature=0.7, seed=5, stop_token_ids=stop_ids)
     items = {item["index"]: item for item in generator.stream(prompts[:3], generation=generation)}
     gens = {i: Generation(NEW, temperature=0.7, seed=sample_seed(5, i), stop_token_ids=stop_ids) for i in range(3)}

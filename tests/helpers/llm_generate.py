@@ -11,8 +11,8 @@ import sys
 
 
 def main() -> None:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM, SamplingParams  # noqa: PLC0415 - vLLM only in the process that runs it
+    from vllm.inputs import TokensPrompt  # noqa: PLC0415 - the same
 
     args = json.loads(open(sys.argv[1]).read())
     llm = LLM(model=args["model"], enable_prefix_caching=False, **args["engine"])

@@ -1,13 +1,14 @@
 """--regenerate's pure logic: stops, growing requests, the turn plan and feed, sampling, the journal."""
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from speculators_v016.engine.assembly import Assembler, AttributionError
-from speculators_v016.engine.generation import Decoding, Generation
+from speculators_v016.engine.generation import Decoding, Generated, Generation
 from speculators_v016.protocol import StepCapture
 from speculators_v016.run.dataset import BadRowError
 from speculators_v016.run.regenerate import (
@@ -23,6 +24,7 @@ from speculators_v016.run.regenerate import (
 from speculators_v016.store import regenerated
 from speculators_v016.target import GenerationSetupError
 from speculators_v016.testing.tiny_models import train_tokenizer
+from speculators_v016.worker.cpu_seeds import ScratchGenerator, discarded_generators_aside
 
 
 @pytest.fixture(scope="module")
@@ -149,8 +151,6 @@ def sampling(**kw):
 
 def test_the_next_turn_waits_for_this_one_and_sees_only_the_regenerated_text(tokenizer):
     """Turn 2's prompt holds turn 1's regenerated text, never the source's; the feed waits (None) meanwhile."""
-    from speculators_v016.engine.generation import Generated
-
     rows_ = [("a:1", [{"from": "user", "value": "hello"}, {"from": "gpt", "value": "SOURCE ANSWER"}] * 2)]
     convs, _ = plan(rows_, False)
     regen = Regeneration(tokenizer, convs, sampling(), frozenset({1}), 200, {})
@@ -241,10 +241,6 @@ def test_the_journal_survives_a_torn_line_and_the_conversations_file_is_in_order
 
 def test_a_discarded_rows_generator_draws_nothing_and_the_batch_keeps_its_seeds():
     """CPU: a row whose sample vLLM discards gets a scratch generator (offset calls no-ops); its own comes back."""
-    from types import SimpleNamespace
-
-    from speculators_v016.worker.cpu_seeds import ScratchGenerator, discarded_generators_aside
-
     own = [torch.Generator().manual_seed(s) for s in (1, 2)]
     with pytest.raises(RuntimeError, match="does not use offset"):  # vLLM 0.16's wind-back, on a CPU generator
         own[1].set_offset(own[1].get_offset() - 4)

@@ -30,6 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
+from speculators_v016.run.demo import corpus_lines
+from speculators_v016.run.regenerate import stop_token_ids
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
@@ -41,8 +46,6 @@ SEQS = 16  # max_num_seqs of every engine here
 
 
 def conversations(path: Path, count: int) -> Path:
-    from speculators_v016.run.demo import corpus_lines
-
     rng, lines = random.Random(0), corpus_lines()
     with path.open("w") as fh:
         for _ in range(count):
@@ -53,11 +56,8 @@ def conversations(path: Path, count: int) -> Path:
 
 def llm_generate(args: dict) -> dict:
     """(B) in this process: vLLM's LLM.generate of every conversation's first user turn."""
-    from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from speculators_v016.run.regenerate import stop_token_ids
+    from vllm import LLM, SamplingParams  # noqa: PLC0415 - vLLM only in the child that runs it
+    from vllm.inputs import TokensPrompt  # noqa: PLC0415 - the same
 
     tokenizer = AutoTokenizer.from_pretrained(args["model"])
     rows = [json.loads(x) for x in Path(args["data"]).read_text().splitlines()]
