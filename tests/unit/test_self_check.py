@@ -87,3 +87,17 @@ def test_states_no_model_produces_stop_the_run(holding, kept):
 def test_the_pipeline_still_names_the_errors():
     """Callers that import the errors from the pipeline get the same classes."""
     assert pipeline.SelfCheckError is SelfCheckError and pipeline.NonFiniteError is NonFiniteError
+
+
+def test_a_checked_sample_that_will_never_come_is_not_waited_for():
+    """forget(): a checked turn --regenerate had no room for releases what waited; extras reach put."""
+    written, checker = [], Checker()
+    hold = HoldBack({0, 1}, checker, [2], lambda name, sample, record=None: written.append((name, record)))
+    ids, h = torch.arange(4), states()
+    hold.judge(0, 100, ids, h, object())
+    hold.admit(0, 100, {"input_ids": ids, "hidden_states": h}, {"index": 100})
+    assert written == [] and not checker.released
+    hold.forget([1])
+    assert written == [(100, {"index": 100})] and checker.released
+    hold.forget([1])  # again: nothing more happens
+    assert len(written) == 1
