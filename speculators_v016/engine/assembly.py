@@ -6,9 +6,12 @@ scheduler output of that step). Any disagreement is an error, never a guess.
 A request is complete when its rows cover positions ``0 .. len(prompt)-1``
 contiguously; chunked prefill pieces are stitched in order.
 
-Each captured byte is copied once on this side: from the step's states
+Each captured byte of a prompt is copied once on this side: from the step's states
 (usually a view of a ring slot, released right after :meth:`Assembler.add`)
 straight into the request's own per-layer tensors, which are what callers get.
+A generating request's length is known only at its stop, so its rows are copied
+twice: out of each step into a piece, then, once its length is final, into its
+tensors (one row per decode step; a growing buffer would copy as much).
 Those tensors are fresh memory, or come from ``allocate`` (e.g.
 :meth:`~speculators_v016.engine.buffer_pool.BufferPool.take`, whose blocks a
 writer gives back once a sample is on disk). With FP8 storage the step
@@ -230,8 +233,9 @@ class Assembler:
             req.rows = 0
         if start in req.chunks:
             raise AttributionError(f"request {req_id}: positions from {start} captured twice")
-        picked = rows[list(self.capture_order), :keep].clone()
-        piece_scales = scales[list(self.capture_order), :keep].clone() if scales is not None else None
+        order = list(self.capture_order)
+        picked = rows[order, :keep]  # indexing with a list copies: the piece outlives the step's slot
+        piece_scales = scales[order, :keep] if scales is not None else None
         req.pieces.append((start, picked, piece_scales))
         req.chunks[start] = keep
         req.rows += keep

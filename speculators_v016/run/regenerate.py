@@ -264,10 +264,6 @@ class Regeneration:
         if state.turn < state.conversation.answers:
             state.history.extend(self._turns_until_answer(state))
 
-    @property
-    def remaining(self) -> bool:
-        return bool(self._ready or self._out)
-
     def feed(self) -> Iterator[tuple[int, list[int], Generation] | None]:
         while self._ready or self._out:
             if not self._ready:

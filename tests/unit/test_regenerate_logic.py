@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from test_assembly import capture, rows
 
 from speculators_v016.engine.assembly import Assembler, AttributionError
 from speculators_v016.engine.generation import Decoding, Generated, Generation
@@ -30,22 +31,6 @@ from speculators_v016.worker.cpu_seeds import ScratchGenerator, discarded_genera
 @pytest.fixture(scope="module")
 def tokenizer():
     return train_tokenizer(["hello there how are you", "fine thanks and you", "the quick brown fox"], 300)
-
-
-def rows(start, count, layers=2, hidden=3):
-    pos = torch.arange(start, start + count, dtype=torch.float32)
-    layer = 1000 * torch.arange(layers, dtype=torch.float32)
-    return (layer[:, None, None] + pos[None, :, None]).expand(layers, count, hidden).clone()
-
-
-def capture(step, parts):
-    return StepCapture(
-        step,
-        [p[0] for p in parts],
-        [p[1] for p in parts],
-        [p[2] for p in parts],
-        states=torch.cat([rows(s, n) for _, s, n in parts], dim=1),
-    )
 
 
 class Logprobs:
