@@ -191,3 +191,13 @@ def test_verify_checks_the_text_against_the_samples(tmp_path, reference_run):
     (edited / "regenerated.journal.jsonl").write_text("".join(json.dumps(r) + "\n" for r in journal))
     result = invoke("verify", edited)
     assert result.exit_code == 1 and "generated ids differ" in result.output, result.output
+
+
+def test_a_regenerating_run_in_the_default_dtype_checks_and_verifies(tmp_path, model_dir):
+    """--regenerate with --dtype auto (bf16 on CPU): the logit check on generated positions passes, verify too."""
+    chats_file = write_jsonl(tmp_path / "c.jsonl", chats(4))
+    result = invoke(*args(model_dir, chats_file, tmp_path / "out"), env={"SPECULATORS_DATA_GEN_DTYPE": "auto"})
+    assert result.exit_code == 0, result.output
+    assert "bfloat16" in result.output and "logit check: ok" in result.output, result.output
+    assert "verify:     ok (6 samples" in result.output and "regenerated: 6 turns" in result.output  # 2 of 4 have two
+    assert invoke("verify", tmp_path / "out").exit_code == 0
