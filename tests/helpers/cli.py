@@ -13,8 +13,14 @@ from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.sample_format import load_sample
 from speculators_v016.testing.faults import VARIABLE as FAULT
 
+# TORCHDYNAMO_DISABLE: an eager engine compiles one thing, vLLM's prompt-logprob rank kernel
+# (``batched_count_greater_than``), and inductor's CPU ISA probe (g++ and a Python start per ISA)
+# makes that 16 s of every CLI process, two thirds of a small run. Eager, the kernel counts the same
+# integers. The in-process engine tests, the compiled-path tests and test_default_dtype.py (the path
+# users run) keep it compiled.
 CPU = {
     "SPECULATORS_DATA_GEN_DTYPE": "float32",
+    "TORCHDYNAMO_DISABLE": "1",
     "SPECULATORS_DATA_GEN_ENFORCE_EAGER": "1",
     "SPECULATORS_DATA_GEN_NO_PROGRESS": "1",
     "SPECULATORS_DATA_GEN_NUM_PREPROCESSING_WORKERS": "1",
