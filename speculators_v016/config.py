@@ -7,6 +7,8 @@ The tree::
     CheckConfig              one ``check`` (speculators_v016.run.check)
       engine: EngineConfig
     ConsoleConfig            what the terminal shows (the command group's options, for every subcommand)
+    ServeConfig              ``serve``: the capture engine as a service (speculators_v016.serve)
+      engine: EngineConfig
     VerifyConfig, DemoConfig, CleanShmConfig   the ``verify``, ``demo`` and ``clean-shm`` subcommands
 
 Each field is declared with :func:`setting`: its default, its help text (the
@@ -85,7 +87,8 @@ DEFAULT_WRITE_WORKERS = 4
 # -- help sections, in --help's order -----------------------------------------
 INPUT, OUTPUT, ENGINE, CHECKS, TERMINAL = "Input", "Output", "Engine (vLLM)", "Self-check", "Terminal"
 REGENERATION = "Regeneration (on-policy data)"
-SECTIONS = (INPUT, REGENERATION, OUTPUT, ENGINE, CHECKS, TERMINAL)
+SERVICE = "Service"
+SECTIONS = (INPUT, REGENERATION, SERVICE, OUTPUT, ENGINE, CHECKS, TERMINAL)
 
 
 class ConfigError(ValueError):
@@ -570,6 +573,68 @@ class CheckConfig:
         return cls(engine=EngineConfig.for_seq_length(seq_length, **engine), **check)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """``speculators-data-gen serve``: the capture engine as a long-lived service; clients ask for samples,
+    each sample's states are published to a folder and answered with a handle (docs/online.md)."""
+
+    engine: EngineConfig
+    serve_dir: Path = setting(
+        MISSING,
+        "Folder the states are published to (/dev/shm/NAME or local NVMe on one node, a shared filesystem "
+        "across nodes): an empty folder or one an earlier service of ours used.",
+        section=SERVICE,
+        kind="dir",
+        required=True,
+    )
+    host: str = setting("127.0.0.1", "Address to listen on (0.0.0.0: every interface).", section=SERVICE)
+    port: int = setting(8471, "Port to listen on (0: any free one, printed at start).", section=SERVICE, min=0)
+    max_pending: int = setting(
+        64, "Requests in the engine or being published at most; more wait (backpressure).", section=SERVICE, min=1
+    )
+    max_published_bytes: int = setting(
+        8 << 30,
+        "Bytes published and not yet taken by a consumer at most; publishing waits below it (backpressure).",
+        section=SERVICE,
+        min=1,
+    )
+    lease_seconds: float = setting(
+        3600.0,
+        "A published sample no consumer took within this many seconds is reclaimed (a consumer on this host "
+        "that died: at once).",
+        section=SERVICE,
+        min=0,
+        min_open=True,
+    )
+    train_data_path: tuple[str, ...] = setting(
+        (),
+        "Dataset whose samples clients may ask for by index (as the run's --train-data-path); without it "
+        "clients send token ids.",
+        section=INPUT,
+    )
+    seq_length: int = setting(2048, "Longest sample in tokens; longer ones are truncated.", section=INPUT, min=1)
+    max_samples: int | None = setting(None, "Use at most this many rows (after shuffling).", section=INPUT, min=1)
+    layer_ids: tuple[int, ...] | None = setting(
+        None, "Layers to capture, as the run's --layer-ids.", section=INPUT, kind="layer_ids"
+    )
+    seed: int = setting(0, "Shuffle seed of --train-data-path, as the run's.", section=INPUT)
+    num_preprocessing_workers: int = setting(8, "Processes for tokenization.", section=INPUT, min=1)
+    write_workers: int = setting(DEFAULT_WRITE_WORKERS, "Threads publishing sample files.", section=OUTPUT, min=1)
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+    @classmethod
+    def build(cls, engine: Mapping[str, Any], **serve: Any) -> ServeConfig:
+        """The service's config: the engine's ``max_model_len`` and seed from ``seq_length`` and ``seed``, once;
+        ``tensor_parallel_size`` None: the visible GPUs (or 1)."""
+        engine = dict(engine)
+        if engine.get("tensor_parallel_size") is None:
+            engine["tensor_parallel_size"] = visible_gpus()
+        seq_length, seed = serve.get("seq_length", default_of(cls, "seq_length")), serve.get("seed", 0)
+        return cls(engine=EngineConfig.for_seq_length(seq_length, seed=seed, **engine), **serve)
+
+
 #: The options of each command: (class, the fields that are options (None: every field with a section),
 #: per-field overrides of their metadata). A field is an option of the main command once it has a section.
 MAIN_OPTIONS = ((EngineConfig, None, {}), (RunConfig, None, {}), (ConsoleConfig, None, {}))
@@ -655,3 +720,7 @@ class CleanShmConfig:
 VERIFY_OPTIONS = ((VerifyConfig, None, {}),)
 DEMO_OPTIONS = ((DemoConfig, None, {}),)
 CLEAN_SHM_OPTIONS = ((CleanShmConfig, None, {}),)
+SERVE_OPTIONS = (
+    (EngineConfig, None, {"model": {"required": True}}),
+    (ServeConfig, None, {}),
+)

@@ -239,6 +239,7 @@ class CaptureEngine:
         self._decoding: dict[str, Decoding] = {}  # request id -> what a generating request sampled so far
         self.generated: dict[Any, Generated] = {}  # key -> a finished generating request's tokens, until taken
         self.prompt_logprobs: dict[Any, Any] = {}  # key -> vLLM's log p(token t+1 | ..t), [len - 1]
+        self.open_requests: set = set()  # during stream(): ids admitted and not yet complete (a feed may ask)
         self._next_id = 0
         self._step = 0
         self._broken: BaseException | None = None
@@ -435,6 +436,7 @@ class CaptureEngine:
             raise RuntimeError(f"this engine failed earlier and cannot be used again: {self._broken}")
         assembler = Assembler(self.plan.capture_order, allocate, fp8=self.config.fp8, copy_threads=self.copy_threads)
         feed, waiting, in_flight = iter(prompts), set(), deque()
+        self.open_requests = waiting
         window = window or 2 * self.config.max_num_seqs
         more = True
         try:

@@ -23,6 +23,7 @@ from speculators_v016.config import (
     ENV_PREFIX,
     MAIN_OPTIONS,
     SECTIONS,
+    SERVE_OPTIONS,
     TERMINAL,
     VERIFY_OPTIONS,
     CheckConfig,
@@ -32,6 +33,7 @@ from speculators_v016.config import (
     DemoConfig,
     EngineConfig,
     RunConfig,
+    ServeConfig,
     VerifyConfig,
     env_name,
     option_fields,
@@ -351,6 +353,34 @@ def check(obj, **values):
             console.echo(line, summary=True)
         console.where()
     sys.exit(ExitCode.OK if report.ok else ExitCode.PROBLEMS_FOUND)
+
+
+@cli.command(cls=SectionedCommand)
+@config_options(SERVE_OPTIONS)
+@click.pass_obj
+def serve(obj, **values):
+    """Serve hidden states online: clients ask for samples, each one's states are published to --serve-dir.
+
+    \b
+    speculators-data-gen serve --target-model-path M --serve-dir /dev/shm/states [--train-data-path data.jsonl]
+
+    A trainer reads them with speculators_v016.online.OnlineSampleDataset
+    (docs/online.md). Runs until SIGTERM or SIGINT.
+    """
+    from speculators_v016.run.console import Console, scratch_log_path  # noqa: PLC0415 - imports torch; --help must not
+
+    try:
+        config = ServeConfig.build(
+            _values_of(EngineConfig, values, SERVE_OPTIONS), **_values_of(ServeConfig, values, SERVE_OPTIONS)
+        )
+    except ConfigError as exc:
+        raise usage_error(exc) from None
+    with Console(scratch_log_path("serve"), obj["mode"], obj["log_level"]) as console:
+        from speculators_v016.serve.driver import serve as run_service  # noqa: PLC0415 - torch, vLLM; off --help
+
+        code = run_service(config, console)
+        console.where()
+    sys.exit(code)
 
 
 @cli.command()

@@ -1,6 +1,9 @@
-"""A few steps of upstream's EAGLE-3 trainer on a folder we generated (run by test_cli.py).
+"""A few steps of upstream's EAGLE-3 trainer on a folder we generated (run by test_cli.py), or on the
+same samples asked of a running ``speculators-data-gen serve`` (test_serve.py): prints the losses.
 
-Usage: python eagle3_train_steps.py MODEL_DIR DATA_DIR TOKEN_FREQ SAVE_DIR
+Usage: python eagle3_train_steps.py MODEL_DIR DATA_DIR TOKEN_FREQ SAVE_DIR [PRODUCER_URL]
+DATA_DIR's samples 0-3 (by index), or, with PRODUCER_URL, the service's samples 0-3 through
+OnlineSampleDataset, read by two forked DataLoader workers. The draft's weights are seeded.
 Runs with TORCHDYNAMO_DISABLE=1: the draft's flex attention does not compile on
 CPU with torch 2.10's inductor; eager is fine for a tiny model.
 """
@@ -19,8 +22,11 @@ from speculators.train.vocab_mapping import build_vocab_mappings_from_distributi
 from torch.utils.data import DataLoader, Subset
 from transformers import AutoConfig, LlamaConfig
 
+from speculators_v016.online import OnlineSampleDataset
 
-def main(model_dir: str, data_dir: str, token_freq: str, save_dir: str) -> None:
+
+def main(model_dir: str, data_dir: str, token_freq: str, save_dir: str, producer: str | None = None) -> None:
+    torch.manual_seed(0)
     target = AutoConfig.from_pretrained(model_dir)
     layers = json.loads((Path(data_dir) / "data_config.json").read_text())["speculators_v016"]["layers"]
     d2t, t2d = build_vocab_mappings_from_distribution(torch.load(token_freq, weights_only=True), 64, target.vocab_size)
@@ -44,8 +50,14 @@ def main(model_dir: str, data_dir: str, token_freq: str, save_dir: str) -> None:
         ),
     )
     model = Eagle3DraftModel(config, t2d=t2d, d2t=d2t)
-    dataset = Eagle3SampleFileDataset(max_len=256, datapath=data_dir)
-    loader = DataLoader(Subset(dataset, range(4)), batch_size=1, collate_fn=create_collate_fn(256))
+    losses = []
+    model.register_forward_hook(lambda _module, _args, out: losses.append(out[1].item()))
+    if producer is None:
+        files = [str(Path(data_dir) / f"data_{i}.safetensors") for i in range(4)]
+        dataset, workers = Eagle3SampleFileDataset(max_len=256, file_list=files), 0
+    else:
+        dataset, workers = OnlineSampleDataset(producer, max_len=256), 2
+    loader = DataLoader(Subset(dataset, range(4)), batch_size=1, collate_fn=create_collate_fn(256), num_workers=workers)
     trainer = Trainer(
         model, TrainerConfig(lr=1e-3, num_epochs=1, save_path=save_dir, local_rank="cpu", scheduler_type="none"), loader
     )
@@ -54,8 +66,8 @@ def main(model_dir: str, data_dir: str, token_freq: str, save_dir: str) -> None:
     after = [p for p in model.parameters() if p.requires_grad]
     changed = any(not torch.equal(a, b) for a, b in zip(before, after))
     finite = all(bool(torch.isfinite(p).all()) for p in after)
-    print(json.dumps({"steps": trainer.global_step, "changed": changed, "finite": finite}))
+    print(json.dumps({"steps": trainer.global_step, "changed": changed, "finite": finite, "losses": losses}))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])

@@ -17,6 +17,7 @@ from speculators_v016.config import (
     DemoConfig,
     EngineConfig,
     RunConfig,
+    ServeConfig,
     VerifyConfig,
     option_fields,
 )
@@ -225,13 +226,23 @@ def test_the_commands_have_one_option_per_field_and_every_field_a_doc():
         "verify": config.VERIFY_OPTIONS,
         "demo": config.DEMO_OPTIONS,
         "clean-shm": config.CLEAN_SHM_OPTIONS,
+        "serve": config.SERVE_OPTIONS,
     }
     assert set(specs) == {None, *cli.commands}
     for name, spec in specs.items():
         command = cli.commands[name] if name else cli
         params = {p.name for p in command.params if isinstance(p, click.Option) and p.name not in ("help", "version")}
         assert params == {f.param for f in option_fields(spec)}, command.name
-    classes = (EngineConfig, RunConfig, ConsoleConfig, CheckConfig, VerifyConfig, DemoConfig, CleanShmConfig)
+    classes = (
+        EngineConfig,
+        RunConfig,
+        ConsoleConfig,
+        CheckConfig,
+        VerifyConfig,
+        DemoConfig,
+        CleanShmConfig,
+        ServeConfig,
+    )
     for cls in classes:
         undocumented = [f.name for f in config.fields_of(cls) if f.name != "engine" and not f.meta.get("help")]
         assert not undocumented, (cls.__name__, undocumented)

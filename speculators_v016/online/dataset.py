@@ -1,0 +1,173 @@
+"""``OnlineSampleDataset``: upstream 0.3.0's ``Eagle3SampleFileDataset``, with each file asked of a service.
+
+It *is* upstream's dataset (a subclass): its ``data`` list, instead of paths
+found on disk, is a sequence whose item ``i`` asks the service for sample ``i``
+and gives the path of the published file, so ``__getitem__`` is upstream's own
+(the same loading, standardization, dtype, ``lengths``, ``position_ids``,
+transform and shift): an item equals what upstream's dataset gives for the
+same file written by an offline run. Afterwards the file is deleted (online),
+or kept in ``cache_dir`` while the cache is under ``cache_bytes`` (hybrid: a
+later epoch reads it there and asks nothing).
+
+``approx_lengths`` (what upstream's multipack sampler packs by) are the token
+counts known before anything is generated: the service's dataset's, or the
+given samples'. A sample that cannot be had is an error naming it and the
+producer (:class:`~speculators_v016.online.client.ProducerError`), never an
+empty item. It works in forked DataLoader workers and on every rank: each
+process asks for the items its sampler gives it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from speculators.train.data import Eagle3SampleFileDataset, standardize_data_v1
+
+from speculators_v016.online.client import ProducerClient, ProducerError
+
+MODES = ("online", "hybrid")
+
+
+class _RequestedFiles(Sequence):
+    """Upstream's ``data``: item ``i`` is the local path of sample ``i``'s file, asked for when read."""
+
+    def __init__(self, dataset: OnlineSampleDataset, count: int):
+        self._dataset, self._count = dataset, count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._count))]
+        return str(self._dataset._path_of(index))
+
+
+class OnlineSampleDataset(Eagle3SampleFileDataset):
+    """Upstream's sample dataset over a running ``speculators-data-gen serve``.
+
+    ``producer``: the service's URL. ``samples``: ``(input_ids, loss_mask)`` pairs
+    to ask for by token ids; None: the service's own dataset (``--train-data-path``),
+    asked for by index. ``folder``: where the service's ``--serve-dir`` is seen
+    here (default: its own path, as on one node). ``mode``: ``"online"`` (each
+    file deleted once read) or ``"hybrid"`` (kept in ``cache_dir``, up to
+    ``cache_bytes``, and read from there in later epochs). The other arguments
+    are upstream's.
+    """
+
+    def __init__(
+        self,
+        producer: str,
+        max_len: int,
+        samples: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+        mode: str = "online",
+        cache_dir: str | os.PathLike | None = None,
+        cache_bytes: int | None = None,
+        folder: str | os.PathLike | None = None,
+        transform=None,
+        hidden_states_dtype=torch.float,
+        standardize_fn=standardize_data_v1,
+        timeout: float = 600.0,
+        retries: int = 3,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode == "hybrid" and cache_dir is None:
+            raise ValueError("mode 'hybrid' keeps what it read: it needs cache_dir")
+        self.client = ProducerClient(producer, timeout=timeout, retries=retries)
+        info = self.client.info()
+        self.producer_info = info
+        self.folder = Path(folder if folder is not None else info["backend"]["dir"])
+        if samples is None:
+            if info.get("num_samples") is None:
+                raise ProducerError(
+                    f"the producer {self.client.url} has no dataset (--train-data-path): give samples=[(ids, mask)...]"
+                )
+            lengths = list(info["lengths"])
+        else:
+            samples = [(list(ids), list(mask)) for ids, mask in samples]
+            lengths = [len(ids) for ids, _ in samples]
+        self.samples = samples
+        self.mode = mode
+        self.cache_dir = None if cache_dir is None else Path(cache_dir)
+        if self.cache_dir is not None:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self.cache_bytes = cache_bytes
+        self.requests = 0  # this process's requests (a hybrid epoch read from the cache makes none)
+        self._cache_used: int | None = None  # bytes in the cache, as this process last counted them
+        self._cache_added = 0
+        self._served: dict[int, Path] = {}
+        # upstream's attributes, as its __init__ sets them (its own __init__ reads every file at start)
+        self.data = _RequestedFiles(self, len(lengths))
+        self.max_len = max_len
+        self.transform = transform
+        self.standardize_fn = standardize_fn
+        self.hidden_states_dtype = hidden_states_dtype
+        self.approx_lengths = lengths
+
+    def __getitem__(self, index):
+        try:
+            return super().__getitem__(index)  # upstream's: load_sample(self.data[index]), then its steps
+        finally:
+            served = self._served.pop(index, None)
+            if served is not None:
+                served.unlink(missing_ok=True)  # taken: the service's cap counts it no more
+
+    def _cached(self, index: int) -> Path | None:
+        if self.cache_dir is None:
+            return None
+        path = self.cache_dir / f"data_{index}.safetensors"
+        return path if path.exists() else None
+
+    def _path_of(self, index: int) -> Path:
+        if not isinstance(index, int) or not 0 <= index < len(self.data):
+            raise IndexError(f"sample index {index!r} is not in [0, {len(self.data)})")
+        cached = self._cached(index)
+        if cached is not None:
+            return cached
+        path = self._request(index)
+        if self.mode == "hybrid" and self._room_for(path.stat().st_size):
+            kept = self.cache_dir / f"data_{index}.safetensors"
+            try:
+                os.replace(path, kept)
+            except OSError:  # another filesystem: copy, then the served file is taken
+                shutil.copyfile(path, kept.with_suffix(".part"))
+                os.replace(kept.with_suffix(".part"), kept)
+                path.unlink(missing_ok=True)
+            return kept
+        self._served[index] = path
+        return path
+
+    def _request(self, index: int) -> Path:
+        what = f"sample {index}"
+        for _ in range(2):  # a file reclaimed before it was read (its lease ran out): asked for once more
+            self.requests += 1
+            if self.samples is None:
+                handle = self.client.request(what, index=index)
+            else:
+                handle = self.client.request(what, input_ids=self.samples[index][0], loss_mask=self.samples[index][1])
+            path = self.folder / handle["file"]
+            if path.exists():
+                return path
+        raise ProducerError(
+            f"{what}: the producer {self.client.url} published {handle['file']}, but it is not in {self.folder}: "
+            "is its --serve-dir seen here under another path (folder=...)?"
+        )
+
+    def _room_for(self, size: int) -> bool:
+        """Within ``cache_bytes``? The cache is counted again every 256 files this process adds (other
+        ranks and workers add theirs): at most that many files of each process over the budget."""
+        if self.cache_bytes is None:
+            return True
+        if self._cache_used is None or self._cache_added >= 256:
+            self._cache_used = sum(p.stat().st_size for p in self.cache_dir.glob("data_*.safetensors"))
+            self._cache_added = 0
+        if self._cache_used + size > self.cache_bytes:
+            return False
+        self._cache_used += size
+        self._cache_added += 1
+        return True

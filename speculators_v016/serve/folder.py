@@ -1,0 +1,246 @@
+"""The serve folder: where a service publishes each sample's file, and its record of what it published.
+
+A published sample is one file, ``online_{n}.safetensors`` (``n`` counts the
+service's publications; nothing in a name comes from data), in the format of a
+run's sample files (:mod:`~speculators_v016.store.sample_format`). It is written
+under a temporary name and renamed, so a consumer never sees a partial file;
+the consumer deletes it once read (or moves it into its cache). Not fsynced: a
+published sample lives for seconds and a crash loses nothing a consumer cannot
+ask for again.
+
+Ownership by record, as the shared-memory rules have it: the service holds an
+exclusive lock on ``.speculators-serve.lock`` while it lives, and appends a line
+to ``published.jsonl`` (file, bytes, the consumer that asked for it) *before* the
+file gets its name. The service deletes a published file only while that record
+says it is its own and not yet taken, and only when:
+
+* its consumer is dead: a process on this host (by pid and start time, so a
+  reused pid is not taken for it) that no longer runs;
+* its lease ran out (``lease_seconds``): a consumer elsewhere that never took it;
+* at start, the journal left by a dead service (its lock free) names it.
+
+A file of our naming that no record names is not ours to delete: the folder is
+refused. The bytes published and not yet taken are capped (``max_bytes``):
+publishing waits below the cap, which stops the engine's writers and so the
+engine (backpressure); a consumer taking files makes room.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from speculators_v016.store.atomic_files import TMP_PREFIX, WriteError, write_atomic, write_parts
+from speculators_v016.store.checksum import DEFAULT as DEFAULT_CHECKSUM
+from speculators_v016.store.checksum import new as new_digest
+
+LOCK = ".speculators-serve.lock"
+JOURNAL = "published.jsonl"
+_NAME = re.compile(r"^online_(\d+)\.safetensors$")
+_TMP = re.compile(rf"^{re.escape(TMP_PREFIX)}online_\d+\.safetensors\.\d+$")
+
+
+class ServeDirError(RuntimeError):
+    """The serve folder cannot be used (held by a live service, files that are not ours); the message says which."""
+
+
+def process_start(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks since boot, /proc), None if it does not run."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def this_consumer() -> dict:
+    """Who asks, as the service's record keeps it: host, pid and the process's start time."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start(os.getpid())}
+
+
+@dataclass
+class Published:
+    file: str
+    bytes: int
+    consumer: dict | None
+    at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class ReclaimCounts:
+    consumer_dead: int = 0
+    lease_expired: int = 0
+    dead_service: int = 0
+
+
+class ServeDir:
+    """The folder a service publishes to: its lock, its record, the cap on bytes not yet taken."""
+
+    def __init__(self, path: Path, max_bytes: int, lease_seconds: float, checksum: str = DEFAULT_CHECKSUM):
+        self.path = Path(path)
+        self.max_bytes, self.lease_seconds, self.checksum = max_bytes, lease_seconds, checksum
+        self.records: dict[str, Published] = {}
+        self.reclaimed = ReclaimCounts()
+        self.published = 0
+        self._reserved = 0
+        self._next = 0
+        self._lock_fd: int | None = None
+        self._journal = None
+        self._cond = threading.Condition()
+        self._host = socket.gethostname()
+
+    # -- start and stop ----------------------------------------------------------------------------
+    def open(self) -> ServeDir:
+        """Take the folder: lock it, reclaim what a dead service's record names, refuse files that are not ours."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ServeDirError(f"--serve-dir {self.path} is in use by a running service (pid {holder})") from None
+        try:
+            self._take_over()
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd
+        self._journal = open(self.path / JOURNAL, "a", encoding="utf-8")  # noqa: SIM115 - open while serving
+        return self
+
+    def _take_over(self) -> None:
+        journal = self.path / JOURNAL
+        named: set[str] = set()
+        if journal.exists():
+            for line in journal.read_text(encoding="utf-8", errors="replace").splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue  # a torn last line: its file was never renamed (the line comes first)
+                if isinstance(record, dict) and isinstance(record.get("file"), str) and _NAME.match(record["file"]):
+                    named.add(record["file"])
+        names = os.listdir(self.path)
+        foreign = sorted(n for n in names if n not in (LOCK, JOURNAL) and not _TMP.match(n) and n not in named)
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            raise ServeDirError(
+                f"--serve-dir {self.path} holds files no record of ours names ({shown}); "
+                "use an empty folder or one only a service of ours used"
+            )
+        numbers = [int(_NAME.match(n).group(1)) for n in named]
+        self._next = max(numbers, default=-1) + 1  # names are never reused: an old handle never reads a new file
+        for name in names:
+            if name in named or _TMP.match(name):
+                try:
+                    (self.path / name).unlink()
+                    self.reclaimed.dead_service += name in named
+                except FileNotFoundError:
+                    pass  # its consumer took it meanwhile
+        write_atomic(self.path, JOURNAL, b"")
+
+    def close(self) -> None:
+        """Stop serving from the folder: the record and what is not yet taken stay (the next service reclaims them)."""
+        with self._cond:
+            if self._journal is not None:
+                self._journal.close()
+                self._journal = None
+            if self._lock_fd is not None:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                os.close(self._lock_fd)
+                self._lock_fd = None
+            self._cond.notify_all()
+
+    # -- publishing --------------------------------------------------------------------------------
+    def reserve(self, nbytes: int, stopped: threading.Event) -> None:
+        """Wait until ``nbytes`` more fit under the cap (a sample larger than the cap goes alone)."""
+        with self._cond:
+            while self.outstanding() + nbytes > self.max_bytes and (self.records or self._reserved):
+                if stopped.is_set():
+                    raise RuntimeError("the service is stopping")
+                self._cond.wait(0.02)
+                self._refresh()
+            self._reserved += nbytes
+
+    def publish(self, parts: list, nbytes: int, consumer: dict | None) -> dict:
+        """Write one sample's file (``parts``: its buffers, ``nbytes`` reserved); return its handle."""
+        with self._cond:
+            if self._journal is None:
+                self._reserved -= nbytes
+                raise RuntimeError("the service is stopping")
+            name = f"online_{self._next}.safetensors"
+            self._next += 1
+            self._journal.write(json.dumps({"file": name, "bytes": nbytes, "consumer": consumer}) + "\n")
+            self._journal.flush()  # the record before the name
+        tmp = self.path / f"{TMP_PREFIX}{name}.{os.getpid()}"
+        digest = new_digest(self.checksum)
+        try:
+            with tmp.open("wb", buffering=0) as fh:
+                size = write_parts(fh, parts, digest)
+            os.replace(tmp, self.path / name)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            with self._cond:
+                self._reserved -= nbytes
+            raise WriteError(exc.errno or errno.EIO, f"cannot write {self.path / name}: {exc.strerror or exc}") from exc
+        with self._cond:
+            self._reserved -= nbytes
+            self.records[name] = Published(name, size, consumer)
+            self.published += 1
+        return {"backend": "folder", "file": name, "bytes": size, self.checksum: digest.hexdigest()}
+
+    # -- what is not yet taken ---------------------------------------------------------------------
+    def _refresh(self) -> None:
+        """Forget the records of files their consumers took (deleted or moved)."""
+        for name in [n for n in self.records if not os.path.exists(self.path / n)]:
+            del self.records[name]
+
+    def outstanding(self) -> int:
+        """Bytes published and not yet taken, and those reserved for files being written."""
+        self._refresh()
+        return sum(r.bytes for r in self.records.values()) + self._reserved
+
+    def not_taken(self) -> int:
+        """:meth:`outstanding`, from any thread."""
+        with self._cond:
+            return self.outstanding()
+
+    def _consumer_dead(self, consumer: dict | None) -> bool:
+        if not consumer or consumer.get("host") != self._host or not isinstance(consumer.get("pid"), int):
+            return False  # elsewhere, or unknown: only its lease tells
+        return process_start(consumer["pid"]) != consumer.get("start")
+
+    def reap(self) -> list[tuple[str, str]]:
+        """Delete what the record says is ours, not taken, and whose consumer is dead or lease ran out."""
+        gone = []
+        with self._cond:
+            self._refresh()
+            now = time.monotonic()
+            for name, record in list(self.records.items()):
+                if self._consumer_dead(record.consumer):
+                    why = f"its consumer (pid {record.consumer['pid']} on {self._host}) is dead"
+                    self.reclaimed.consumer_dead += 1
+                elif now - record.at > self.lease_seconds:
+                    why = f"not taken within the lease ({self.lease_seconds:g} s)"
+                    self.reclaimed.lease_expired += 1
+                else:
+                    continue
+                try:
+                    (self.path / name).unlink()
+                except FileNotFoundError:
+                    pass  # taken meanwhile
+                del self.records[name]
+                gone.append((name, why))
+            if gone:
+                self._cond.notify_all()
+        return gone

@@ -1,0 +1,302 @@
+"""Requests from every client, one engine: the service's loop, apart from its HTTP front.
+
+:meth:`CaptureService.submit` checks a request (token ids in the vocabulary, at
+most ``seq_length`` of them), queues it and returns a future. One thread runs
+:meth:`CaptureEngine.stream <speculators_v016.engine.core.CaptureEngine.stream>`
+over a feed of the queued requests, so requests of all clients are batched as a
+run's samples are (async scheduling, the capture ring, FP8 storage, the start-up
+stream proof). Each finished sample goes through a bounded queue to the publisher
+threads: screened as a run screens it (NaN/Inf states refuse that sample; states
+no model produces stop the service: the capture is broken), then published
+(:class:`~speculators_v016.serve.folder.ServeDir`) and its future answered with
+the handle. Bounded everywhere: at most ``max_pending`` requests are taken at once
+(more wait in :meth:`submit`), the publisher queue is short, and the folder caps
+the bytes not yet taken.
+
+If the engine fails, every pending request fails with the reason and so does
+every later one (:attr:`failure`): the service does not pretend to serve.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+from loguru import logger
+
+from speculators_v016.checks.finite import non_finite
+from speculators_v016.checks.self_check import SelfCheckError, check_plausible
+from speculators_v016.config import ServeConfig
+from speculators_v016.generator import VllmHiddenStatesGenerator
+from speculators_v016.layers import LayerPlan
+from speculators_v016.run.dataset import PreparedSamples
+from speculators_v016.serve.folder import ServeDir
+from speculators_v016.store.sample_format import encode_parts
+from speculators_v016.target import PromptError, TargetInfo, check_token_ids
+
+REAP_INTERVAL = 1.0  # seconds between looks for what dead consumers left
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as sent (the message names what is wrong); the service goes on."""
+
+
+class ServiceStopped(RuntimeError):
+    """The service stopped (asked to, or its engine failed: the message says which)."""
+
+
+@dataclass
+class Request:
+    key: int
+    ids: list[int]
+    mask: list[int]
+    consumer: dict | None
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
+class ServiceStats:
+    requests: int = 0
+    served: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    refused: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+class CaptureService:
+    """The capture engine behind a queue: :meth:`submit` a sample, get a future of its published handle."""
+
+    def __init__(self, config: ServeConfig, samples: PreparedSamples | None = None):
+        self.config = config
+        self.samples = samples
+        self.target = TargetInfo.read(config.engine.model, config.engine.trust_remote_code)
+        self.plan = LayerPlan.build(self.target.num_layers, config.layer_ids)
+        self.folder = ServeDir(config.serve_dir, config.max_published_bytes, config.lease_seconds)
+        self.stats = ServiceStats()
+        self.failure: BaseException | None = None
+        self._keys = itertools.count()
+        self._queue: queue.Queue[Request] = queue.Queue()
+        self._taken: dict[int, Request] = {}
+        self._slots = threading.BoundedSemaphore(config.max_pending)
+        self._to_publish: queue.Queue = queue.Queue(maxsize=max(2, config.write_workers))
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.generator: VllmHiddenStatesGenerator | None = None
+
+    # -- start and stop ----------------------------------------------------------------------------
+    def start(self) -> CaptureService:
+        self.folder.open()
+        try:
+            self.generator = VllmHiddenStatesGenerator.from_config(self.config.engine, self.plan)
+        except BaseException:
+            self.folder.close()
+            raise
+        self.engine = self.generator.engine
+        self._spawn(self._engine_loop, "engine")
+        for i in range(self.config.write_workers):
+            self._spawn(self._publisher, f"publisher-{i}")
+        self._spawn(self._reaper, "reaper")
+        return self
+
+    def _spawn(self, target, name: str) -> None:
+        thread = threading.Thread(target=target, name=f"serve-{name}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def stop(self) -> None:
+        """Stop taking requests, fail those not yet answered, stop the engine; published files stay."""
+        self._stopping.set()
+        self._fail_all(ServiceStopped("the service is stopping"))
+        for _ in range(self.config.write_workers):
+            try:
+                self._to_publish.put_nowait(None)
+            except queue.Full:
+                pass
+        for thread in self._threads:
+            thread.join(timeout=30)
+        if self.generator is not None:
+            self.generator.shutdown()
+        self.folder.close()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    # -- requests --------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    def sample_of(self, index) -> tuple[list[int], list[int]]:
+        """Sample ``index`` of the service's dataset (``--train-data-path``): its ids and loss mask."""
+        if self.samples is None:
+            raise RequestError("this service has no dataset (--train-data-path): send input_ids and loss_mask")
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(self.samples):
+            raise RequestError(f"sample index {index!r} is not in [0, {len(self.samples)})")
+        return self.samples.input_ids[index], self.samples.loss_masks[index]
+
+    def check(self, ids, mask) -> tuple[list[int], list[int]]:
+        """A request's ids and mask as lists, or RequestError naming what is wrong."""
+        if not isinstance(ids, list) or not ids:
+            raise RequestError("input_ids must be a non-empty list of token ids")
+        if mask is None:
+            mask = [1] * len(ids)
+        if not isinstance(mask, list) or len(mask) != len(ids) or any(m not in (0, 1) or m is True for m in mask):
+            raise RequestError(f"loss_mask must be a list of {len(ids)} zeros and ones, one per input id")
+        if len(ids) > self.config.seq_length:
+            raise RequestError(f"{len(ids)} input ids exceed this service's --seq-length {self.config.seq_length}")
+        try:
+            check_token_ids("request", ids, self.vocab_size)
+        except PromptError as exc:
+            raise RequestError(str(exc)) from None
+        return ids, mask
+
+    def submit(self, ids, mask, consumer: dict | None = None) -> Future:
+        """Queue one sample (waits while ``max_pending`` are taken); the future's result is its handle."""
+        ids, mask = self.check(ids, mask)
+        while not self._slots.acquire(timeout=0.1):
+            self._raise_if_down()
+        try:
+            self._raise_if_down()
+        except BaseException:
+            self._slots.release()
+            raise
+        request = Request(next(self._keys), ids, mask, consumer)
+        request.future.add_done_callback(lambda _: self._slots.release())
+        self.stats.requests += 1
+        self._queue.put(request)
+        if self._stopping.is_set() or self.failure is not None:  # stopped while queueing: not left waiting
+            self._fail_all(self._down())
+        return request.future
+
+    def _down(self) -> ServiceStopped:
+        if self.failure is not None:
+            return ServiceStopped(f"the service's engine failed: {type(self.failure).__name__}: {self.failure}")
+        return ServiceStopped("the service is stopping")
+
+    def _raise_if_down(self) -> None:
+        if self._stopping.is_set() or self.failure is not None:
+            raise self._down()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        pending = list(self._taken.values())
+        while True:
+            try:
+                pending.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        for request in pending:
+            if not request.future.done():
+                request.future.set_exception(exc)
+
+    # -- the engine --------------------------------------------------------------------------------
+    def _feed(self):
+        """Queued requests as the engine's feed: None while it has work and nothing is queued; waits when idle."""
+        while not self._stopping.is_set():
+            try:
+                request = self._queue.get_nowait()
+            except queue.Empty:
+                if self.engine.open_requests:
+                    yield None
+                    continue
+                try:
+                    request = self._queue.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+            if request.future.done():  # failed while queued (the service stopping)
+                continue
+            self._taken[request.key] = request
+            yield request.key, request.ids
+
+    def _engine_loop(self) -> None:
+        try:
+            for key, ids, states in self.engine.stream(self._feed(), window=2 * self.config.engine.max_num_seqs):
+                request = self._taken.pop(key)
+                if ids != request.ids:  # never: submit() keeps prompts within the engine's length
+                    request.future.set_exception(RuntimeError(f"the engine changed request {key}'s ids"))
+                    continue
+                while True:  # a bounded queue: full publishers hold the engine back
+                    try:
+                        self._to_publish.put((request, states), timeout=0.1)
+                        break
+                    except queue.Full:
+                        if self._stopping.is_set():
+                            request.future.set_exception(self._down())
+                            break
+        except BaseException as exc:  # noqa: BLE001 - every request is told, the service stays down
+            if not self._stopping.is_set():
+                logger.error("the service's engine failed: {}: {}", type(exc).__name__, exc)
+                self.failure = exc
+            self._fail_all(self._down())
+
+    def _publisher(self) -> None:
+        layer_ids = list(self.plan.layer_ids)
+        while True:
+            item = self._to_publish.get()
+            if item is None:
+                return
+            request, states = item
+            try:
+                request.future.set_result(self._publish(request, states, layer_ids))
+            except SelfCheckError as exc:
+                logger.error("{}", exc)
+                self.failure = exc
+                request.future.set_exception(exc)
+                self._stopping.set()
+                self._fail_all(self._down())
+            except BaseException as exc:  # noqa: BLE001 - told to the one who asked
+                self.stats.refused += 1
+                if not request.future.done():
+                    request.future.set_exception(exc)
+
+    def _publish(self, request: Request, states: list, layer_ids: list[int]) -> dict:
+        input_ids = torch.tensor(request.ids, dtype=torch.long)
+        bad = non_finite(states)
+        if bad:
+            raise RequestError(f"NaN/Inf hidden states in layers {[layer_ids[j] for j in bad]}: not published")
+        check_plausible(request.key, input_ids, states, layer_ids, holding=False)
+        sample = {"input_ids": input_ids, "loss_mask": torch.tensor(request.mask, dtype=torch.long)}
+        parts = encode_parts({**sample, "hidden_states": states}, "safetensors", layer_ids)
+        nbytes = sum(memoryview(p).nbytes for p in parts)
+        self.folder.reserve(nbytes, self._stopping)
+        handle = self.folder.publish(parts, nbytes, request.consumer)
+        handle["num_tokens"] = len(request.ids)
+        self.stats.served += 1
+        self.stats.tokens += len(request.ids)
+        self.stats.bytes += nbytes
+        return handle
+
+    def _reaper(self) -> None:
+        while not self._stopping.wait(REAP_INTERVAL):
+            for name, why in self.folder.reap():
+                logger.warning("reclaimed {}: {}", name, why)
+
+    # -- what clients read of it -------------------------------------------------------------------
+    def info(self) -> dict:
+        model_config = self.engine.core.vllm_config.model_config
+        return {
+            "service": "speculators-v016",
+            "model": self.config.engine.model,
+            "layer_ids": list(self.plan.layer_ids),
+            "vllm_aux_ids": list(self.plan.vllm_ids),
+            "dtype": str(model_config.dtype).removeprefix("torch."),
+            "hidden_states_dtype": self.config.engine.hidden_states_dtype,
+            "hidden_size": model_config.get_hidden_size(),
+            "seq_length": self.config.seq_length,
+            "format": "safetensors",
+            "backend": {"kind": "folder", "dir": str(self.config.serve_dir.resolve())},
+            "num_samples": None if self.samples is None else len(self.samples),
+            "lengths": None if self.samples is None else [len(ids) for ids in self.samples.input_ids],
+            "requests": self.stats.requests,
+            "served": self.stats.served,
+            "published_not_taken_bytes": self.folder.not_taken(),
+            "max_published_bytes": self.config.max_published_bytes,
+            "reclaimed": vars(self.folder.reclaimed),
+            "failure": None if self.failure is None else f"{type(self.failure).__name__}: {self.failure}",
+        }

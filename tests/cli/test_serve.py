@@ -1,0 +1,282 @@
+"""`speculators-data-gen serve` and OnlineSampleDataset, both real: items equal an offline run's, bounds, faults.
+
+One service (the real command, CPU vLLM, eager, fp32) serves the module; an
+offline run of the same dataset with the same engine settings is the
+reference. Both run one sequence per step (--max-num-seqs 1): vLLM's CPU
+kernels are not batch-invariant, so only equal batches give equal bits.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from speculators.train.data import Eagle3SampleFileDataset
+
+from helpers.cli import CPU, conversations, generate, write_jsonl
+from speculators_v016.online import OnlineSampleDataset, ProducerClient, ProducerError
+from speculators_v016.serve.folder import JOURNAL
+from speculators_v016.store.sample_format import load_sample
+
+COUNT = 12
+SERVE_ENV = {**CPU, "SPECULATORS_DATA_GEN_NO_PROGRESS": "1"}
+CAP = 1 << 20  # --max-published-bytes: about two of the largest samples (fp32, 4 layers of 128, 256 tokens)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("serve-data") / "chats.jsonl", conversations(COUNT, seed=21))
+
+
+@pytest.fixture(scope="module")
+def offline(tmp_path_factory, model_dir, data_file):
+    out = tmp_path_factory.mktemp("serve-offline") / "out"
+    result = generate(model_dir, data_file, out, "--max-num-seqs", 1, "--token-freq-path", out.parent / "tf.pt")
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def start_service(model_dir, serve_dir, *extra, data_file=None):
+    """The real `serve` command; returns (process, url) once it listens (or the process, ended, and None)."""
+    cmd = [sys.executable, "-m", "speculators_v016.run.cli", "serve", "--target-model-path", model_dir,
+           "--serve-dir", serve_dir, "--port", 0, "--seq-length", 256, "--enforce-eager", "--dtype", "float32",
+           "--max-num-seqs", 1, "--max-published-bytes", CAP, *(["--train-data-path", data_file] if data_file else []),
+           *extra]  # fmt: skip
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **SERVE_ENV})  # fmt: skip
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("serving "):
+            return proc, re.search(r" at (http://[\d.]+:\d+): ", line).group(1), lines
+    proc.wait(timeout=60)
+    return proc, None, lines
+
+
+def stop_service(proc) -> tuple[int, str]:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=120)
+    return proc.returncode, rest
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory, model_dir, data_file):
+    serve_dir = tmp_path_factory.mktemp("serve") / "states"
+    proc, url, lines = start_service(model_dir, serve_dir, data_file=data_file)
+    assert url, "".join(lines)
+    yield {"url": url, "dir": serve_dir, "proc": proc, "start": "".join(lines)}
+    stop_service(proc)
+
+
+def offline_items(offline, indices):
+    files = [str(offline / f"data_{i}.safetensors") for i in indices]
+    return Eagle3SampleFileDataset(max_len=256, file_list=files)
+
+
+def assert_same_item(a: dict, b: dict, where: str) -> None:
+    assert sorted(a) == sorted(b), where
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), f"{where}: {key} differs"
+
+
+def published(serve_dir: Path) -> list[str]:
+    return sorted(n for n in os.listdir(serve_dir) if n.startswith("online_"))
+
+
+def test_start_line_and_info_name_the_model_layers_and_dataset(service, model_dir, offline):
+    """The start line names address, layers and folder; /v1/info gives the dataset's token counts before anything runs."""
+    assert f"serving {model_dir} at {service['url']}: layers [2, 4, 5, 7], float32, {COUNT} samples" in service["start"]
+    info = ProducerClient(service["url"]).info()
+    assert info["num_samples"] == COUNT and info["backend"] == {"kind": "folder", "dir": str(service["dir"])}
+    assert info["lengths"] == [len(load_sample(offline / f"data_{i}.safetensors")["input_ids"]) for i in range(COUNT)]
+
+
+def test_online_items_equal_upstream_dataset_on_offline_files_bit_for_bit(service, offline):
+    """Every online item equals upstream's Eagle3SampleFileDataset item of the offline file, bit for bit; files taken."""
+    online = OnlineSampleDataset(service["url"], max_len=256)
+    assert len(online) == COUNT and online.approx_lengths == ProducerClient(service["url"]).info()["lengths"]
+    reference = offline_items(offline, range(COUNT))
+    for i in range(COUNT):
+        assert_same_item(online[i], reference[i], f"sample {i}")
+    assert online.requests == COUNT
+    assert published(service["dir"]) == []  # each file deleted once read
+
+
+def test_concurrent_clients_each_get_their_own_samples(service, offline):
+    """Eight threads asking at once (every sample twice, out of order) each get the sample they asked for."""
+    online = OnlineSampleDataset(service["url"], max_len=256)
+    order = [i for i in range(COUNT) for _ in range(2)][::-1]
+    with ThreadPoolExecutor(8) as pool:
+        items = list(pool.map(online.__getitem__, order))
+    reference = offline_items(offline, range(COUNT))
+    for i, item in zip(order, items):
+        assert_same_item(item, reference[i], f"sample {i}")
+
+
+def test_token_id_requests_equal_the_offline_files(service, offline):
+    """Samples sent as token ids and loss masks come back as the offline run wrote them."""
+    files = [load_sample(offline / f"data_{i}.safetensors") for i in (0, 5)]
+    samples = [(f["input_ids"].tolist(), f["loss_mask"].tolist()) for f in files]
+    online = OnlineSampleDataset(service["url"], max_len=256, samples=samples)
+    reference = offline_items(offline, [0, 5])
+    for j in range(2):
+        assert_same_item(online[j], reference[j], f"sample {(0, 5)[j]}")
+
+
+def test_hybrid_second_epoch_reads_the_cache_and_asks_nothing(service, offline, tmp_path):
+    """Hybrid: epoch 1 asks for every sample and keeps it; epoch 2 reads the cache only, items unchanged."""
+    online = OnlineSampleDataset(service["url"], max_len=256, mode="hybrid", cache_dir=tmp_path / "cache")
+    first = [online[i] for i in range(COUNT)]
+    asked = ProducerClient(service["url"]).info()["requests"]
+    second = [online[i] for i in range(COUNT)]
+    assert online.requests == COUNT and ProducerClient(service["url"]).info()["requests"] == asked
+    reference = offline_items(offline, range(COUNT))
+    for i in range(COUNT):
+        assert_same_item(first[i], reference[i], f"sample {i}")
+        assert_same_item(second[i], reference[i], f"sample {i}, epoch 2")
+    assert published(service["dir"]) == []
+
+
+def test_hybrid_cache_stays_within_its_budget(service, tmp_path):
+    """A cache budget of three samples keeps at most three; the rest are read and deleted, and asked again."""
+    budget = 3 * 200_000
+    online = OnlineSampleDataset(
+        service["url"], max_len=256, mode="hybrid", cache_dir=tmp_path / "c", cache_bytes=budget
+    )
+    for i in range(COUNT):
+        online[i]
+    kept = list((tmp_path / "c").glob("data_*.safetensors"))
+    assert 0 < len(kept) < COUNT and sum(p.stat().st_size for p in kept) <= budget
+    before = online.requests
+    for i in range(COUNT):
+        online[i]
+    assert online.requests - before == COUNT - len(kept)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"index": 99}, f"sample index 99 is not in [0, {COUNT})"),
+        ({"input_ids": [1, 2, 10**6], "loss_mask": [0, 1, 1]}, "token ids outside the vocabulary"),
+        ({"input_ids": [1] * 300, "loss_mask": None}, "300 input ids exceed this service's --seq-length 256"),
+        ({"input_ids": [1, 2, 3], "loss_mask": [0, 1]}, "loss_mask must be a list of 3 zeros and ones"),
+        ({"input_ids": []}, "input_ids must be a non-empty list"),
+    ],
+)
+def test_bad_requests_are_refused_naming_what_is_wrong(service, body, message):
+    """A wrong request is a 400 naming what is wrong, raised as ProducerError (no retry); the service goes on."""
+    request = urllib.request.Request(service["url"] + "/v1/samples", data=json.dumps(body).encode(), method="POST")
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        urllib.request.urlopen(request, timeout=60)
+    assert raised.value.code == 400 and message in json.loads(raised.value.read())["error"]
+    client = ProducerClient(service["url"], retries=3, pause=5)
+    started = time.monotonic()
+    with pytest.raises(ProducerError, match=f"sample x: the producer {service['url']} refused the request: .*"):
+        client.request("sample x", index=99) if "index" in body else client.request("sample x", **{
+            "input_ids": body["input_ids"], "loss_mask": body.get("loss_mask")})  # fmt: skip
+    assert time.monotonic() - started < 5  # not retried
+    assert urllib.request.urlopen(service["url"] + "/health", timeout=10).status == 200
+
+
+def test_bytes_not_taken_stay_under_the_cap_and_publishing_resumes(service):
+    """A consumer that does not read: published bytes stop at --max-published-bytes; taking files lets the rest through."""
+    client = ProducerClient(service["url"])
+    handles = []
+    threads = [threading.Thread(target=lambda i=i: handles.append(client.request(f"s{i}", index=i))) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    time.sleep(4)
+    names = published(service["dir"])
+    held = sum((service["dir"] / n).stat().st_size for n in names)
+    assert 0 < len(names) < 8 and held <= CAP, (names, held)
+    assert ProducerClient(service["url"]).info()["published_not_taken_bytes"] <= CAP
+    deadline = time.monotonic() + 120
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        for name in published(service["dir"]):
+            (service["dir"] / name).unlink(missing_ok=True)  # taken
+        time.sleep(0.05)
+    assert not any(t.is_alive() for t in threads) and len(handles) == 8
+    for name in published(service["dir"]):
+        (service["dir"] / name).unlink()
+
+
+def test_what_a_dead_consumer_left_is_reclaimed(service):
+    """A consumer killed before reading: the service deletes its published files, by record, within seconds."""
+    script = (
+        "import sys; from speculators_v016.online import ProducerClient\n"
+        "c = ProducerClient(sys.argv[1])\n"
+        "for i in range(2): print(c.request('s', index=i)['file'], flush=True)\n"
+        "import time; time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script, service["url"]], stdout=subprocess.PIPE, text=True)
+    files = [proc.stdout.readline().strip() for _ in range(2)]
+    assert all((service["dir"] / f).exists() for f in files)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while any((service["dir"] / f).exists() for f in files) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any((service["dir"] / f).exists() for f in files)
+    assert ProducerClient(service["url"]).info()["reclaimed"]["consumer_dead"] >= 2
+
+
+def test_a_folder_in_use_or_holding_foreign_files_is_refused(service, model_dir, tmp_path):
+    """A second service on a live service's folder, or a folder with files no record names: exit 4, named."""
+    proc, url, lines = start_service(model_dir, service["dir"])
+    assert url is None and proc.returncode == 4
+    assert f"--serve-dir {service['dir']} is in use by a running service (pid {service['proc'].pid})" in "".join(lines)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    proc, url, lines = start_service(model_dir, foreign)
+    assert url is None and proc.returncode == 4 and "holds files no record of ours names (notes.txt)" in "".join(lines)
+    assert (foreign / "notes.txt").read_text() == "mine"
+
+
+def test_trainer_losses_online_equal_offline(service, offline, model_dir, tmp_path):
+    """Upstream's trainer, seeded, four steps: the same losses online (two forked loader workers) as offline."""
+    script = Path(__file__).parents[1] / "helpers" / "eagle3_train_steps.py"
+    results = []
+    for extra in ([], [service["url"]]):
+        proc = subprocess.run(
+            [sys.executable, str(script), model_dir, str(offline), str(offline.parent / "tf.pt"), str(tmp_path / "c"),
+             *extra],
+            capture_output=True, text=True, timeout=600, env={**os.environ, "TORCHDYNAMO_DISABLE": "1"},
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert results[0]["steps"] == results[1]["steps"] == 4
+    assert results[0]["losses"] == results[1]["losses"]
+
+
+def test_killed_producer_fails_clients_by_name_and_a_new_one_reclaims_its_files(service, model_dir):
+    """SIGKILL the service: a dataset item fails within seconds naming sample and producer; a restart on the
+    folder reclaims what the dead one published and no one took."""
+    left = ProducerClient(service["url"]).request("left", index=1)["file"]  # published, never taken
+    online = OnlineSampleDataset(service["url"], max_len=256, retries=1)
+    online.client.pause = 0.2
+    service["proc"].kill()
+    service["proc"].wait()
+    started = time.monotonic()
+    with pytest.raises(ProducerError, match=rf"sample 3: the producer {service['url']} did not answer after 2 tries"):
+        online[3]
+    assert time.monotonic() - started < 5
+    assert (service["dir"] / left).exists() and (service["dir"] / JOURNAL).exists()
+    proc, url, lines = start_service(model_dir, service["dir"])
+    try:
+        assert url, "".join(lines)
+        assert "(reclaimed 1 files a stopped service published)" in "".join(lines)
+        assert not (service["dir"] / left).exists()
+    finally:
+        code, rest = stop_service(proc)
+    assert code == 0, rest
