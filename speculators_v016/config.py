@@ -606,6 +606,12 @@ class ServeConfig:
         min=0,
         min_open=True,
     )
+    served_model_name: str | None = setting(
+        None,
+        "The model's name to upstream 0.9.0's client (/v1/models; it must equal the verifier name its trainer is "
+        "given). Default: --target-model-path as given.",
+        section=SERVICE,
+    )
     train_data_path: tuple[str, ...] = setting(
         (),
         "Dataset whose samples clients may ask for by index (as the run's --train-data-path); without it "

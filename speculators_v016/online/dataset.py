@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -100,7 +101,7 @@ class OnlineSampleDataset(Eagle3SampleFileDataset):
         self.requests = 0  # this process's requests (a hybrid epoch read from the cache makes none)
         self._cache_used: int | None = None  # bytes in the cache, as this process last counted them
         self._cache_added = 0
-        self._served: dict[int, Path] = {}
+        self._served: dict[tuple[int, int], Path] = {}  # (thread, index) -> the served file it reads
         # upstream's attributes, as its __init__ sets them (its own __init__ reads every file at start)
         self.data = _RequestedFiles(self, len(lengths))
         self.max_len = max_len
@@ -113,7 +114,7 @@ class OnlineSampleDataset(Eagle3SampleFileDataset):
         try:
             return super().__getitem__(index)  # upstream's: load_sample(self.data[index]), then its steps
         finally:
-            served = self._served.pop(index, None)
+            served = self._served.pop((threading.get_ident(), index), None)
             if served is not None:
                 served.unlink(missing_ok=True)  # taken: the service's cap counts it no more
 
@@ -139,7 +140,7 @@ class OnlineSampleDataset(Eagle3SampleFileDataset):
                 os.replace(kept.with_suffix(".part"), kept)
                 path.unlink(missing_ok=True)
             return kept
-        self._served[index] = path
+        self._served[threading.get_ident(), index] = path  # by thread too: two threads may read one index
         return path
 
     def _request(self, index: int) -> Path:

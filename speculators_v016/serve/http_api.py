@@ -12,7 +12,8 @@
   message says how); 503: the service stopped or its engine failed (named).
 
 A request waits while the service is at its bounds (backpressure): clients
-set their own timeouts.
+set their own timeouts. Upstream 0.9.0's client is answered too (``GET /v1/models``,
+``POST /v1/completions``: :mod:`speculators_v016.serve.peer_api`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from loguru import logger
 
+from speculators_v016.serve import peer_api
 from speculators_v016.serve.service import CaptureService, RequestError, ServiceStopped
 
 MAX_BODY = 64 << 20  # bytes of a request body at most (a 16M-token sample as JSON fits)
@@ -50,6 +52,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 - the base class's name
         if self.path == "/v1/info":
             self._answer(HTTPStatus.OK, self.service.info())
+        elif self.path == "/v1/models":
+            self._answer(HTTPStatus.OK, peer_api.models(self.service))
         elif self.path == "/health":
             failure = self.service.info()["failure"]
             if failure is None and not self.service.stopping:
@@ -60,8 +64,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(HTTPStatus.NOT_FOUND, f"no such path {self.path!r}: GET /v1/info, /health; POST /v1/samples")
 
     def do_POST(self) -> None:  # noqa: N802 - the base class's name
-        if self.path != "/v1/samples":
-            self._error(HTTPStatus.NOT_FOUND, f"no such path {self.path!r}: POST /v1/samples")
+        if self.path not in ("/v1/samples", "/v1/completions"):
+            self._error(HTTPStatus.NOT_FOUND, f"no such path {self.path!r}: POST /v1/samples, /v1/completions")
             return
         length = int(self.headers.get("Content-Length") or 0)
         if not 0 < length <= MAX_BODY:
@@ -71,6 +75,9 @@ class _Handler(BaseHTTPRequestHandler):
             body = json.loads(self.rfile.read(length))
             if not isinstance(body, dict):
                 raise RequestError("the request must be a JSON object")
+            if self.path == "/v1/completions":
+                self._answer(HTTPStatus.OK, peer_api.completion(self.service, body))
+                return
             if "index" in body:
                 ids, mask = self.service.sample_of(body["index"])
             else:

@@ -20,6 +20,7 @@ every later one (:attr:`failure`): the service does not pretend to serve.
 from __future__ import annotations
 
 import itertools
+import json
 import queue
 import threading
 import time
@@ -36,7 +37,7 @@ from speculators_v016.generator import VllmHiddenStatesGenerator
 from speculators_v016.layers import LayerPlan
 from speculators_v016.run.dataset import PreparedSamples
 from speculators_v016.serve.folder import ServeDir
-from speculators_v016.store.sample_format import encode_parts
+from speculators_v016.store.sample_format import encode_parts, safetensors_parts
 from speculators_v016.target import PromptError, TargetInfo, check_token_ids
 
 REAP_INTERVAL = 1.0  # seconds between looks for what dead consumers left
@@ -50,12 +51,20 @@ class ServiceStopped(RuntimeError):
     """The service stopped (asked to, or its engine failed: the message says which)."""
 
 
+#: How a published file holds a sample: ``sample`` is a run's sample file (our format, what
+#: OnlineSampleDataset reads); ``stacked`` is what upstream 0.9.0's ``FileTransfer`` reads (the
+#: peer protocol, :mod:`speculators_v016.serve.peer_api`): ``hidden_states`` ``[T, layers, hidden]``
+#: in capture order and ``token_ids`` ``[T]``.
+LAYOUTS = ("sample", "stacked")
+
+
 @dataclass
 class Request:
     key: int
     ids: list[int]
     mask: list[int]
     consumer: dict | None
+    layout: str = "sample"
     future: Future = field(default_factory=Future)
 
 
@@ -125,6 +134,10 @@ class CaptureService:
         self.folder.close()
 
     @property
+    def served_model_name(self) -> str:
+        return self.config.served_model_name or self.config.engine.model
+
+    @property
     def stopping(self) -> bool:
         return self._stopping.is_set()
 
@@ -157,9 +170,14 @@ class CaptureService:
             raise RequestError(str(exc)) from None
         return ids, mask
 
-    def submit(self, ids, mask, consumer: dict | None = None) -> Future:
+    def submit(self, ids, mask, consumer: dict | None = None, layout: str = "sample") -> Future:
         """Queue one sample (waits while ``max_pending`` are taken); the future's result is its handle."""
         ids, mask = self.check(ids, mask)
+        if layout == "stacked" and self.config.engine.fp8:
+            raise RequestError(
+                "--hidden-states-dtype fp8_e4m3 keeps one scale per token and layer; upstream's FP8 files have one "
+                "per token: serve the engine's dtype to its client"
+            )
         while not self._slots.acquire(timeout=0.1):
             self._raise_if_down()
         try:
@@ -167,7 +185,7 @@ class CaptureService:
         except BaseException:
             self._slots.release()
             raise
-        request = Request(next(self._keys), ids, mask, consumer)
+        request = Request(next(self._keys), ids, mask, consumer, layout)
         request.future.add_done_callback(lambda _: self._slots.release())
         self.stats.requests += 1
         self._queue.put(request)
@@ -261,8 +279,12 @@ class CaptureService:
         if bad:
             raise RequestError(f"NaN/Inf hidden states in layers {[layer_ids[j] for j in bad]}: not published")
         check_plausible(request.key, input_ids, states, layer_ids, holding=False)
-        sample = {"input_ids": input_ids, "loss_mask": torch.tensor(request.mask, dtype=torch.long)}
-        parts = encode_parts({**sample, "hidden_states": states}, "safetensors", layer_ids)
+        if request.layout == "stacked":
+            stacked = {"hidden_states": torch.stack(states, dim=1), "token_ids": input_ids}
+            parts = safetensors_parts(stacked, {"format": "pt", "layer_ids": json.dumps(layer_ids)})
+        else:
+            sample = {"input_ids": input_ids, "loss_mask": torch.tensor(request.mask, dtype=torch.long)}
+            parts = encode_parts({**sample, "hidden_states": states}, "safetensors", layer_ids)
         nbytes = sum(memoryview(p).nbytes for p in parts)
         self.folder.reserve(nbytes, self._stopping)
         handle = self.folder.publish(parts, nbytes, request.consumer)

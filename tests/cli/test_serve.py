@@ -1,4 +1,5 @@
-"""`speculators-data-gen serve` and OnlineSampleDataset, both real: items equal an offline run's, bounds, faults.
+"""`speculators-data-gen serve` and OnlineSampleDataset, both real: items equal an offline run's, bounds, faults;
+and upstream 0.9.0's released client (its own venv, installed here) served by the same service.
 
 One service (the real command, CPU vLLM, eager, fp32) serves the module; an
 offline run of the same dataset with the same engine settings is the
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from speculators.train.data import Eagle3SampleFileDataset
 
 from helpers.cli import CPU, conversations, generate, write_jsonl
@@ -28,6 +30,9 @@ from speculators_v016.serve.folder import JOURNAL
 from speculators_v016.store.sample_format import load_sample
 
 COUNT = 12
+PEER = ("speculators==0.9.0", "hs-connectors==0.9.0", "torch==2.13.0")  # torch: the CPU build this machine kind has
+PEER_ENV = {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}, "HF_HUB_OFFLINE": "1"}
+PEER_VENV = Path(__file__).resolve().parents[2] / "build" / "peer-venvs" / "speculators-0.9.0"
 SERVE_ENV = {**CPU, "SPECULATORS_DATA_GEN_NO_PROGRESS": "1"}
 CAP = 1 << 20  # --max-published-bytes: about two of the largest samples (fp32, 4 layers of 128, 256 tokens)
 
@@ -257,6 +262,66 @@ def test_trainer_losses_online_equal_offline(service, offline, model_dir, tmp_pa
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     assert results[0]["steps"] == results[1]["steps"] == 4
     assert results[0]["losses"] == results[1]["losses"]
+
+
+@pytest.fixture(scope="module")
+def peer_python():
+    """Upstream's released 0.9.0 data path in a venv of its own, made here (kept in build/ between local runs)."""
+    python, done = PEER_VENV / "bin" / "python", PEER_VENV / ".installed"
+    if not done.exists() or done.read_text() != " ".join(PEER):
+        subprocess.run([sys.executable, "-m", "venv", "--clear", PEER_VENV], check=True)
+        pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        subprocess.run([*pip, *PEER], check=True, timeout=1800)
+        # its torchvision and torchaudio from the index do not load beside that torch, and it imports neither
+        subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio"], check=True)
+        done.write_text(" ".join(PEER))
+    return python
+
+
+def test_upstream_090_client_gets_the_offline_states(service, offline, peer_python, model_dir, tmp_path):
+    """Upstream 0.9.0's generate_hidden_states, FileTransfer and ArrowDataset against the service: its
+    check passes, the files equal the offline run's states bit for bit, and it deletes what it read."""
+    files = [load_sample(offline / f"data_{i}.safetensors") for i in (2, 7)]
+    requests = tmp_path / "requests.json"
+    requests.write_text(json.dumps([{k: f[k].tolist() for k in ("input_ids", "loss_mask")} for f in files]))
+    script = Path(__file__).parents[1] / "helpers" / "peer_client_090.py"
+    proc = subprocess.run([peer_python, script, service["url"], model_dir, requests, tmp_path],
+                          capture_output=True, text=True, timeout=600, env=PEER_ENV)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"approx_lengths": [len(f["input_ids"]) for f in files],
+                                                                "len": 2}  # fmt: skip
+    for i, f in enumerate(files):
+        got = load_file(tmp_path / f"generated_{i}.safetensors")
+        assert torch.equal(got["token_ids"], f["input_ids"])
+        assert got["hidden_states"].shape == (len(f["input_ids"]), 4, 128)
+        for j, layer in enumerate(f["hidden_states"]):
+            assert torch.equal(got["hidden_states"][:, j], layer), (i, j)
+    item, first = load_file(tmp_path / "item_0.safetensors"), files[0]
+    assert torch.equal(item["hidden_states"], torch.cat(first["hidden_states"][:3], dim=-1))
+    assert torch.equal(item["verifier_last_hidden_states"], first["hidden_states"][3])
+    assert torch.equal(item["input_ids"], first["input_ids"]) and torch.equal(item["loss_mask"], first["loss_mask"])
+    assert published(service["dir"]) == []  # upstream's reader deleted every file it read
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"prompt": "some text"}, "prompt must be token ids"),
+        ({"prompt": [1, 2, 3], "max_tokens": 16}, "max_tokens 16: this service captures prefill only"),
+        (
+            {"prompt": [1, 2], "kv_transfer_params": {"hidden_states_path": "/tmp/x"}},
+            "client-chosen hidden_states_path",
+        ),
+        ({"prompt": [1, 2], "model": "other"}, "model 'other' is not served here"),
+    ],
+)
+def test_what_the_peer_protocol_does_not_serve_is_refused_by_name(service, model_dir, body, message):
+    """/v1/completions requests this service cannot honour are a 400 that says which part and why."""
+    body = {"model": model_dir, **body}
+    request = urllib.request.Request(service["url"] + "/v1/completions", data=json.dumps(body).encode(), method="POST")
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        urllib.request.urlopen(request, timeout=60)
+    assert raised.value.code == 400 and message in json.loads(raised.value.read())["error"]
 
 
 def test_killed_producer_fails_clients_by_name_and_a_new_one_reclaims_its_files(service, model_dir):
