@@ -60,6 +60,7 @@ CaptureMode = Literal["auto", "taps"]
 HiddenStatesDtype = Literal["auto", "fp8_e4m3"]
 #: vLLM 0.16's model dtypes (``vllm.config.model.ModelDType``).
 ModelDtype = Literal["auto", "bfloat16", "float16", "float32", "half", "float"]
+ServeBackend = Literal["folder", "mooncake"]
 SampleFormat = Literal["safetensors", "pt"]
 #: The digest of each sample file that the manifest records (speculators_v016.store.checksum).
 Checksum = Literal["blake3", "sha256"]
@@ -579,13 +580,23 @@ class ServeConfig:
     each sample's states are published to a folder and answered with a handle (docs/online.md)."""
 
     engine: EngineConfig
-    serve_dir: Path = setting(
-        MISSING,
-        "Folder the states are published to (/dev/shm/NAME or local NVMe on one node, a shared filesystem "
-        "across nodes): an empty folder or one an earlier service of ours used.",
+    backend: ServeBackend = setting(
+        "folder",
+        "Where the states are published: folder (--serve-dir) or mooncake (the Mooncake store, --mooncake-master).",
+        section=SERVICE,
+    )
+    serve_dir: Path | None = setting(
+        None,
+        "Folder of --backend folder (/dev/shm/NAME or local NVMe on one node, a shared filesystem across "
+        "nodes): an empty folder or one an earlier service of ours used.",
         section=SERVICE,
         kind="dir",
-        required=True,
+    )
+    mooncake_master: str = setting(
+        "auto",
+        "Master of --backend mooncake: HOST:PORT of a running mooncake_master, or auto (one started beside the "
+        "service, on --host).",
+        section=SERVICE,
     )
     host: str = setting("127.0.0.1", "Address to listen on (0.0.0.0: every interface).", section=SERVICE)
     port: int = setting(8471, "Port to listen on (0: any free one, printed at start).", section=SERVICE, min=0)
@@ -629,6 +640,10 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         _check(self)
+        if self.backend == "folder" and self.serve_dir is None:
+            raise ConfigError("--backend folder publishes to a folder: give --serve-dir", "--serve-dir")
+        if self.backend != "folder" and self.serve_dir is not None:
+            raise ConfigError(f"--serve-dir is the folder backend's; --backend {self.backend} does not use it")
 
     @classmethod
     def build(cls, engine: Mapping[str, Any], **serve: Any) -> ServeConfig:

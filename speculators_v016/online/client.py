@@ -14,7 +14,7 @@ import time
 import urllib.error
 import urllib.request
 
-from speculators_v016.serve.folder import this_consumer
+from speculators_v016.serve.publications import this_consumer
 
 
 class ProducerError(RuntimeError):

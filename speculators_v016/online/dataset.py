@@ -19,6 +19,7 @@ process asks for the items its sampler gives it.
 
 from __future__ import annotations
 
+import operator
 import os
 import shutil
 import threading
@@ -29,6 +30,7 @@ import torch
 from speculators.train.data import Eagle3SampleFileDataset, standardize_data_v1
 
 from speculators_v016.online.client import ProducerClient, ProducerError
+from speculators_v016.online.readers import reader_for
 
 MODES = ("online", "hybrid")
 
@@ -56,7 +58,8 @@ class OnlineSampleDataset(Eagle3SampleFileDataset):
     asked for by index. ``folder``: where the service's ``--serve-dir`` is seen
     here (default: its own path, as on one node). ``mode``: ``"online"`` (each
     file deleted once read) or ``"hybrid"`` (kept in ``cache_dir``, up to
-    ``cache_bytes``, and read from there in later epochs). The other arguments
+    ``cache_bytes``, and read from there in later epochs). The backend (the serve folder, or the
+    Mooncake store) is the service's, as ``/v1/info`` names it. The other arguments
     are upstream's.
     """
 
@@ -82,7 +85,7 @@ class OnlineSampleDataset(Eagle3SampleFileDataset):
         self.client = ProducerClient(producer, timeout=timeout, retries=retries)
         info = self.client.info()
         self.producer_info = info
-        self.folder = Path(folder if folder is not None else info["backend"]["dir"])
+        self.reader = reader_for(info, folder)
         if samples is None:
             if info.get("num_samples") is None:
                 raise ProducerError(
@@ -112,6 +115,10 @@ class OnlineSampleDataset(Eagle3SampleFileDataset):
 
     def __getitem__(self, index):
         try:
+            index = operator.index(index)
+        except TypeError:
+            raise IndexError(f"sample index {index!r} is not an integer") from None
+        try:
             return super().__getitem__(index)  # upstream's: load_sample(self.data[index]), then its steps
         finally:
             served = self._served.pop((threading.get_ident(), index), None)
@@ -125,7 +132,11 @@ class OnlineSampleDataset(Eagle3SampleFileDataset):
         return path if path.exists() else None
 
     def _path_of(self, index: int) -> Path:
-        if not isinstance(index, int) or not 0 <= index < len(self.data):
+        try:
+            index = operator.index(index)  # samplers give numpy integers (upstream's multipack sampler does)
+        except TypeError:
+            raise IndexError(f"sample index {index!r} is not an integer") from None
+        if not 0 <= index < len(self.data):
             raise IndexError(f"sample index {index!r} is not in [0, {len(self.data)})")
         cached = self._cached(index)
         if cached is not None:
@@ -151,13 +162,10 @@ class OnlineSampleDataset(Eagle3SampleFileDataset):
                 handle = self.client.request(what, index=index)
             else:
                 handle = self.client.request(what, input_ids=self.samples[index][0], loss_mask=self.samples[index][1])
-            path = self.folder / handle["file"]
-            if path.exists():
+            path = self.reader.fetch(handle)
+            if path is not None:
                 return path
-        raise ProducerError(
-            f"{what}: the producer {self.client.url} published {handle['file']}, but it is not in {self.folder}: "
-            "is its --serve-dir seen here under another path (folder=...)?"
-        )
+        raise ProducerError(f"{what}: the producer {self.client.url} published it, but {self.reader.where(handle)}")
 
     def _room_for(self, size: int) -> bool:
         """Within ``cache_bytes``? The cache is counted again every 256 files this process adds (other

@@ -50,7 +50,7 @@ def status_line(service: CaptureService, since: tuple[float, int, int, int]) -> 
     line = (
         f"served {stats.served} samples ({(stats.served - served) / seconds:.1f}/s, "
         f"{(stats.tokens - tokens) / seconds:,.0f} tok/s, {(stats.bytes - nbytes) / seconds / 2**30:.2f} GiB/s); "
-        f"published, not yet taken: {service.folder.not_taken():,} bytes"
+        f"published, not yet taken: {service.backend.not_taken():,} bytes"
     )
     return line, (now, stats.served, stats.tokens, stats.bytes)
 
@@ -76,11 +76,12 @@ def serve(config: ServeConfig, console) -> int:
         service.stop()
         console.failure(f"error: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}")
         return ExitCode.USAGE
-    reclaimed = service.folder.reclaimed.dead_service
+    reclaimed = service.backend.reclaimed.dead_service
+    where = config.serve_dir if config.backend == "folder" else f"the Mooncake store (master {service.backend.address})"
     dataset = f"{len(service.samples)} samples of --train-data-path" if service.samples else "token ids from clients"
     console.echo(
         f"serving {config.engine.model} at {front.url}: layers {list(service.plan.layer_ids)}, "
-        f"{service.info()['dtype']}, {dataset}; publishing to {config.serve_dir}"
+        f"{service.info()['dtype']}, {dataset}; publishing to {where}"
         + (f" (reclaimed {reclaimed} files a stopped service published)" if reclaimed else ""),
         summary=True,
     )

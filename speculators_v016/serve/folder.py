@@ -20,9 +20,8 @@ says it is its own and not yet taken, and only when:
 * at start, the journal left by a dead service (its lock free) names it.
 
 A file of our naming that no record names is not ours to delete: the folder is
-refused. The bytes published and not yet taken are capped (``max_bytes``):
-publishing waits below the cap, which stops the engine's writers and so the
-engine (backpressure); a consumer taking files makes room.
+refused. The cap on bytes not yet taken and the reclaiming rules are
+:mod:`~speculators_v016.serve.publications`'.
 """
 
 from __future__ import annotations
@@ -32,12 +31,9 @@ import fcntl
 import json
 import os
 import re
-import socket
-import threading
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from speculators_v016.serve.publications import Publications
 from speculators_v016.store.atomic_files import TMP_PREFIX, WriteError, write_atomic, write_parts
 from speculators_v016.store.checksum import DEFAULT as DEFAULT_CHECKSUM
 from speculators_v016.store.checksum import new as new_digest
@@ -52,50 +48,21 @@ class ServeDirError(RuntimeError):
     """The serve folder cannot be used (held by a live service, files that are not ours); the message says which."""
 
 
-def process_start(pid: int) -> int | None:
-    """The start time of process ``pid`` (clock ticks since boot, /proc), None if it does not run."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
-def this_consumer() -> dict:
-    """Who asks, as the service's record keeps it: host, pid and the process's start time."""
-    return {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start(os.getpid())}
-
-
-@dataclass
-class Published:
-    file: str
-    bytes: int
-    consumer: dict | None
-    at: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class ReclaimCounts:
-    consumer_dead: int = 0
-    lease_expired: int = 0
-    dead_service: int = 0
-
-
-class ServeDir:
+class ServeDir(Publications):
     """The folder a service publishes to: its lock, its record, the cap on bytes not yet taken."""
 
+    kind = "folder"
+
     def __init__(self, path: Path, max_bytes: int, lease_seconds: float, checksum: str = DEFAULT_CHECKSUM):
+        super().__init__(max_bytes, lease_seconds)
         self.path = Path(path)
-        self.max_bytes, self.lease_seconds, self.checksum = max_bytes, lease_seconds, checksum
-        self.records: dict[str, Published] = {}
-        self.reclaimed = ReclaimCounts()
-        self.published = 0
-        self._reserved = 0
+        self.checksum = checksum
         self._next = 0
         self._lock_fd: int | None = None
         self._journal = None
-        self._cond = threading.Condition()
-        self._host = socket.gethostname()
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "dir": str(self.path.resolve())}
 
     # -- start and stop ----------------------------------------------------------------------------
     def open(self) -> ServeDir:
@@ -162,18 +129,8 @@ class ServeDir:
             self._cond.notify_all()
 
     # -- publishing --------------------------------------------------------------------------------
-    def reserve(self, nbytes: int, stopped: threading.Event) -> None:
-        """Wait until ``nbytes`` more fit under the cap (a sample larger than the cap goes alone)."""
-        with self._cond:
-            while self.outstanding() + nbytes > self.max_bytes and (self.records or self._reserved):
-                if stopped.is_set():
-                    raise RuntimeError("the service is stopping")
-                self._cond.wait(0.02)
-                self._refresh()
-            self._reserved += nbytes
-
     def publish(self, parts: list, nbytes: int, consumer: dict | None) -> dict:
-        """Write one sample's file (``parts``: its buffers, ``nbytes`` reserved); return its handle."""
+        """Write one object's file (``parts``: its buffers, ``nbytes`` reserved); return its handle."""
         with self._cond:
             if self._journal is None:
                 self._reserved -= nbytes
@@ -190,57 +147,16 @@ class ServeDir:
             os.replace(tmp, self.path / name)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
-            with self._cond:
-                self._reserved -= nbytes
+            self._unreserve(nbytes)
             raise WriteError(exc.errno or errno.EIO, f"cannot write {self.path / name}: {exc.strerror or exc}") from exc
-        with self._cond:
-            self._reserved -= nbytes
-            self.records[name] = Published(name, size, consumer)
-            self.published += 1
-        return {"backend": "folder", "file": name, "bytes": size, self.checksum: digest.hexdigest()}
+        self._record(name, size, consumer)
+        return {"backend": self.kind, "file": name, "bytes": size, self.checksum: digest.hexdigest()}
 
-    # -- what is not yet taken ---------------------------------------------------------------------
-    def _refresh(self) -> None:
-        """Forget the records of files their consumers took (deleted or moved)."""
-        for name in [n for n in self.records if not os.path.exists(self.path / n)]:
-            del self.records[name]
+    def path_of(self, handle: dict) -> Path:
+        return self.path.resolve() / handle["file"]
 
-    def outstanding(self) -> int:
-        """Bytes published and not yet taken, and those reserved for files being written."""
-        self._refresh()
-        return sum(r.bytes for r in self.records.values()) + self._reserved
+    def _taken(self, names: list[str]) -> set[str]:
+        return {n for n in names if not os.path.exists(self.path / n)}
 
-    def not_taken(self) -> int:
-        """:meth:`outstanding`, from any thread."""
-        with self._cond:
-            return self.outstanding()
-
-    def _consumer_dead(self, consumer: dict | None) -> bool:
-        if not consumer or consumer.get("host") != self._host or not isinstance(consumer.get("pid"), int):
-            return False  # elsewhere, or unknown: only its lease tells
-        return process_start(consumer["pid"]) != consumer.get("start")
-
-    def reap(self) -> list[tuple[str, str]]:
-        """Delete what the record says is ours, not taken, and whose consumer is dead or lease ran out."""
-        gone = []
-        with self._cond:
-            self._refresh()
-            now = time.monotonic()
-            for name, record in list(self.records.items()):
-                if self._consumer_dead(record.consumer):
-                    why = f"its consumer (pid {record.consumer['pid']} on {self._host}) is dead"
-                    self.reclaimed.consumer_dead += 1
-                elif now - record.at > self.lease_seconds:
-                    why = f"not taken within the lease ({self.lease_seconds:g} s)"
-                    self.reclaimed.lease_expired += 1
-                else:
-                    continue
-                try:
-                    (self.path / name).unlink()
-                except FileNotFoundError:
-                    pass  # taken meanwhile
-                del self.records[name]
-                gone.append((name, why))
-            if gone:
-                self._cond.notify_all()
-        return gone
+    def _delete(self, name: str) -> None:
+        (self.path / name).unlink(missing_ok=True)

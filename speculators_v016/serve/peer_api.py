@@ -52,8 +52,10 @@ def completion(service: CaptureService, body: dict) -> dict:
     params = body.get("kv_transfer_params") or {}
     if isinstance(params, dict) and params.get("hidden_states_path"):
         raise RequestError("a client-chosen hidden_states_path is not served: files go to the service's --serve-dir")
+    if service.backend.kind != "folder":
+        raise RequestError(f"upstream's FileTransfer reads files: this service publishes to {service.backend.kind}")
     handle = service.submit(prompt, None, None, layout="stacked").result()
-    path = str(service.folder.path.resolve() / handle["file"])
+    path = str(service.backend.path_of(handle))
     return {
         "id": f"cmpl-{handle['file'].removesuffix('.safetensors')}",
         "object": "text_completion",

@@ -8,7 +8,8 @@ run's samples are (async scheduling, the capture ring, FP8 storage, the start-up
 stream proof). Each finished sample goes through a bounded queue to the publisher
 threads: screened as a run screens it (NaN/Inf states refuse that sample; states
 no model produces stop the service: the capture is broken), then published
-(:class:`~speculators_v016.serve.folder.ServeDir`) and its future answered with
+(:class:`~speculators_v016.serve.folder.ServeDir`, or the Mooncake store:
+:class:`~speculators_v016.serve.mooncake.MooncakeBackend`) and its future answered with
 the handle. Bounded everywhere: at most ``max_pending`` requests are taken at once
 (more wait in :meth:`submit`), the publisher queue is short, and the folder caps
 the bytes not yet taken.
@@ -35,8 +36,10 @@ from speculators_v016.checks.self_check import SelfCheckError, check_plausible
 from speculators_v016.config import ServeConfig
 from speculators_v016.generator import VllmHiddenStatesGenerator
 from speculators_v016.layers import LayerPlan
+from speculators_v016.run.console import private_dir
 from speculators_v016.run.dataset import PreparedSamples
 from speculators_v016.serve.folder import ServeDir
+from speculators_v016.serve.mooncake import MooncakeBackend
 from speculators_v016.store.sample_format import encode_parts, safetensors_parts
 from speculators_v016.target import PromptError, TargetInfo, check_token_ids
 
@@ -86,7 +89,11 @@ class CaptureService:
         self.samples = samples
         self.target = TargetInfo.read(config.engine.model, config.engine.trust_remote_code)
         self.plan = LayerPlan.build(self.target.num_layers, config.layer_ids)
-        self.folder = ServeDir(config.serve_dir, config.max_published_bytes, config.lease_seconds)
+        if config.backend == "folder":
+            self.backend = ServeDir(config.serve_dir, config.max_published_bytes, config.lease_seconds)
+        else:
+            self.backend = MooncakeBackend(config.mooncake_master, config.host, config.max_published_bytes,
+                                           config.lease_seconds, log_dir=private_dir())  # fmt: skip
         self.stats = ServiceStats()
         self.failure: BaseException | None = None
         self._keys = itertools.count()
@@ -100,18 +107,31 @@ class CaptureService:
 
     # -- start and stop ----------------------------------------------------------------------------
     def start(self) -> CaptureService:
-        self.folder.open()
+        if self.backend.kind == "folder":
+            self.backend.open()  # a folder it cannot use is refused before the engine starts
         try:
             self.generator = VllmHiddenStatesGenerator.from_config(self.config.engine, self.plan)
+            self.engine = self.generator.engine
+            if self.backend.kind != "folder":
+                self.backend.open(self.max_object_bytes())
         except BaseException:
-            self.folder.close()
+            if self.generator is not None:
+                self.generator.shutdown()
+            self.backend.close()
             raise
-        self.engine = self.generator.engine
         self._spawn(self._engine_loop, "engine")
         for i in range(self.config.write_workers):
             self._spawn(self._publisher, f"publisher-{i}")
         self._spawn(self._reaper, "reaper")
         return self
+
+    def max_object_bytes(self) -> int:
+        """The largest object a sample can make: ``seq_length`` rows of every layer, ids, mask, a header."""
+        model_config = self.engine.core.vllm_config.model_config
+        hidden, layers = model_config.get_hidden_size(), len(self.plan.layer_ids)
+        element = 1 if self.config.engine.fp8 else model_config.dtype.itemsize
+        per_token = layers * (hidden * element + (4 if self.config.engine.fp8 else 0)) + 16
+        return self.config.seq_length * per_token + (64 << 10)
 
     def _spawn(self, target, name: str) -> None:
         thread = threading.Thread(target=target, name=f"serve-{name}", daemon=True)
@@ -131,7 +151,7 @@ class CaptureService:
             thread.join(timeout=30)
         if self.generator is not None:
             self.generator.shutdown()
-        self.folder.close()
+        self.backend.close()
 
     @property
     def served_model_name(self) -> str:
@@ -286,8 +306,8 @@ class CaptureService:
             sample = {"input_ids": input_ids, "loss_mask": torch.tensor(request.mask, dtype=torch.long)}
             parts = encode_parts({**sample, "hidden_states": states}, "safetensors", layer_ids)
         nbytes = sum(memoryview(p).nbytes for p in parts)
-        self.folder.reserve(nbytes, self._stopping)
-        handle = self.folder.publish(parts, nbytes, request.consumer)
+        self.backend.reserve(nbytes, self._stopping)
+        handle = self.backend.publish(parts, nbytes, request.consumer)
         handle["num_tokens"] = len(request.ids)
         self.stats.served += 1
         self.stats.tokens += len(request.ids)
@@ -296,7 +316,7 @@ class CaptureService:
 
     def _reaper(self) -> None:
         while not self._stopping.wait(REAP_INTERVAL):
-            for name, why in self.folder.reap():
+            for name, why in self.backend.reap():
                 logger.warning("reclaimed {}: {}", name, why)
 
     # -- what clients read of it -------------------------------------------------------------------
@@ -312,13 +332,13 @@ class CaptureService:
             "hidden_size": model_config.get_hidden_size(),
             "seq_length": self.config.seq_length,
             "format": "safetensors",
-            "backend": {"kind": "folder", "dir": str(self.config.serve_dir.resolve())},
+            "backend": self.backend.describe(),
             "num_samples": None if self.samples is None else len(self.samples),
             "lengths": None if self.samples is None else [len(ids) for ids in self.samples.input_ids],
             "requests": self.stats.requests,
             "served": self.stats.served,
-            "published_not_taken_bytes": self.folder.not_taken(),
+            "published_not_taken_bytes": self.backend.not_taken(),
             "max_published_bytes": self.config.max_published_bytes,
-            "reclaimed": vars(self.folder.reclaimed),
+            "reclaimed": vars(self.backend.reclaimed),
             "failure": None if self.failure is None else f"{type(self.failure).__name__}: {self.failure}",
         }

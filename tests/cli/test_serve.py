@@ -7,6 +7,7 @@ reference. Both run one sequence per step (--max-num-seqs 1): vLLM's CPU
 kernels are not batch-invariant, so only equal batches give equal bits.
 """
 
+import functools
 import json
 import os
 import re
@@ -26,6 +27,7 @@ from speculators.train.data import Eagle3SampleFileDataset
 
 from helpers.cli import CPU, conversations, generate, write_jsonl
 from speculators_v016.online import OnlineSampleDataset, ProducerClient, ProducerError
+from speculators_v016.online.readers import MooncakeReader
 from speculators_v016.serve.folder import JOURNAL
 from speculators_v016.store.sample_format import load_sample
 
@@ -51,9 +53,11 @@ def offline(tmp_path_factory, model_dir, data_file):
 
 
 def start_service(model_dir, serve_dir, *extra, data_file=None):
-    """The real `serve` command; returns (process, url) once it listens (or the process, ended, and None)."""
+    """The real `serve` command; returns (process, url) once it listens (or the process, ended, and None).
+    ``serve_dir`` None: the Mooncake backend, its master started by the service."""
+    where = ["--serve-dir", serve_dir] if serve_dir is not None else ["--backend", "mooncake"]
     cmd = [sys.executable, "-m", "speculators_v016.run.cli", "serve", "--target-model-path", model_dir,
-           "--serve-dir", serve_dir, "--port", 0, "--seq-length", 256, "--enforce-eager", "--dtype", "float32",
+           *where, "--port", 0, "--seq-length", 256, "--enforce-eager", "--dtype", "float32",
            "--max-num-seqs", 1, "--max-published-bytes", CAP, *(["--train-data-path", data_file] if data_file else []),
            *extra]  # fmt: skip
     proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -248,20 +252,52 @@ def test_a_folder_in_use_or_holding_foreign_files_is_refused(service, model_dir,
     assert (foreign / "notes.txt").read_text() == "mine"
 
 
+def train_steps(model_dir, offline, save_dir, producer=None, rank=None, world=None) -> subprocess.Popen:
+    """Upstream's trainer, seeded, on the offline files or through a producer (tests/helpers/eagle3_train_steps.py)."""
+    script = Path(__file__).parents[1] / "helpers" / "eagle3_train_steps.py"
+    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", **({"RANK": str(rank), "WORLD_SIZE": str(world)} if world else {})}
+    args = [
+        sys.executable,
+        script,
+        model_dir,
+        offline,
+        offline.parent / "tf.pt",
+        save_dir,
+        *([producer] if producer else []),
+    ]
+    return subprocess.Popen([str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def losses_of(proc: subprocess.Popen) -> list[float]:
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["changed"] and result["finite"]
+    return result["losses"]
+
+
 def test_trainer_losses_online_equal_offline(service, offline, model_dir, tmp_path):
     """Upstream's trainer, seeded, four steps: the same losses online (two forked loader workers) as offline."""
-    script = Path(__file__).parents[1] / "helpers" / "eagle3_train_steps.py"
-    results = []
-    for extra in ([], [service["url"]]):
-        proc = subprocess.run(
-            [sys.executable, str(script), model_dir, str(offline), str(offline.parent / "tf.pt"), str(tmp_path / "c"),
-             *extra],
-            capture_output=True, text=True, timeout=600, env={**os.environ, "TORCHDYNAMO_DISABLE": "1"},
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    assert results[0]["steps"] == results[1]["steps"] == 4
-    assert results[0]["losses"] == results[1]["losses"]
+    offline_losses = losses_of(train_steps(model_dir, offline, tmp_path / "a"))
+    assert len(offline_losses) == 4
+    assert losses_of(train_steps(model_dir, offline, tmp_path / "b", service["url"])) == offline_losses
+
+
+@pytest.fixture(scope="module")
+def offline_rank_losses(offline, model_dir, tmp_path_factory):
+    """Each of two ranks' losses, trained on the offline files (the reference of the two-rank tests)."""
+    save = tmp_path_factory.mktemp("offline-ranks")
+    ranks = [train_steps(model_dir, offline, save / f"r{r}", None, r, 2) for r in range(2)]
+    losses = [losses_of(p) for p in ranks]
+    assert all(losses)
+    return losses
+
+
+def test_two_ranks_train_online_as_offline(service, offline, model_dir, tmp_path, offline_rank_losses):
+    """Two trainer ranks at once, each its batches from upstream's multipack sampler over all samples, online:
+    each rank's losses equal its offline ones."""
+    ranks = [train_steps(model_dir, offline, tmp_path / f"on{r}", service["url"], r, 2) for r in range(2)]
+    assert [losses_of(p) for p in ranks] == offline_rank_losses
 
 
 @pytest.fixture(scope="module")
@@ -322,6 +358,65 @@ def test_what_the_peer_protocol_does_not_serve_is_refused_by_name(service, model
     with pytest.raises(urllib.error.HTTPError) as raised:
         urllib.request.urlopen(request, timeout=60)
     assert raised.value.code == 400 and message in json.loads(raised.value.read())["error"]
+
+
+@pytest.fixture(scope="module")
+def mooncake_service(model_dir, data_file):
+    """The same service with the Mooncake store as its backend (master started by the service, TCP)."""
+    proc, url, lines = start_service(model_dir, None, data_file=data_file)
+    assert url, "".join(lines)
+    yield {"url": url, "proc": proc, "start": "".join(lines)}
+    stop_service(proc)
+
+
+@functools.cache
+def _store_client(master: str):
+    return MooncakeReader(master, 1 << 20)._client()
+
+
+def mooncake_keys(url: str, keys: list[str]) -> list[int]:
+    """batch_is_exist of ``keys`` in the service's store, asked by a store client of this process."""
+    return _store_client(ProducerClient(url).info()["backend"]["master"]).batch_is_exist(keys)
+
+
+def test_mooncake_items_equal_the_offline_files_bit_for_bit(mooncake_service, offline):
+    """Through the Mooncake store over TCP: every item equals upstream's item of the offline file; each object
+    is removed once read."""
+    assert "publishing to the Mooncake store (master 127.0.0.1:" in mooncake_service["start"]
+    online = OnlineSampleDataset(mooncake_service["url"], max_len=256)
+    reference = offline_items(offline, range(COUNT))
+    with ThreadPoolExecutor(4) as pool:
+        items = list(pool.map(online.__getitem__, range(COUNT)))
+    for i in range(COUNT):
+        assert_same_item(items[i], reference[i], f"sample {i}")
+    info = ProducerClient(mooncake_service["url"]).info()
+    assert info["backend"]["kind"] == "mooncake" and info["published_not_taken_bytes"] == 0
+
+
+def test_mooncake_two_ranks_train_as_offline(mooncake_service, offline, model_dir, tmp_path, offline_rank_losses):
+    """Two trainer ranks through the Mooncake store (two forked workers each): each rank's offline losses."""
+    ranks = [train_steps(model_dir, offline, tmp_path / f"on{r}", mooncake_service["url"], r, 2) for r in range(2)]
+    assert [losses_of(p) for p in ranks] == offline_rank_losses
+
+
+def test_mooncake_objects_of_a_dead_consumer_are_removed(mooncake_service):
+    """A consumer killed before reading: its objects leave the store, by record, within seconds."""
+    script = (
+        "import sys; from speculators_v016.online import ProducerClient\n"
+        "c = ProducerClient(sys.argv[1])\n"
+        "for i in range(2): print(c.request('s', index=i)['key'], flush=True)\n"
+        "import time; time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script, mooncake_service["url"]], stdout=subprocess.PIPE, text=True)
+    keys = [proc.stdout.readline().strip() for _ in range(2)]
+    assert mooncake_keys(mooncake_service["url"], keys) == [1, 1]
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 15
+    while mooncake_keys(mooncake_service["url"], keys) != [0, 0] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert mooncake_keys(mooncake_service["url"], keys) == [0, 0]
+    assert ProducerClient(mooncake_service["url"]).info()["reclaimed"]["consumer_dead"] >= 2
 
 
 def test_killed_producer_fails_clients_by_name_and_a_new_one_reclaims_its_files(service, model_dir):

@@ -4,11 +4,15 @@ same samples asked of a running ``speculators-data-gen serve`` (test_serve.py): 
 Usage: python eagle3_train_steps.py MODEL_DIR DATA_DIR TOKEN_FREQ SAVE_DIR [PRODUCER_URL]
 DATA_DIR's samples 0-3 (by index), or, with PRODUCER_URL, the service's samples 0-3 through
 OnlineSampleDataset, read by two forked DataLoader workers. The draft's weights are seeded.
+With RANK and WORLD_SIZE set: this rank's batches of all samples, packed by upstream's
+MultipackDistributedBatchSamplerV2 on the exact token counts (upstream's Trainer runs one process
+per rank here: its distributed mode needs CUDA for FSDP).
 Runs with TORCHDYNAMO_DISABLE=1: the draft's flex attention does not compile on
 CPU with torch 2.10's inductor; eager is fine for a tiny model.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -17,12 +21,14 @@ from speculators import SpeculatorsConfig, VerifierConfig
 from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 from speculators.proposals.greedy import GreedyTokenProposalConfig
 from speculators.train.data import Eagle3SampleFileDataset, create_collate_fn
+from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 from speculators.train.trainer import Trainer, TrainerConfig
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 from torch.utils.data import DataLoader, Subset
 from transformers import AutoConfig, LlamaConfig
 
 from speculators_v016.online import OnlineSampleDataset
+from speculators_v016.store.sample_format import load_sample
 
 
 def main(model_dir: str, data_dir: str, token_freq: str, save_dir: str, producer: str | None = None) -> None:
@@ -52,12 +58,23 @@ def main(model_dir: str, data_dir: str, token_freq: str, save_dir: str, producer
     model = Eagle3DraftModel(config, t2d=t2d, d2t=d2t)
     losses = []
     model.register_forward_hook(lambda _module, _args, out: losses.append(out[1].item()))
+    ranks = "WORLD_SIZE" in os.environ
+    count = len(list(Path(data_dir).glob("data_*.safetensors"))) if ranks else 4
     if producer is None:
-        files = [str(Path(data_dir) / f"data_{i}.safetensors") for i in range(4)]
+        files = [str(Path(data_dir) / f"data_{i}.safetensors") for i in range(count)]
         dataset, workers = Eagle3SampleFileDataset(max_len=256, file_list=files), 0
+        lengths = [len(load_sample(f)["input_ids"]) for f in files]  # exact, as the service's
     else:
         dataset, workers = OnlineSampleDataset(producer, max_len=256), 2
-    loader = DataLoader(Subset(dataset, range(4)), batch_size=1, collate_fn=create_collate_fn(256), num_workers=workers)
+        lengths = dataset.approx_lengths[:count]
+    collate = create_collate_fn(256)
+    if ranks:
+        sampler = MultipackDistributedBatchSamplerV2(
+            256, lengths, int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        )
+        loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers)
+    else:
+        loader = DataLoader(Subset(dataset, range(4)), batch_size=1, collate_fn=collate, num_workers=workers)
     trainer = Trainer(
         model, TrainerConfig(lr=1e-3, num_epochs=1, save_path=save_dir, local_rank="cpu", scheduler_type="none"), loader
     )
