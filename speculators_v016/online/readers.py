@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 from speculators_v016.online.client import ProducerError
-from speculators_v016.serve.mooncake import local_address_towards
+from speculators_v016.serve.mooncake import local_address_towards, local_buffer_for
 
 
 class FolderReader:
@@ -38,7 +38,7 @@ class MooncakeReader:
     """Objects of the service's Mooncake store; one store client per process (DataLoader workers fork)."""
 
     def __init__(self, master: str, max_object_bytes: int):
-        self.master, self.buffer = master, max(int(max_object_bytes), 1 << 20)
+        self.master, self.buffer = master, local_buffer_for(int(max_object_bytes))
         self._store, self._pid, self._scratch = None, None, None
         self._lock = threading.Lock()  # one client per process, used by one thread at a time
 

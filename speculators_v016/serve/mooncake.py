@@ -41,6 +41,12 @@ class MooncakeError(RuntimeError):
     """The Mooncake store could not be set up or used; the message names the master and the code."""
 
 
+def local_buffer_for(object_bytes: int) -> int:
+    """A client's staging buffer for objects up to ``object_bytes``: Mooncake's allocator needs room
+    beyond the object (a 112 MiB put fails in a buffer 64 KiB larger, passes in one twice its size)."""
+    return max(2 * object_bytes, 16 << 20)
+
+
 def free_port(host: str) -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -130,7 +136,7 @@ class MooncakeBackend(Publications):
         # the cap, and one object over it (it goes alone); Mooncake's least segment is 16 MiB
         segment = max(self.max_bytes + 2 * object_bytes, MIN_SEGMENT)
         me = local_address_towards(self.address.rsplit(":", 1)[0])
-        code = self.store.setup(me, "P2PHANDSHAKE", segment, object_bytes, "tcp", "", self.address)
+        code = self.store.setup(me, "P2PHANDSHAKE", segment, local_buffer_for(object_bytes), "tcp", "", self.address)
         if code != 0:
             self.close()
             raise MooncakeError(f"cannot join the Mooncake store at master {self.address} (setup: code {code})")
