@@ -637,6 +637,13 @@ class ServeConfig:
     seed: int = setting(0, "Shuffle seed of --train-data-path, as the run's.", section=INPUT)
     num_preprocessing_workers: int = setting(8, "Processes for tokenization.", section=INPUT, min=1)
     write_workers: int = setting(DEFAULT_WRITE_WORKERS, "Threads publishing sample files.", section=OUTPUT, min=1)
+    logit_check_samples: int = setting(
+        4,
+        "First requests whose captured last layer, normed and projected, must reproduce vLLM's own prompt "
+        "logprobs before anything is published (0: off).",
+        section=CHECKS,
+        min=0,
+    )
 
     def __post_init__(self) -> None:
         _check(self)

@@ -6,8 +6,14 @@ most ``seq_length`` of them), queues it and returns a future. One thread runs
 over a feed of the queued requests, so requests of all clients are batched as a
 run's samples are (async scheduling, the capture ring, FP8 storage, the start-up
 stream proof). Each finished sample goes through a bounded queue to the publisher
-threads: screened as a run screens it (NaN/Inf states refuse that sample; states
-no model produces stop the service: the capture is broken), then published
+threads. The engine's thread judges every sample as a run does (states no model
+produces stop the service: the capture is broken) and, for the first
+``logit_check_samples`` requests, the logit check: their last layer, normed and
+projected, must reproduce vLLM's own prompt logprobs. While a checked request
+that was already taken is not judged yet, every sample that finishes is held
+back, so nothing that finished beside a failing check is published (a client
+asking one sample at a time is never held: its checked request comes first). The
+publishers refuse a sample with NaN/Inf states (its client is told), then publish it
 (:class:`~speculators_v016.serve.folder.ServeDir`, or the Mooncake store:
 :class:`~speculators_v016.serve.mooncake.MooncakeBackend`) and its future answered with
 the handle. Bounded everywhere: at most ``max_pending`` requests are taken at once
@@ -32,7 +38,8 @@ import torch
 from loguru import logger
 
 from speculators_v016.checks.finite import non_finite
-from speculators_v016.checks.self_check import SelfCheckError, check_plausible
+from speculators_v016.checks.logit_check import LogitChecker
+from speculators_v016.checks.self_check import SelfCheckError, check_logits, check_plausible
 from speculators_v016.config import ServeConfig
 from speculators_v016.generator import VllmHiddenStatesGenerator
 from speculators_v016.layers import LayerPlan
@@ -97,6 +104,10 @@ class CaptureService:
         self.stats = ServiceStats()
         self.failure: BaseException | None = None
         self._keys = itertools.count()
+        self._key_lock = threading.Lock()
+        self._given = 0  # request keys handed out so far
+        self._checker, self._checked = None, set()  # the logit check and the request keys it judges
+        self._unjudged: set[int] = set()  # checked requests taken and not judged yet
         self._queue: queue.Queue[Request] = queue.Queue()
         self._taken: dict[int, Request] = {}
         self._slots = threading.BoundedSemaphore(config.max_pending)
@@ -114,6 +125,9 @@ class CaptureService:
             self.engine = self.generator.engine
             if self.backend.kind != "folder":
                 self.backend.open(self.max_object_bytes())
+            self._checker, self._checked = self._logit_check()
+            if self._checked:
+                self.engine.warm_prompt_logprobs()  # vLLM compiles its prompt-logprobs kernel now, not in a request
         except BaseException:
             if self.generator is not None:
                 self.generator.shutdown()
@@ -205,7 +219,11 @@ class CaptureService:
         except BaseException:
             self._slots.release()
             raise
-        request = Request(next(self._keys), ids, mask, consumer, layout)
+        with self._key_lock:
+            request = Request(next(self._keys), ids, mask, consumer, layout)
+            self._given = request.key + 1
+            if request.key in self._checked:
+                self._unjudged.add(request.key)  # later samples wait until it is judged
         request.future.add_done_callback(lambda _: self._slots.release())
         self.stats.requests += 1
         self._queue.put(request)
@@ -252,26 +270,66 @@ class CaptureService:
             self._taken[request.key] = request
             yield request.key, request.ids
 
+    def _logit_check(self):
+        """The service's logit check (its first ``logit_check_samples`` requests), as a run has it."""
+        if self.config.logit_check_samples <= 0:
+            return None, set()
+        checker = LogitChecker(self.config.engine.model, self.engine.dtype, self.plan.last_layer_index)
+        return checker, set(range(self.config.logit_check_samples)) if checker.active else set()
+
     def _engine_loop(self) -> None:
+        layer_ids = list(self.plan.layer_ids)
+        want = self._checked.__contains__ if self._checked else None
+        held: list[tuple] = []  # finished while a checked request, already taken, was not judged yet
         try:
-            for key, ids, states in self.engine.stream(self._feed(), window=2 * self.config.engine.max_num_seqs):
+            stream = self.engine.stream(self._feed(), window=2 * self.config.engine.max_num_seqs, prompt_logprobs=want)
+            for key, ids, states in stream:
                 request = self._taken.pop(key)
                 if ids != request.ids:  # never: submit() keeps prompts within the engine's length
                     request.future.set_exception(RuntimeError(f"the engine changed request {key}'s ids"))
+                    self._unjudged.discard(key)
                     continue
-                while True:  # a bounded queue: full publishers hold the engine back
-                    try:
-                        self._to_publish.put((request, states), timeout=0.1)
-                        break
-                    except queue.Full:
-                        if self._stopping.is_set():
-                            request.future.set_exception(self._down())
-                            break
+                theirs = self.engine.prompt_logprobs.pop(key, None) if key in self._checked else None
+                input_ids = torch.tensor(ids, dtype=torch.long)
+                try:
+                    check_plausible(key, input_ids, states, layer_ids, holding=bool(self._unjudged))
+                    if theirs is not None:
+                        check_logits(self._checker, key, input_ids, states, theirs, len(held))
+                except SelfCheckError as exc:
+                    request.future.set_exception(ServiceStopped(f"the service stopped: {exc}"))
+                    raise
+                self._unjudged.discard(key)
+                held.append((request, states))
+                if not self._unjudged:  # nothing taken is still to be judged: publish what waited
+                    for item in held:
+                        self._hand_to_publishers(item)
+                    held.clear()
+                    if self._checker is not None and self._checker.active and self._keys_given() >= len(self._checked):
+                        self._checker.release()
         except BaseException as exc:  # noqa: BLE001 - every request is told, the service stays down
             if not self._stopping.is_set():
                 logger.error("the service's engine failed: {}: {}", type(exc).__name__, exc)
                 self.failure = exc
+            if isinstance(exc, SelfCheckError):
+                self._stopping.set()  # states this service captures cannot be trusted: it serves no more
+            for request, _states in held:
+                if not request.future.done():
+                    request.future.set_exception(self._down())
             self._fail_all(self._down())
+
+    def _keys_given(self) -> int:
+        return self._given
+
+    def _hand_to_publishers(self, item: tuple) -> None:
+        request = item[0]
+        while True:  # a bounded queue: full publishers hold the engine back
+            try:
+                self._to_publish.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                if self._stopping.is_set():
+                    request.future.set_exception(self._down())
+                    return
 
     def _publisher(self) -> None:
         layer_ids = list(self.plan.layer_ids)
@@ -282,12 +340,6 @@ class CaptureService:
             request, states = item
             try:
                 request.future.set_result(self._publish(request, states, layer_ids))
-            except SelfCheckError as exc:
-                logger.error("{}", exc)
-                self.failure = exc
-                request.future.set_exception(exc)
-                self._stopping.set()
-                self._fail_all(self._down())
             except BaseException as exc:  # noqa: BLE001 - told to the one who asked
                 self.stats.refused += 1
                 if not request.future.done():
@@ -298,7 +350,6 @@ class CaptureService:
         bad = non_finite(states)
         if bad:
             raise RequestError(f"NaN/Inf hidden states in layers {[layer_ids[j] for j in bad]}: not published")
-        check_plausible(request.key, input_ids, states, layer_ids, holding=False)
         if request.layout == "stacked":
             stacked = {"hidden_states": torch.stack(states, dim=1), "token_ids": input_ids}
             parts = safetensors_parts(stacked, {"format": "pt", "layer_ids": json.dumps(layer_ids)})
@@ -340,5 +391,6 @@ class CaptureService:
             "published_not_taken_bytes": self.backend.not_taken(),
             "max_published_bytes": self.config.max_published_bytes,
             "reclaimed": vars(self.backend.reclaimed),
+            "logit_check": self._checker.result.line() if self._checker is not None else "off",
             "failure": None if self.failure is None else f"{type(self.failure).__name__}: {self.failure}",
         }

@@ -1,6 +1,7 @@
 """--hidden-states-dtype fp8_e4m3 end to end on CPU vLLM: files, verify, upstream's trainer, the logit check."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -186,7 +187,9 @@ def test_eagle3_trainer_runs_on_fp8_data(fp8_run, wide_model, tmp_path):
         env={**os.environ, "TORCHDYNAMO_DISABLE": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"steps": 4, "changed": True, "finite": True}
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {k: result[k] for k in ("steps", "changed", "finite")} == {"steps": 4, "changed": True, "finite": True}
+    assert len(result["losses"]) == 4 and all(math.isfinite(x) for x in result["losses"])
 
 
 def test_fp8_as_pt_is_refused(tmp_path, wide_model, data_file):

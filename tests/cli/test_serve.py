@@ -30,6 +30,7 @@ from speculators_v016.online import OnlineSampleDataset, ProducerClient, Produce
 from speculators_v016.online.readers import MooncakeReader
 from speculators_v016.serve.folder import JOURNAL
 from speculators_v016.store.sample_format import load_sample
+from speculators_v016.testing.faults import VARIABLE as FAULT
 
 COUNT = 12
 PEER = ("speculators==0.9.0", "hs-connectors==0.9.0", "torch==2.13.0")  # torch: the CPU build this machine kind has
@@ -52,16 +53,17 @@ def offline(tmp_path_factory, model_dir, data_file):
     return out
 
 
-def start_service(model_dir, serve_dir, *extra, data_file=None):
+def start_service(model_dir, serve_dir, *extra, data_file=None, fault=None):
     """The real `serve` command; returns (process, url) once it listens (or the process, ended, and None).
-    ``serve_dir`` None: the Mooncake backend, its master started by the service."""
+    ``serve_dir`` None: the Mooncake backend, its master started by the service; ``fault``: injected."""
     where = ["--serve-dir", serve_dir] if serve_dir is not None else ["--backend", "mooncake"]
-    cmd = [sys.executable, "-m", "speculators_v016.run.cli", "serve", "--target-model-path", model_dir,
+    module = "speculators_v016.testing.faults" if fault else "speculators_v016.run.cli"
+    cmd = [sys.executable, "-m", module, "serve", "--target-model-path", model_dir,
            *where, "--port", 0, "--seq-length", 256, "--enforce-eager", "--dtype", "float32",
            "--max-num-seqs", 1, "--max-published-bytes", CAP, *(["--train-data-path", data_file] if data_file else []),
            *extra]  # fmt: skip
     proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **SERVE_ENV})  # fmt: skip
+                            env={**os.environ, **SERVE_ENV, **({FAULT: fault} if fault else {})})  # fmt: skip
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -100,6 +102,43 @@ def assert_same_item(a: dict, b: dict, where: str) -> None:
 
 def published(serve_dir: Path) -> list[str]:
     return sorted(n for n in os.listdir(serve_dir) if n.startswith("online_"))
+
+
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        ("shift-check:2", "does not reproduce vLLM's own prompt logprobs"),
+        ("zero-states:1", "layer 2: every value is 0. No model produces this"),
+    ],
+)
+def test_a_failing_self_check_stops_the_service_and_nothing_is_published(
+    model_dir, data_file, tmp_path, fault, message
+):
+    """States shifted by a row (the logit check) or all zero (the screen): every client is told, nothing is
+    published, the service exits 7 naming the sample."""
+    serve_dir = tmp_path / "states"
+    proc, url, lines = start_service(model_dir, serve_dir, "--layer-ids", "2 4 5 7", data_file=data_file, fault=fault)
+    assert url, "".join(lines)
+    client = ProducerClient(url, retries=0)
+    errors = []
+
+    def ask(i):
+        try:
+            client.request(f"sample {i}", index=i)
+        except ProducerError as exc:
+            errors.append(str(exc))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    code, rest = stop_service(proc)
+    assert code == 7, rest
+    assert len(errors) == 6 and all(f"the producer {url}" in e for e in errors), errors
+    assert any(message in e for e in errors), errors
+    assert re.search(r"error: the service's engine failed: SelfCheckError: self-check failed: sample \d+", rest), rest
+    assert published(serve_dir) == []
 
 
 def test_start_line_and_info_name_the_model_layers_and_dataset(service, model_dir, offline):

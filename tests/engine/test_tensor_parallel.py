@@ -1,6 +1,10 @@
 """Tensor parallelism 2 through vLLM's multiprocess executor on CPU."""
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,8 +32,9 @@ def two_cpu_workers(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1" if (os.cpu_count() or 1) >= 2 else "0|0")
 
 
-def test_tp2_equals_tp1(tiny_model, two_cpu_workers):
-    """States under tensor parallel 2 equal TP=1's within 1e-5 (prefill and generating); only the output rank replies."""
+def test_tp2_equals_tp1(tiny_model, two_cpu_workers, tmp_path):
+    """States under tensor parallel 2 equal TP=1's within 1e-5 (prefill and generating); only the output rank replies;
+    greedy generating requests under TP 2 sample exactly LLM.generate's tokens under TP 2."""
     model_dir = tiny_model("llama")
     prompts = random_prompts(LENGTHS, seed=11)
     with VllmHiddenStatesGenerator(model_dir, tensor_parallel_size=2, executor="mp", **ENGINE) as gen:
@@ -54,7 +59,10 @@ def test_tp2_equals_tp1(tiny_model, two_cpu_workers):
         (a - b).abs().max().item() for x, y in zip(tp1, tp2) for a, b in zip(x["hidden_states"], y["hidden_states"])
     )
     assert worst < TOLERANCE
-    # generating requests (--regenerate) under TP 2: TP 1's greedy tokens, and their decode-time states
+    # generating requests (--regenerate) under TP 2: LLM.generate's greedy tokens under TP 2, TP 1's tokens,
+    # and their decode-time states
+    theirs = llm_generate_tp2(model_dir, prompts, tmp_path)
+    assert [regenerated_tp2[i][0] for i in range(len(prompts))] == theirs
     assert {k: v[0] for k, v in regenerated_tp2.items()} == {k: v[0] for k, v in regenerated_tp1.items()}
     worst = max(
         (a - b).abs().max().item()
@@ -62,6 +70,20 @@ def test_tp2_equals_tp1(tiny_model, two_cpu_workers):
         for a, b in zip(regenerated_tp1[k][1], regenerated_tp2[k][1])
     )
     assert worst < TOLERANCE
+
+
+def llm_generate_tp2(model_dir, prompts, where) -> list[list[int]]:
+    """LLM.generate's greedy tokens under tensor parallel 2 (same engine settings), in a process of its own."""
+    engine = {k: v for k, v in ENGINE.items() if k != "layer_ids"}
+    engine.update(tensor_parallel_size=2, distributed_executor_backend="mp")
+    sampling = {"max_tokens": 24, "temperature": 0.0, "stop_token_ids": [2]}
+    (where / "args.json").write_text(json.dumps({"model": model_dir, "prompts": prompts, "engine": engine,
+                                                  "sampling": sampling}))  # fmt: skip
+    script = Path(__file__).parents[1] / "helpers" / "llm_generate.py"
+    proc = subprocess.run([sys.executable, script, where / "args.json", where / "out.json"], capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((where / "out.json").read_text())
 
 
 def regenerate(gen, prompts) -> dict:
