@@ -15,8 +15,10 @@ from transformers import AutoTokenizer
 
 from helpers.cli import CPU, invoke, load_all, write_jsonl
 from helpers.reference import TOLERANCE, hf_layer_outputs
+from speculators_v016 import fp8
 from speculators_v016.run.demo import corpus_lines
 from speculators_v016.store.manifest import Manifest
+from speculators_v016.store.sample_format import load_sample
 
 SAMPLING = ["--regenerate", "--temperature", "0.7", "--top-p", "0.95", "--max-new-tokens", "20", "--seed", "3"]
 
@@ -194,10 +196,28 @@ def test_verify_checks_the_text_against_the_samples(tmp_path, reference_run):
 
 
 def test_a_regenerating_run_in_the_default_dtype_checks_and_verifies(tmp_path, model_dir):
-    """--regenerate with --dtype auto (bf16 on CPU): the logit check on generated positions passes, verify too."""
+    """--regenerate with --dtype auto (bf16 on CPU): the logit check on generated positions passes, verify too;
+    with FP8 storage the same tokens are sampled and the codes are exactly quantize(the bf16 run's rows)."""
     chats_file = write_jsonl(tmp_path / "c.jsonl", chats(4))
-    result = invoke(*args(model_dir, chats_file, tmp_path / "out"), env={"SPECULATORS_DATA_GEN_DTYPE": "auto"})
-    assert result.exit_code == 0, result.output
-    assert "bfloat16" in result.output and "logit check: ok" in result.output, result.output
-    assert "verify:     ok (6 samples" in result.output and "regenerated: 6 turns" in result.output  # 2 of 4 have two
-    assert invoke("verify", tmp_path / "out").exit_code == 0
+    default = {"SPECULATORS_DATA_GEN_DTYPE": "auto"}
+    for out, extra in ((tmp_path / "out", ()), (tmp_path / "fp8", ("--hidden-states-dtype", "fp8_e4m3"))):
+        result = invoke(*args(model_dir, chats_file, out, *extra), env=default)
+        assert result.exit_code == 0, result.output
+        assert "bfloat16" in result.output and "logit check: ok" in result.output, result.output
+        assert "verify:     ok (6 samples" in result.output and "regenerated: 6 turns" in result.output  # 2 of 4: two
+        assert invoke("verify", out).exit_code == 0
+    bf16 = load_all(tmp_path / "out")
+    stored = {
+        i: load_sample(tmp_path / "fp8" / e.file, dequantize_to=None)
+        for i, e in Manifest(tmp_path / "fp8").entries().items()
+    }
+    assert sorted(stored) == sorted(bf16)
+    for i, sample in bf16.items():
+        assert torch.equal(stored[i]["input_ids"], sample["input_ids"]) and torch.equal(
+            stored[i]["loss_mask"], sample["loss_mask"]
+        )
+        for layer, rows in zip(stored[i]["hidden_states"], sample["hidden_states"]):
+            codes, scales = fp8.quantize(rows)
+            assert torch.equal(layer.codes.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(
+                layer.scales, scales
+            )

@@ -258,16 +258,21 @@ def test_bytes_not_taken_stay_under_the_cap_and_publishing_resumes(service):
         (service["dir"] / name).unlink()
 
 
-def test_what_a_dead_consumer_left_is_reclaimed(service):
-    """A consumer killed before reading: the service deletes its published files, by record, within seconds."""
+def consumer_that_waits(url: str, field: str) -> tuple[subprocess.Popen, list[str]]:
+    """A consumer process that asks for samples 0 and 1, prints their handles' ``field`` and never reads them."""
     script = (
         "import sys; from speculators_v016.online import ProducerClient\n"
         "c = ProducerClient(sys.argv[1])\n"
-        "for i in range(2): print(c.request('s', index=i)['file'], flush=True)\n"
+        f"for i in range(2): print(c.request('s', index=i)[{field!r}], flush=True)\n"
         "import time; time.sleep(600)\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", script, service["url"]], stdout=subprocess.PIPE, text=True)
-    files = [proc.stdout.readline().strip() for _ in range(2)]
+    proc = subprocess.Popen([sys.executable, "-c", script, url], stdout=subprocess.PIPE, text=True)
+    return proc, [proc.stdout.readline().strip() for _ in range(2)]
+
+
+def test_what_a_dead_consumer_left_is_reclaimed(service):
+    """A consumer killed before reading: the service deletes its published files, by record, within seconds."""
+    proc, files = consumer_that_waits(service["url"], "file")
     assert all((service["dir"] / f).exists() for f in files)
     proc.kill()
     proc.wait()
@@ -440,14 +445,7 @@ def test_mooncake_two_ranks_train_as_offline(mooncake_service, offline, model_di
 
 def test_mooncake_objects_of_a_dead_consumer_are_removed(mooncake_service):
     """A consumer killed before reading: its objects leave the store, by record, within seconds."""
-    script = (
-        "import sys; from speculators_v016.online import ProducerClient\n"
-        "c = ProducerClient(sys.argv[1])\n"
-        "for i in range(2): print(c.request('s', index=i)['key'], flush=True)\n"
-        "import time; time.sleep(600)\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", script, mooncake_service["url"]], stdout=subprocess.PIPE, text=True)
-    keys = [proc.stdout.readline().strip() for _ in range(2)]
+    proc, keys = consumer_that_waits(mooncake_service["url"], "key")
     assert mooncake_keys(mooncake_service["url"], keys) == [1, 1]
     proc.kill()
     proc.wait()
