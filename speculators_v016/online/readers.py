@@ -7,7 +7,6 @@ from the store as soon as it is copied out: taken, as a deleted file is.
 
 from __future__ import annotations
 
-import atexit
 import os
 import tempfile
 import threading
@@ -15,6 +14,8 @@ from pathlib import Path
 
 from speculators_v016.online.client import ProducerError
 from speculators_v016.serve.mooncake import local_address_towards, local_buffer_for
+
+SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
 class FolderReader:
@@ -39,7 +40,7 @@ class MooncakeReader:
 
     def __init__(self, master: str, max_object_bytes: int):
         self.master, self.buffer = master, local_buffer_for(int(max_object_bytes))
-        self._store, self._pid, self._scratch = None, None, None
+        self._store, self._pid = None, None
         self._lock = threading.Lock()  # one client per process, used by one thread at a time
 
     def _client(self):
@@ -53,9 +54,6 @@ class MooncakeReader:
             if code != 0:
                 raise ProducerError(f"cannot reach the Mooncake store at master {self.master} (setup: code {code})")
             self._store, self._pid = store, os.getpid()
-            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            self._scratch = Path(tempfile.mkdtemp(prefix=f"speculators-online-{os.getpid()}-", dir=shm))
-            atexit.register(_remove_if_empty, self._scratch)  # each copy is deleted once read
         return self._store
 
     def fetch(self, handle: dict) -> Path | None:
@@ -67,20 +65,16 @@ class MooncakeReader:
         data = store.get(handle["key"])
         if len(data) != handle["bytes"]:
             return None  # gone (reclaimed), or the store failed: Mooncake's get says which only in its log
-        path = self._scratch / f"{handle['key'].rsplit('/', 1)[-1]}.safetensors"
-        path.write_bytes(data)
+        # a private copy for upstream's reader, deleted once read (no folder: forked workers never run atexit)
+        fd, name = tempfile.mkstemp(prefix=f"speculators-online-{os.getpid()}-", suffix=".safetensors", dir=SCRATCH)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        path = Path(name)
         store.remove(handle["key"], True)  # taken
         return path
 
     def where(self, handle: dict) -> str:
         return f"{handle['key']} could not be read from the Mooncake store at master {self.master}"
-
-
-def _remove_if_empty(folder: Path) -> None:
-    try:
-        folder.rmdir()
-    except OSError:
-        pass
 
 
 def reader_for(info: dict, folder) -> FolderReader | MooncakeReader:

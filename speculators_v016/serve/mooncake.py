@@ -20,8 +20,10 @@ removed by record, as in the folder.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -68,6 +70,11 @@ def _binary(name: str) -> str:
     return found
 
 
+def _die_with_parent() -> None:
+    """In the master's process: SIGTERM when the service dies, even by SIGKILL (Linux's PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
 class MasterProcess:
     """A ``mooncake_master`` started for the service, on a free port; its log beside the service's."""
 
@@ -77,7 +84,7 @@ class MasterProcess:
         cmd = [_binary("mooncake_master"), f"--rpc_address={host}", f"--rpc_port={self.port}",
                f"--metrics_host={host}", f"--metrics_port={free_port(host)}", "--rpc_thread_num=4"]  # fmt: skip
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + MASTER_START_SECONDS
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
