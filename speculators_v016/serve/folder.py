@@ -44,6 +44,11 @@ _NAME = re.compile(r"^online_(\d+)\.safetensors$")
 _TMP = re.compile(rf"^{re.escape(TMP_PREFIX)}online_\d+\.safetensors\.\d+$")
 
 
+def _target(tmp_name: str) -> str:
+    """The final name a temporary file of ours was written for (``.tmp-online_N.safetensors.PID``)."""
+    return tmp_name.removeprefix(TMP_PREFIX).rsplit(".", 1)[0]
+
+
 class ServeDirError(RuntimeError):
     """The serve folder cannot be used (held by a live service, files that are not ours); the message says which."""
 
@@ -98,7 +103,8 @@ class ServeDir(Publications):
                 if isinstance(record, dict) and isinstance(record.get("file"), str) and _NAME.match(record["file"]):
                     named.add(record["file"])
         names = os.listdir(self.path)
-        foreign = sorted(n for n in names if n not in (LOCK, JOURNAL) and not _TMP.match(n) and n not in named)
+        ours = named | {n for n in names if _TMP.match(n) and _target(n) in named}  # a temporary file: its line first
+        foreign = sorted(n for n in names if n not in (LOCK, JOURNAL) and n not in ours)
         if foreign:
             shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
             raise ServeDirError(
@@ -108,7 +114,7 @@ class ServeDir(Publications):
         numbers = [int(_NAME.match(n).group(1)) for n in named]
         self._next = max(numbers, default=-1) + 1  # names are never reused: an old handle never reads a new file
         for name in names:
-            if name in named or _TMP.match(name):
+            if name in ours:
                 try:
                     (self.path / name).unlink()
                     self.reclaimed.dead_service += name in named

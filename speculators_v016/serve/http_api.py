@@ -55,11 +55,10 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path == "/v1/models":
             self._answer(HTTPStatus.OK, peer_api.models(self.service))
         elif self.path == "/health":
-            failure = self.service.info()["failure"]
-            if failure is None and not self.service.stopping:
+            if self.service.failure is None and not self.service.stopping:
                 self._answer(HTTPStatus.OK, {"ok": True})
             else:
-                self._error(HTTPStatus.SERVICE_UNAVAILABLE, failure or "the service is stopping")
+                self._error(HTTPStatus.SERVICE_UNAVAILABLE, str(self.service.down()))
         else:
             self._error(HTTPStatus.NOT_FOUND, f"no such path {self.path!r}: GET /v1/info, /health; POST /v1/samples")
 

@@ -228,17 +228,17 @@ class CaptureService:
         self.stats.requests += 1
         self._queue.put(request)
         if self._stopping.is_set() or self.failure is not None:  # stopped while queueing: not left waiting
-            self._fail_all(self._down())
+            self._fail_all(self.down())
         return request.future
 
-    def _down(self) -> ServiceStopped:
+    def down(self) -> ServiceStopped:
         if self.failure is not None:
             return ServiceStopped(f"the service's engine failed: {type(self.failure).__name__}: {self.failure}")
         return ServiceStopped("the service is stopping")
 
     def _raise_if_down(self) -> None:
         if self._stopping.is_set() or self.failure is not None:
-            raise self._down()
+            raise self.down()
 
     def _fail_all(self, exc: BaseException) -> None:
         pending = list(self._taken.values())
@@ -304,7 +304,7 @@ class CaptureService:
                     for item in held:
                         self._hand_to_publishers(item)
                     held.clear()
-                    if self._checker is not None and self._checker.active and self._keys_given() >= len(self._checked):
+                    if self._checker is not None and self._checker.active and self._given >= len(self._checked):
                         self._checker.release()
         except BaseException as exc:  # noqa: BLE001 - every request is told, the service stays down
             if not self._stopping.is_set():
@@ -314,11 +314,8 @@ class CaptureService:
                 self._stopping.set()  # states this service captures cannot be trusted: it serves no more
             for request, _states in held:
                 if not request.future.done():
-                    request.future.set_exception(self._down())
-            self._fail_all(self._down())
-
-    def _keys_given(self) -> int:
-        return self._given
+                    request.future.set_exception(self.down())
+            self._fail_all(self.down())
 
     def _hand_to_publishers(self, item: tuple) -> None:
         request = item[0]
@@ -328,7 +325,7 @@ class CaptureService:
                 return
             except queue.Full:
                 if self._stopping.is_set():
-                    request.future.set_exception(self._down())
+                    request.future.set_exception(self.down())
                     return
 
     def _publisher(self) -> None:

@@ -294,6 +294,12 @@ def test_a_folder_in_use_or_holding_foreign_files_is_refused(service, model_dir,
     proc, url, lines = start_service(model_dir, foreign)
     assert url is None and proc.returncode == 4 and "holds files no record of ours names (notes.txt)" in "".join(lines)
     assert (foreign / "notes.txt").read_text() == "mine"
+    unrecorded = tmp_path / "unrecorded"
+    unrecorded.mkdir()
+    (unrecorded / ".tmp-online_3.safetensors.1").write_text("not in any record")  # our naming, no record
+    proc, url, lines = start_service(model_dir, unrecorded)
+    assert url is None and proc.returncode == 4 and ".tmp-online_3.safetensors.1" in "".join(lines)
+    assert (unrecorded / ".tmp-online_3.safetensors.1").exists()
 
 
 def train_steps(model_dir, offline, save_dir, producer=None, rank=None, world=None) -> subprocess.Popen:
