@@ -269,7 +269,7 @@ def _generate(
         opts.format,
         layer_ids,
         workers=opts.write_workers,
-        reject=reject_non_finite(layer_ids),
+        non_finite=reject_non_finite(layer_ids),
         cpus=cpus,
         checksum=algorithm,
     )
@@ -372,8 +372,8 @@ def checksum_of_run(directory: Path, existing: dict | None, done: dict, asked: s
 
 
 def reject_non_finite(layer_ids: list[int]):
-    """The writer's check (in its threads): a sample with NaN/Inf states is not written;
-    the reason is ``(its bad layer ids, its token count)``."""
+    """The reason the writer gives for a sample it found NaN/Inf in (it tests each chunk as it writes it):
+    ``(its bad layer ids, its token count)``."""
 
     def reject(sample: dict) -> tuple[list[int], int] | None:
         bad = non_finite(sample["hidden_states"])

@@ -4,7 +4,9 @@ Contents are given as a sequence of buffers (bytes, memoryviews of tensors)
 and written as they are, hashed on the way (BLAKE3 or sha256:
 :mod:`~speculators_v016.store.checksum`): each byte is hashed from the buffer
 it is written from, no joined copy of the file is ever made, and the file is
-never read back.
+never read back. A chunk may also be *scanned* while it is in the core's cache
+(``scans``, e.g. the NaN/Inf check): a scan that refuses a chunk stops the write
+and no file is left, under either name.
 """
 
 from __future__ import annotations
@@ -20,6 +22,14 @@ TMP_PREFIX = ".tmp-"
 
 class WriteError(OSError):
     """A file could not be written; the message names the path."""
+
+
+class ChunkRefused(Exception):
+    """A scan of :func:`write_parts` refused a chunk of ``part`` (its position in the parts): nothing is kept."""
+
+    def __init__(self, part: int):
+        super().__init__(f"part {part} refused by its scan")
+        self.part = part
 
 
 def fsync_dir(directory: Path) -> None:
@@ -43,21 +53,26 @@ def drop_pages(fd: int) -> None:
 WRITE_CHUNK = 1 << 19
 
 
-def write_parts(fh, parts: Sequence, digest) -> int:
+def write_parts(fh, parts: Sequence, digest, scans: Sequence | None = None) -> int:
     """Write ``parts`` in order to ``fh``, hashing on the way; return the bytes written.
 
     Each ``WRITE_CHUNK`` of a part is written, then hashed while it is still in
     the core's cache. Both release the GIL for large buffers, so writers in
-    several threads hash and write on several cores.
+    several threads hash and write on several cores. ``scans``: one callable
+    or None per part; ``scan(chunk)`` is called on each chunk of its part from
+    the cache as well, and a false result raises :class:`ChunkRefused`.
     """
     size = 0
-    for part in parts:
+    for position, part in enumerate(parts):
         view = memoryview(part).cast("B")
+        scan = scans[position] if scans is not None else None
         for start in range(0, len(view), WRITE_CHUNK):
             chunk = rest = view[start : start + WRITE_CHUNK]
             while rest:  # an unbuffered file may write less than asked
                 rest = rest[fh.write(rest) :]
             digest.update(chunk)
+            if scan is not None and not scan(chunk):
+                raise ChunkRefused(position)
         size += len(view)
     return size
 
@@ -69,6 +84,7 @@ def write_durable(
     *,
     drop_cache: bool = False,
     algorithm: str = checksum.DEFAULT,
+    scans: Sequence | None = None,
 ) -> tuple[int, str]:
     """Write ``parts`` (in order) to ``directory/name``: temporary name, fsync, rename; return (bytes, hex digest).
 
@@ -79,14 +95,16 @@ def write_durable(
     never shows a partial file; the rename itself is durable once the folder is
     fsynced (:func:`fsync_dir`), which callers may do once for many files.
     ``drop_cache``: once on disk, the file's pages leave the page cache
-    (``POSIX_FADV_DONTNEED``; advice only, never an error).
+    (``POSIX_FADV_DONTNEED``; advice only, never an error). ``scans``: see
+    :func:`write_parts`; a refused chunk raises :class:`ChunkRefused` and the
+    temporary file is deleted, like the one of any write that fails.
     """
     parts = [memoryview(p).cast("B") for p in ([parts] if isinstance(parts, (bytes, bytearray)) else parts)]
     digest = checksum.new(algorithm)  # an unknown algorithm fails before any file is made
     tmp = directory / f"{TMP_PREFIX}{name}.{os.getpid()}"
     try:
         with tmp.open("wb", buffering=0) as fh:
-            size = write_parts(fh, parts, digest)
+            size = write_parts(fh, parts, digest, scans)
             os.fsync(fh.fileno())
             if drop_cache:
                 drop_pages(fh.fileno())
@@ -94,6 +112,9 @@ def write_durable(
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise WriteError(exc.errno, f"cannot write {directory / name}: {exc.strerror or exc}") from exc
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return size, digest.hexdigest()
 
 

@@ -116,6 +116,15 @@ def encode_parts(sample: dict, fmt: str, layer_ids: list[int]) -> list:
     ``sample["hidden_states"]`` holds one tensor per layer, or one
     :class:`~speculators_v016.fp8.Fp8States` per layer (safetensors only).
     """
+    return encode_typed(sample, fmt, layer_ids)[0]
+
+
+def encode_typed(sample: dict, fmt: str, layer_ids: list[int]) -> tuple[list, list | None]:
+    """:func:`encode_parts`, and the dtype of each buffer's elements (None for the header).
+
+    The dtypes are None as a whole for ``.pt``: its one buffer is pickled, its
+    tensors' bytes cannot be told apart there.
+    """
     states = sample["hidden_states"]
     quantized = [isinstance(h, Fp8States) for h in states]
     if any(quantized) and not all(quantized):
@@ -128,7 +137,7 @@ def encode_parts(sample: dict, fmt: str, layer_ids: list[int]) -> list:
             tensors.update({SCALE_KEY.format(j): h.scales for j, h in enumerate(states)})
         else:
             tensors.update({f"hidden_states.{j}": h for j, h in enumerate(states)})
-        return safetensors_parts(tensors, metadata)
+        return safetensors_parts(tensors, metadata), [None, *(t.dtype for t in tensors.values())]
     if fmt == "pt":
         if any(quantized):
             raise ValueError(
@@ -144,7 +153,7 @@ def encode_parts(sample: dict, fmt: str, layer_ids: list[int]) -> list:
             },
             buffer,
         )
-        return [buffer.getbuffer()]
+        return [buffer.getbuffer()], None
     raise ValueError(f"unknown sample format {fmt!r}; choose from {sorted(FORMATS)}")
 
 

@@ -1,12 +1,18 @@
 """Sample files written by background workers behind a bounded queue, and committed in groups.
 
-Each worker takes a sample, checks it (``reject``, e.g. NaN/Inf states: a
-rejected sample is not written and :meth:`SampleWriter.take_rejected` reports
-it), writes it under a temporary name in the output folder straight from the
-tensors' memory, hashing on the way, fsyncs it and renames it to its final name
+Each worker takes a sample, checks it (``reject``: a rejected sample is not
+written and :meth:`SampleWriter.take_rejected` reports it), writes it under a
+temporary name in the output folder straight from the tensors' memory, hashing
+on the way, fsyncs it and renames it to its final name
 (``data_{index}.{ext}``, :func:`~speculators_v016.store.atomic_files.write_durable`).
 :class:`~speculators_v016.store.group_commit.GroupCommit` then makes the
-renames durable and appends the manifest lines, a batch at a time. Once a
+renames durable and appends the manifest lines, a batch at a time. With
+``non_finite`` the writer refuses samples holding NaN/Inf states itself: each
+chunk of a float tensor is tested (:func:`~speculators_v016.checks.finite.bytes_finite`)
+right after it is written and hashed, from the core's cache, so the check reads
+no byte from memory again; a refused chunk deletes the temporary file, and
+``non_finite(sample)`` names the bad layers for :meth:`SampleWriter.take_rejected`
+(``.pt``: one pickled buffer, checked before the write). Once a
 sample is written (or rejected, or dropped after an error) its ``done``
 callback runs, e.g. to give its buffers back to a pool.
 
@@ -34,12 +40,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from speculators_v016.checks import finite
 from speculators_v016.config import DEFAULT_WRITE_WORKERS, WRITER_NICE_INCREMENT
 from speculators_v016.store import checksum as checksums
-from speculators_v016.store.atomic_files import WriteError, write_durable
+from speculators_v016.store.atomic_files import ChunkRefused, WriteError, write_durable
 from speculators_v016.store.group_commit import DEFAULT_COMMIT_INTERVAL, GroupCommit
 from speculators_v016.store.manifest import Entry, Manifest
-from speculators_v016.store.sample_format import encode_parts, sample_name
+from speculators_v016.store.sample_format import encode_typed, sample_name
 
 
 class WriterThreadError(RuntimeError):
@@ -65,6 +72,8 @@ class SampleWriter:
     and threads inherit that pin, so a writer made after a uniprocess engine
     started would otherwise hash and write on that one core. ``checksum``: the
     manifest's digest algorithm (a resumed folder's own, :mod:`~speculators_v016.store.checksum`).
+    ``non_finite``: samples holding NaN/Inf are not written; called on such a
+    sample only, it returns the reason :meth:`take_rejected` reports.
     """
 
     def __init__(
@@ -76,6 +85,7 @@ class SampleWriter:
         workers: int = DEFAULT_WRITE_WORKERS,
         bound: int = 8,
         reject: Callable[[dict], Any] | None = None,
+        non_finite: Callable[[dict], Any] | None = None,
         cpus: Iterable[int] | None = None,
         commit_interval: float = DEFAULT_COMMIT_INTERVAL,
         nice: int = WRITER_NICE_INCREMENT,
@@ -88,7 +98,7 @@ class SampleWriter:
         self.directory, self.fmt, self.layer_ids = Path(directory), fmt, layer_ids
         self.manifest = Manifest(self.directory)
         self.queue: queue.Queue = queue.Queue(maxsize=bound)
-        self.reject = reject
+        self.reject, self.non_finite = reject, non_finite
         self.cpus = set(cpus) if cpus else None
         self.nice = nice
         self.error: BaseException | None = None
@@ -132,14 +142,34 @@ class SampleWriter:
 
     def _write(self, index: int, sample: dict) -> None:
         reason = self.reject(sample) if self.reject is not None else None
+        parts, dtypes = encode_typed(sample, self.fmt, self.layer_ids) if not reason else ((), None)
+        if not reason and self.non_finite is not None and dtypes is None:  # .pt: its bytes cannot be scanned
+            reason = self.non_finite(sample)
         if reason:
-            with self._lock:
-                self._rejected.append((index, reason))
+            self._refuse(index, reason)
             return
         name = sample_name(index, self.fmt)
-        parts = encode_parts(sample, self.fmt, self.layer_ids)
-        size, digest = write_durable(self.directory, name, parts, drop_cache=True, algorithm=self.checksum)
+        scans = None
+        if self.non_finite is not None and dtypes is not None:
+            scans = [_finite_scan(dtype) for dtype in dtypes]
+        try:
+            size, digest = write_durable(
+                self.directory, name, parts, drop_cache=True, algorithm=self.checksum, scans=scans
+            )
+        except ChunkRefused as refused:
+            reason = self.non_finite(sample)
+            if not reason:
+                raise RuntimeError(
+                    f"sample {index}: the check during the write found NaN/Inf in its part {refused.part}, "
+                    "the check of the whole sample none"
+                ) from refused
+            self._refuse(index, reason)
+            return
         self.commit.add(Entry(index, name, size, digest, int(sample["input_ids"].shape[0]), self.checksum))
+
+    def _refuse(self, index: int, reason: Any) -> None:
+        with self._lock:
+            self._rejected.append((index, reason))
 
     def _count(self, batch: list[Entry]) -> None:
         with self._lock:
@@ -196,3 +226,10 @@ class SampleWriter:
             self._closed = True
             self.commit.close()
         self._raise_if_failed()
+
+
+def _finite_scan(dtype) -> Callable[[memoryview], bool] | None:
+    """The NaN/Inf test of a part's chunks (None: a header, or integers)."""
+    if dtype is None or not finite.scannable(dtype):
+        return None
+    return lambda chunk: finite.bytes_finite(chunk, dtype)

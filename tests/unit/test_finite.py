@@ -65,3 +65,29 @@ def test_non_finite_names_the_bad_tensors():
     bad[3, 2] = float("nan")
     assert non_finite([good, bad, torch.arange(5), good]) == [1]
     assert non_finite([]) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e5m2, torch.float8_e4m3fn])
+def test_raw_bytes_of_every_bit_pattern_agree_with_the_tensor_check(dtype):
+    """bytes_finite on one element's raw bytes says what all_finite says of that element, for every pattern."""
+    width = torch.empty((), dtype=dtype).element_size() * 8
+    ints = {8: torch.int8, 16: torch.int16}[width]
+    patterns = torch.arange(-(1 << (width - 1)), 1 << (width - 1), dtype=torch.int32).to(ints).view(dtype)
+    raw = memoryview(patterns.view(torch.uint8).numpy())
+    size = width // 8
+    got = [finite.bytes_finite(raw[i * size : (i + 1) * size], dtype) for i in range(patterns.numel())]
+    assert got == [all_finite(patterns[i : i + 1]) for i in range(patterns.numel())]
+    assert finite.bytes_finite(raw[:0], dtype)  # an empty chunk holds nothing bad
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_raw_bytes_with_one_non_finite_value_anywhere_fail(dtype, monkeypatch):
+    """One NaN at any position of a buffer of raw bytes (many slices) fails bytes_finite; the clean buffer passes."""
+    monkeypatch.setattr(finite, "SLICE", 7)
+    clean = torch.linspace(-3, 3, 40).to(dtype)
+    assert finite.scannable(dtype) and finite.bytes_finite(memoryview(clean.view(torch.uint8).numpy()), dtype)
+    for position in range(clean.numel()):
+        dirty = clean.clone()
+        dirty[position] = float("nan")
+        assert not finite.bytes_finite(memoryview(dirty.view(torch.uint8).numpy()), dtype), (dtype, position)
+    assert not finite.scannable(torch.int64) and not finite.scannable(torch.uint8)

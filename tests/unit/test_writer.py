@@ -9,7 +9,10 @@ import blake3
 import pytest
 import torch
 
+from speculators_v016.checks import finite
+from speculators_v016.checks.finite import non_finite
 from speculators_v016.config import WRITER_NICE_INCREMENT
+from speculators_v016.fp8 import Fp8States, quantize
 from speculators_v016.run.run_report import exit_code
 from speculators_v016.store import atomic_files, group_commit
 from speculators_v016.store.atomic_files import WriteError
@@ -105,10 +108,10 @@ def test_a_write_error_stops_the_writer_naming_the_file(tmp_path, monkeypatch):
     """ENOSPC on a sample: close() raises WriteError naming it; files written before it stay listed."""
     real = atomic_files.write_parts
 
-    def write_parts(fh, parts, digest):
+    def write_parts(fh, parts, digest, scans=None):
         if "data_4" in fh.name:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fh, parts, digest)
+        return real(fh, parts, digest, scans)
 
     monkeypatch.setattr(atomic_files, "write_parts", write_parts)
     writer = SampleWriter(tmp_path, "safetensors", [1, 2], workers=1)
@@ -239,3 +242,85 @@ def test_a_failing_reject_check_is_a_writer_thread_error(tmp_path):
     error, seconds, ended = _produce(writer, 4)
     assert ended and isinstance(error, WriterThreadError) and "TypeError: bad sample dict" in str(error)
     assert exit_code(error) == 5 and Manifest(tmp_path).entries() == {}
+
+
+def fp8_sample(index, tokens=6, hidden=8, layers=2):
+    rows = [torch.linspace(-2, 2, tokens * hidden).reshape(tokens, hidden) + j for j in range(layers)]
+    return {
+        "input_ids": torch.arange(tokens) + index,
+        "loss_mask": torch.ones(tokens, dtype=torch.long),
+        "hidden_states": [Fp8States(*quantize(r)) for r in rows],
+    }
+
+
+def names_bad_layers(s):
+    bad = non_finite(s["hidden_states"])
+    return bad or None
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_samples_with_nan_are_refused_by_the_check_during_the_write(tmp_path, fmt, monkeypatch):
+    """NaN/Inf at a layer's first or last value (chunks of 40 bytes): no file, no temp file, reason names the layer."""
+    monkeypatch.setattr(atomic_files, "WRITE_CHUNK", 40)
+    bad = {}
+    for index, (layer, at, value) in enumerate([(0, 0, float("nan")), (1, -1, float("inf")), (1, 7, float("-inf"))]):
+        s = sample(index, tokens=9, hidden=5)
+        s["hidden_states"][layer].view(-1)[at] = value
+        bad[index] = s
+    writer = SampleWriter(tmp_path, fmt, [1, 2], workers=2, non_finite=names_bad_layers)
+    for index, s in bad.items():
+        writer.put(index, s)
+    clean = {i: sample(i, tokens=9, hidden=5) for i in range(3, 6)}
+    for index, s in clean.items():
+        writer.put(index, s)
+    writer.close()
+    assert sorted(writer.take_rejected()) == [(0, [0]), (1, [1]), (2, [1])]
+    assert sorted(Manifest(tmp_path).entries()) == [3, 4, 5]
+    assert sorted(p.name for p in tmp_path.iterdir() if "data_" in p.name) == [
+        f"data_{i}.{fmt}" for i in (3, 4, 5)
+    ]  # nothing under a temporary name either
+    for index, s in clean.items():
+        got = load_sample(tmp_path / f"data_{index}.{fmt}")["hidden_states"]
+        assert all(torch.equal(a, b) for a, b in zip(got, s["hidden_states"]))
+
+
+def test_fp8_samples_with_a_nan_code_or_scale_are_refused(tmp_path, monkeypatch):
+    """FP8 storage: a NaN e4m3 code or a NaN float32 scale refuses the sample; a clean one is written."""
+    monkeypatch.setattr(atomic_files, "WRITE_CHUNK", 16)
+    nan_code, nan_scale = fp8_sample(0), fp8_sample(1)
+    nan_code["hidden_states"][1].codes.view(torch.uint8)[5, 7] = 0x7F
+    nan_scale["hidden_states"][0].scales[4] = float("nan")
+    writer = SampleWriter(tmp_path, "safetensors", [1, 2], workers=1, non_finite=names_bad_layers)
+    for index, s in enumerate([nan_code, nan_scale, fp8_sample(2)]):
+        writer.put(index, s)
+    writer.close()
+    assert sorted(writer.take_rejected()) == [(0, [1]), (1, [0])]
+    assert sorted(Manifest(tmp_path).entries()) == [2]
+
+
+def test_the_check_reads_every_float_byte_once_and_the_sample_no_more(tmp_path, monkeypatch):
+    """Clean samples: the chunks scanned are every byte of every hidden state (no int), and no whole-sample pass runs."""
+    monkeypatch.setattr(atomic_files, "WRITE_CHUNK", 64)
+    scanned, whole = [], []
+    real_bytes_finite = finite.bytes_finite
+    monkeypatch.setattr(
+        finite, "bytes_finite", lambda data, dtype: scanned.append(len(data)) or real_bytes_finite(data, dtype)
+    )
+    writer = SampleWriter(tmp_path, "safetensors", [1, 2], workers=1, non_finite=lambda s: whole.append(s) or "bad")
+    samples = [sample(i, tokens=11, hidden=6) for i in range(4)] + [fp8_sample(4, tokens=11, hidden=6)]
+    for index, s in enumerate(samples):
+        writer.put(index, s)
+    writer.close()
+    float_bytes = sum(h.nbytes for s in samples for h in s["hidden_states"])
+    assert sum(scanned) == float_bytes and max(scanned) <= 64 and not whole
+    assert sorted(Manifest(tmp_path).entries()) == [0, 1, 2, 3, 4]
+
+
+def test_a_scan_the_whole_sample_check_contradicts_stops_the_run(tmp_path, monkeypatch):
+    """The scan refusing a chunk while non_finite(sample) finds nothing is a bug: WriterThreadError, no file."""
+    monkeypatch.setattr(finite, "bytes_finite", lambda data, dtype: False)
+    writer = SampleWriter(tmp_path, "safetensors", [1, 2], workers=1, non_finite=lambda s: None)
+    writer.put(0, sample(0))
+    with pytest.raises(WriterThreadError, match=r"sample 0: the check during the write found NaN/Inf in its part 3"):
+        writer.close()
+    assert not list(tmp_path.glob("*data_0*"))

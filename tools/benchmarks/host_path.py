@@ -11,8 +11,10 @@ average), so some straddle two steps. Printed, interleaved over --rounds
 against raw ``write`` + ``fsync`` of the same bytes to the same folder (one
 stream, and as many streams as the most workers) and against each piece of the
 writer's CPU alone on one thread (BLAKE3, sha256, the NaN/Inf check); the
-writer with BLAKE3 (the default) and with sha256 side by side, and with whole
-parts hashed after their write instead of chunk by chunk; the cores the process
+writer with BLAKE3 (the default) and with sha256 side by side, with whole
+parts hashed after their write instead of chunk by chunk, and with the NaN/Inf
+check in a pass of its own over each sample instead of on each chunk as it is
+written (both the previous release's ways); the cores the process
 used (CPU time / wall) and CPU-seconds per GiB; the engine thread's copy per
 448 MiB step into pooled blocks and into fresh memory. The copies run on the
 torch threads a GPU engine gives them (``DEFAULT_COPY_THREADS``); where torch
@@ -62,6 +64,7 @@ from report import recording  # noqa: E402
 
 CURRENT = "reject" in inspect.signature(SampleWriter.__init__).parameters  # False: an earlier checkout's writer
 CHECKSUMS = "checksum" in inspect.signature(SampleWriter.__init__).parameters
+FUSED_CHECK = "non_finite" in inspect.signature(SampleWriter.__init__).parameters  # NaN check in the write loop
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 if CHECKSUMS:
@@ -111,6 +114,7 @@ def through_writer(
     threads: str = "engine",
     algorithm: str | None = None,
     whole_parts: bool = False,
+    own_pass: bool = False,
 ) -> dict:
     """Slots -> assembler -> writer -> durable files, as the pipeline runs them; bytes, seconds, CPU, copy time.
 
@@ -119,13 +123,15 @@ def through_writer(
     earlier checkout's writer (``CURRENT`` False): its pipeline's way, fresh
     tensors, the NaN check on this thread, ``put(index, sample)``. ``algorithm``:
     the manifest's digest (None: the writer's default); ``whole_parts``: each
-    part written whole, then hashed (the previous release's way).
+    part written whole, then hashed (the previous release's way); ``own_pass``:
+    the NaN/Inf check reads the sample in a pass of its own before the write (the
+    previous release's way), not each chunk from the cache as it is written.
     """
     options = {"checksum": algorithm} if algorithm else {}
     if CURRENT:
-        writer = SampleWriter(
-            folder, "safetensors", LAYER_IDS, workers=workers, reject=reject_non_finite(LAYER_IDS), **options
-        )
+        check = reject_non_finite(LAYER_IDS)
+        options.update({"reject": check} if own_pass or not FUSED_CHECK else {"non_finite": check})
+        writer = SampleWriter(folder, "safetensors", LAYER_IDS, workers=workers, **options)
         assembler = Assembler(
             tuple(range(LAYERS)),
             allocate=pool.take if pool else None,
@@ -343,6 +349,13 @@ def main() -> None:
                 lambda: through_writer(ring, lengths, base, DEFAULT_WRITE_WORKERS, pool, whole_parts=True),
             ),
         ]
+        if FUSED_CHECK:
+            configs.append(
+                (
+                    f"writer, {DEFAULT_WRITE_WORKERS} worker(s), blake3, NaN check in its own pass",
+                    lambda: through_writer(ring, lengths, base, DEFAULT_WRITE_WORKERS, pool, own_pass=True),
+                )
+            )
         if opts.before:
             configs.append(("before: writer, its default workers", lambda: before(opts.before, lengths, base)))
         through_writer(ring, lengths[: len(lengths) // 2], base, max(workers), pool)  # warm the pool: a long run's
@@ -404,7 +417,7 @@ def main() -> None:
                 f"{commits:.0f} commits for {len(lengths)} samples"
             )
         out.append(
-            f"  {name:44} {rate[name]:6.2f} GiB/s  {cores[name]:4.2f} cores  {per_gib[name]:5.2f} CPU-s/GiB{extra}"
+            f"  {name:56} {rate[name]:6.2f} GiB/s  {cores[name]:4.2f} cores  {per_gib[name]:5.2f} CPU-s/GiB{extra}"
         )
     out.append(f"  pool: {pool.allocated} blocks made, {pool.reused} reuses")
     with recording(__file__):
