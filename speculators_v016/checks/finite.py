@@ -85,3 +85,13 @@ def non_finite(tensors: list) -> list[int]:
         for j, t in enumerate(tensors)
         if not (all_finite(t.codes) and all_finite(t.scales) if isinstance(t, Fp8States) else all_finite(t))
     ]
+
+
+def non_finite_reason(layer_ids: list[int]):
+    """The reason a run's writer gives for a sample it found NaN/Inf in: ``(its bad layer ids, its token count)``."""
+
+    def reason(sample: dict) -> tuple[list[int], int] | None:
+        bad = non_finite(sample["hidden_states"])
+        return ([layer_ids[j] for j in bad], int(sample["input_ids"].shape[0])) if bad else None
+
+    return reason

@@ -34,7 +34,7 @@ from transformers import AutoTokenizer
 
 import speculators_v016
 from speculators_v016 import fp8
-from speculators_v016.checks.finite import non_finite
+from speculators_v016.checks.finite import non_finite_reason
 from speculators_v016.checks.logit_check import LogitChecker
 from speculators_v016.checks.self_check import HoldBack, NonFiniteError
 from speculators_v016.checks.self_check import SelfCheckError as SelfCheckError  # re-exported: callers import it here
@@ -269,7 +269,7 @@ def _generate(
         opts.format,
         layer_ids,
         workers=opts.write_workers,
-        non_finite=reject_non_finite(layer_ids),
+        non_finite=non_finite_reason(layer_ids),
         cpus=cpus,
         checksum=algorithm,
     )
@@ -369,17 +369,6 @@ def checksum_of_run(directory: Path, existing: dict | None, done: dict, asked: s
             "resuming a folder of {} digests: its new samples are listed with {} too", held, held
         )
     return held
-
-
-def reject_non_finite(layer_ids: list[int]):
-    """The reason the writer gives for a sample it found NaN/Inf in (it tests each chunk as it writes it):
-    ``(its bad layer ids, its token count)``."""
-
-    def reject(sample: dict) -> tuple[list[int], int] | None:
-        bad = non_finite(sample["hidden_states"])
-        return ([layer_ids[j] for j in bad], int(sample["input_ids"].shape[0])) if bad else None
-
-    return reject
 
 
 def _note_rejected(rejected: list, summary: RunSummary, opts: RunConfig) -> None:

@@ -72,7 +72,11 @@ if CHECKSUMS:
 if CURRENT:
     from speculators_v016.engine.assembly import copy_threads
     from speculators_v016.engine.buffer_pool import BufferPool
-    from speculators_v016.run.pipeline import reject_non_finite
+
+    try:  # the check's module alone: no dataset or model libraries on a GPU host without vLLM
+        from speculators_v016.checks.finite import non_finite_reason as reject_non_finite
+    except ImportError:  # an earlier checkout
+        from speculators_v016.run.pipeline import reject_non_finite
 
 HIDDEN, LAYERS, STEP = 7168, 4, 8192
 DTYPE = torch.bfloat16
