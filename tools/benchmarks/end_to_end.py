@@ -19,7 +19,11 @@ cancels out, as it does over the hundreds of thousands of samples of a real run.
         [--sha256]
 
 ``--sha256`` also runs this checkout's CLI with ``--checksum sha256``, interleaved
-(the hash alone, side by side). The figures go to docs/benchmarks/end_to_end.md (report.py).
+(the hash alone, side by side). With ``--steady`` the CPU time of each process
+(user + system, its children included) is compared the same way: the steady CPU
+per 1,000 tokens of the CLI and of the generator, their ratio, and the CLI's extra
+CPU per GiB of states written, which wall-clock noise on a shared machine moves
+far less than the rates. The figures go to docs/benchmarks/end_to_end.md (report.py).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import argparse
 import json
 import random
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -54,6 +59,19 @@ SHAPES = {
         hidden=7168, layers=4, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=64
     ),
 }
+
+
+def children_cpu() -> float:
+    """CPU seconds (user + system) of the child processes ended so far, theirs included."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def measured(run) -> dict:
+    """``run()``'s result with the CPU time of the process it ran (``cpu``)."""
+    before = children_cpu()
+    result = run()
+    return {**result, "cpu": children_cpu() - before}
 
 
 def conversations(path: Path, count: int) -> Path:
@@ -128,22 +146,48 @@ def end_to_end(
             raise RuntimeError(proc.stderr[-3000:])
     written = int(re.search(r"written:\s+(\d+) samples", proc.stdout).group(1))
     tokens, seconds = re.search(r"tokens:\s+(\d+) in ([\d.]+) s of generation", proc.stdout).groups()
+    on_disk = int(re.search(r"bytes:\s+([\d,]+)", proc.stdout).group(1).replace(",", ""))
     return {
         "samples_per_s": written / float(seconds),
         "tokens_per_s": int(tokens) / float(seconds),
         "tokens": int(tokens),
         "seconds": float(seconds),
         "samples": written,
+        "bytes": on_disk,
     }
 
 
 def steady(long: dict, short: dict) -> dict:
-    """The rate between a short and a long run of the same first prompts: what both pay once cancels."""
-    seconds = long["seconds"] - short["seconds"]
-    return {
-        "samples_per_s": (long["samples"] - short["samples"]) / seconds,
-        "tokens_per_s": (long["tokens"] - short["tokens"]) / seconds,
-    }
+    """The rate between a short and a long run of the same first prompts: what both pay once cancels
+    (the process's start, its engine's, a compile), in wall time and in CPU time."""
+    seconds, tokens = long["seconds"] - short["seconds"], long["tokens"] - short["tokens"]
+    out = {"samples_per_s": (long["samples"] - short["samples"]) / seconds, "tokens_per_s": tokens / seconds}
+    out["cpu"] = long["cpu"] - short["cpu"]
+    out["cpu_per_k_tokens"] = out["cpu"] / tokens * 1000
+    if "bytes" in long:
+        out["bytes"] = long["bytes"] - short["bytes"]
+    return out
+
+
+def cpu_lines(runs: dict, kinds: list[str]) -> list[str]:
+    """Steady CPU per 1,000 tokens of each kind against the generator's (beside it, per round), and the extra
+    CPU per GiB written: (this run's steady CPU - the generator's) / its steady bytes."""
+    gen = runs["steady gen"]
+    out = ["  steady CPU time (user + system, children included; per 1,000 tokens, medians):"]
+    out.append(
+        f"    {'generator alone (dropped)':32} {statistics.median(r['cpu_per_k_tokens'] for r in gen):6.3f} CPU-s"
+    )
+    for kind in kinds:
+        mine = runs[f"steady {kind}"]
+        ratio = [g["cpu_per_k_tokens"] / m["cpu_per_k_tokens"] for g, m in zip(gen, mine)]
+        extra = [(m["cpu"] - g["cpu"]) / (m["bytes"] / 2**30) for g, m in zip(gen, mine)]
+        label = {"cli": "speculators-data-gen", "sha256": "  --checksum sha256", "before": "  before"}[kind]
+        out.append(
+            f"    {label:32} {statistics.median(r['cpu_per_k_tokens'] for r in mine):6.3f} CPU-s; "
+            f"generator / this {statistics.median(ratio):.2f}x (per round {', '.join(f'{x:.2f}' for x in ratio)}); "
+            f"{statistics.median(extra):.2f} CPU-s more per GiB written"
+        )
+    return out
 
 
 def main() -> None:
@@ -185,13 +229,19 @@ def main() -> None:
         gen_args = {"model": model, "eager": opts.eager, "batched_tokens": opts.batched_tokens}
         for _ in range(opts.rounds):
             for name, path in lengths.items():
-                runs[f"{name}cli"].append(end_to_end(model, path, opts.eager, opts.batched_tokens))
+                runs[f"{name}cli"].append(
+                    measured(lambda p=path: end_to_end(model, p, opts.eager, opts.batched_tokens))
+                )
                 if opts.sha256:
                     extra = ("--checksum", "sha256")
-                    runs[f"{name}sha256"].append(end_to_end(model, path, opts.eager, opts.batched_tokens, None, extra))
+                    runs[f"{name}sha256"].append(
+                        measured(lambda p=path, x=extra: end_to_end(model, p, opts.eager, opts.batched_tokens, None, x))
+                    )
                 if opts.before:
-                    runs[f"{name}before"].append(end_to_end(model, path, opts.eager, opts.batched_tokens, opts.before))
-                runs[f"{name}gen"].append(child(__file__, gen_args | {"data": str(path)}))
+                    runs[f"{name}before"].append(
+                        measured(lambda p=path: end_to_end(model, p, opts.eager, opts.batched_tokens, opts.before))
+                    )
+                runs[f"{name}gen"].append(measured(lambda p=path: child(__file__, gen_args | {"data": str(p)})))
         if opts.steady:
             for key in [k for k in runs if not k.startswith("short ")]:
                 runs[f"steady {key}"] = [steady(a, b) for a, b in zip(runs[key], runs[f"short {key}"])]
@@ -245,6 +295,8 @@ def main() -> None:
                 f"    ratio end-to-end after / before "
                 f"{med[prefix + 'cli']['tokens_per_s'] / med[prefix + 'before']['tokens_per_s']:.2f}x"
             )
+    if opts.steady:
+        out += cpu_lines(runs, [k for k in kinds if k != "gen"])
     with recording(__file__):
         print("\n".join(out))
 
