@@ -40,6 +40,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from speculators_v016.checks import finite
 from speculators_v016.config import DEFAULT_WRITE_WORKERS, WRITER_NICE_INCREMENT
 from speculators_v016.store import checksum as checksums
@@ -72,8 +74,9 @@ class SampleWriter:
     and threads inherit that pin, so a writer made after a uniprocess engine
     started would otherwise hash and write on that one core. ``checksum``: the
     manifest's digest algorithm (a resumed folder's own, :mod:`~speculators_v016.store.checksum`).
-    ``non_finite``: samples holding NaN/Inf are not written; called on such a
-    sample only, it returns the reason :meth:`take_rejected` reports.
+    ``non_finite``: samples holding NaN/Inf are not written; it returns the
+    reason :meth:`take_rejected` reports (None for a clean sample), and is
+    called on such samples only (``.pt``: on every sample, before its write).
     """
 
     def __init__(
@@ -177,7 +180,7 @@ class SampleWriter:
             self.bytes += sum(e.bytes for e in batch)
 
     def take_rejected(self) -> list[tuple[int, Any]]:
-        """Samples ``reject`` refused since the last call: ``(index, reason)``."""
+        """Samples ``reject`` or the NaN/Inf check refused since the last call: ``(index, reason)``."""
         with self._lock:
             out, self._rejected = self._rejected, []
         return out
@@ -229,7 +232,10 @@ class SampleWriter:
 
 
 def _finite_scan(dtype) -> Callable[[memoryview], bool] | None:
-    """The NaN/Inf test of a part's chunks (None: a header, or integers)."""
-    if dtype is None or not finite.scannable(dtype):
+    """The NaN/Inf test of a part's chunks (None: a header, or integers); a float type the bit test has no
+    table entry for gets the plain (slower) test, never none."""
+    if dtype is None or not dtype.is_floating_point:
         return None
-    return lambda chunk: finite.bytes_finite(chunk, dtype)
+    if finite.scannable(dtype):
+        return lambda chunk: finite.bytes_finite(chunk, dtype)
+    return lambda chunk: bool(torch.isfinite(torch.frombuffer(chunk, dtype=dtype)).all()) if len(chunk) else True

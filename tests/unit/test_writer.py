@@ -324,3 +324,16 @@ def test_a_scan_the_whole_sample_check_contradicts_stops_the_run(tmp_path, monke
     with pytest.raises(WriterThreadError, match=r"sample 0: the check during the write found NaN/Inf in its part 3"):
         writer.close()
     assert not list(tmp_path.glob("*data_0*"))
+
+
+def test_a_float_type_without_a_bit_test_is_still_checked(tmp_path, monkeypatch):
+    """A float dtype the bit test has no entry for gets torch.isfinite on each chunk, never no check."""
+    monkeypatch.setattr(finite, "scannable", lambda dtype: False)
+    monkeypatch.setattr(atomic_files, "WRITE_CHUNK", 32)
+    bad = sample(0, tokens=9, hidden=5)
+    bad["hidden_states"][1][8, 4] = float("nan")
+    writer = SampleWriter(tmp_path, "safetensors", [1, 2], workers=1, non_finite=names_bad_layers)
+    writer.put(0, bad)
+    writer.put(1, sample(1, tokens=9, hidden=5))
+    writer.close()
+    assert writer.take_rejected() == [(0, [1])] and sorted(Manifest(tmp_path).entries()) == [1]
