@@ -40,8 +40,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from speculators_v016.checks import finite
 from speculators_v016.config import DEFAULT_WRITE_WORKERS, WRITER_NICE_INCREMENT
 from speculators_v016.store import checksum as checksums
@@ -145,16 +143,17 @@ class SampleWriter:
 
     def _write(self, index: int, sample: dict) -> None:
         reason = self.reject(sample) if self.reject is not None else None
-        parts, dtypes = encode_typed(sample, self.fmt, self.layer_ids) if not reason else ((), None)
-        if not reason and self.non_finite is not None and dtypes is None:  # .pt: its bytes cannot be scanned
-            reason = self.non_finite(sample)
+        if not reason:
+            parts, dtypes = encode_typed(sample, self.fmt, self.layer_ids)
+            scans = None
+            if self.non_finite is not None and dtypes is None:  # .pt: its bytes cannot be told apart
+                reason = self.non_finite(sample)
+            elif self.non_finite is not None:
+                scans = [_finite_scan(dtype) for dtype in dtypes]
         if reason:
             self._refuse(index, reason)
             return
         name = sample_name(index, self.fmt)
-        scans = None
-        if self.non_finite is not None and dtypes is not None:
-            scans = [_finite_scan(dtype) for dtype in dtypes]
         try:
             size, digest = write_durable(
                 self.directory, name, parts, drop_cache=True, algorithm=self.checksum, scans=scans
@@ -232,10 +231,7 @@ class SampleWriter:
 
 
 def _finite_scan(dtype) -> Callable[[memoryview], bool] | None:
-    """The NaN/Inf test of a part's chunks (None: a header, or integers); a float type the bit test has no
-    table entry for gets the plain (slower) test, never none."""
+    """The NaN/Inf test of a part's chunks (None: the header, or integers)."""
     if dtype is None or not dtype.is_floating_point:
         return None
-    if finite.scannable(dtype):
-        return lambda chunk: finite.bytes_finite(chunk, dtype)
-    return lambda chunk: bool(torch.isfinite(torch.frombuffer(chunk, dtype=dtype)).all()) if len(chunk) else True
+    return lambda chunk: finite.bytes_finite(chunk, dtype)

@@ -85,9 +85,17 @@ def test_raw_bytes_with_one_non_finite_value_anywhere_fail(dtype, monkeypatch):
     """One NaN at any position of a buffer of raw bytes (many slices) fails bytes_finite; the clean buffer passes."""
     monkeypatch.setattr(finite, "SLICE", 7)
     clean = torch.linspace(-3, 3, 40).to(dtype)
-    assert finite.scannable(dtype) and finite.bytes_finite(memoryview(clean.view(torch.uint8).numpy()), dtype)
+    assert finite.bytes_finite(memoryview(clean.view(torch.uint8).numpy()), dtype)
     for position in range(clean.numel()):
         dirty = clean.clone()
         dirty[position] = float("nan")
         assert not finite.bytes_finite(memoryview(dirty.view(torch.uint8).numpy()), dtype), (dtype, position)
-    assert not finite.scannable(torch.int64) and not finite.scannable(torch.uint8)
+
+
+def test_raw_bytes_of_a_float_type_without_a_bit_test_are_still_checked(monkeypatch):
+    """A float type missing from the bit table gets torch.isfinite on its bytes, never no check."""
+    monkeypatch.delitem(finite._TESTS, torch.float32)
+    values = torch.linspace(-3, 3, 40)
+    assert finite.bytes_finite(memoryview(values.view(torch.uint8).numpy()), torch.float32)
+    values[17] = float("inf")
+    assert not finite.bytes_finite(memoryview(values.view(torch.uint8).numpy()), torch.float32)
