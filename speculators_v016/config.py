@@ -250,6 +250,64 @@ def parse_layer_ids(value: str) -> tuple[int, ...]:
     return ids
 
 
+#: vLLM ``EngineArgs`` our own settings give, with the option that sets each (None: the capture's own).
+ENGINE_ARGS_OWNED = {
+    "model": "--target-model-path",
+    "trust_remote_code": "--trust-remote-code",
+    "dtype": "--dtype",
+    "seed": "--seed",
+    "max_model_len": "--seq-length",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "max_num_seqs": "--max-num-seqs",
+    "tensor_parallel_size": "--tensor-parallel-size",
+    "gpu_memory_utilization": "--gpu-memory-utilization",
+    "enforce_eager": "--enforce-eager",
+    "distributed_executor_backend": "--executor",
+    "async_scheduling": "--sync-scheduling",
+    "worker_extension_cls": None,
+    "additional_config": None,
+}
+
+#: ``EngineArgs`` that would break the capture, each with the value it may keep and why any other is refused.
+ENGINE_ARGS_REFUSED = {
+    "enable_prefix_caching": (
+        (False, None),
+        "a cached prefix is not computed again, so its positions would have no hidden states",
+    ),
+    "pipeline_parallel_size": ((1,), "vLLM 0.16 drops the aux hidden states of non-last pipeline stages"),
+    "speculative_config": (
+        (None, {}),
+        "speculative decoding adds draft steps to the target's; the capture reads the target's prompt passes",
+    ),
+    "data_parallel_size": (
+        (1,),
+        "a run drives one engine core; split the data over runs with --num-shards and --shard-index instead",
+    ),
+}
+
+
+def refuse_engine_args(args: Mapping[str, Any]) -> None:
+    """ConfigError naming the first of ``args`` (vLLM engine arguments passed through) that cannot be given:
+    one an option of ours sets, or one that would break the capture. Whether vLLM knows the rest, and
+    takes their values, is vLLM's to say (:func:`speculators_v016.engine.engine_args.check_engine_args`)."""
+    option = "--engine-args"
+    if not isinstance(args, Mapping):
+        raise ConfigError(f"{type(args).__name__} given: a JSON object of vLLM EngineArgs fields is needed", option)
+    for key, value in args.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"{key!r}: the keys are names of vLLM EngineArgs fields", option)
+        if key in ENGINE_ARGS_OWNED:
+            ours = ENGINE_ARGS_OWNED[key]
+            raise ConfigError(
+                f"{key!r} is set by " + (f"{ours}: give that option instead" if ours else "the capture itself"),
+                option,
+            )
+        if key in ENGINE_ARGS_REFUSED:
+            allowed, why = ENGINE_ARGS_REFUSED[key]
+            if not any(value == a and type(value) is type(a) for a in allowed):
+                raise ConfigError(f"{key}={value!r} is refused: {why}", option)
+
+
 def visible_gpus() -> int:
     """GPUs this process sees, at least 1."""
     import torch  # noqa: PLC0415 - torch only to count GPUs; the CLI's --help path imports this
@@ -349,15 +407,32 @@ class EngineConfig:
     seed: int = setting(0, "vLLM's seed (a run: --seed).")
     pipeline_parallel_size: int = setting(1, "Refused unless 1: vLLM 0.16 drops non-last stages' aux states.")
     capture_mode: CaptureMode = setting("auto", "auto: vLLM's built-in aux outputs where it has them; taps: ours.")
-    extra_engine_args: dict = setting(help="More vLLM EngineArgs, passed through as given.", default_factory=dict)
+    extra_engine_args: dict = setting(
+        help="More of vLLM's engine arguments, as a JSON object of EngineArgs fields, passed through and checked "
+        'by vLLM before the model loads, e.g. \'{"kv_cache_dtype": "fp8", "enable_expert_parallel": true}\' '
+        "(docs/commands/run.md#vllms-engine-arguments).",
+        option="--engine-args",
+        section=ENGINE,
+        kind="json_object",
+        cli_default={},
+        default_factory=dict,
+    )
 
     def __post_init__(self) -> None:
         _check(self)
+        if self.extra_engine_args is None:
+            object.__setattr__(self, "extra_engine_args", {})
+        refuse_engine_args(self.extra_engine_args)
 
     @property
     def fp8(self) -> bool:
         """Hidden states stored as FP8 codes and scales."""
         return self.hidden_states_dtype == "fp8_e4m3"
+
+    @property
+    def tokenizer(self) -> str:
+        """The tokenizer's folder or hub id: ``--engine-args``' ``tokenizer`` where given (vLLM's too), else the model's."""
+        return self.extra_engine_args.get("tokenizer") or self.model
 
     @property
     def batched_tokens(self) -> int:
@@ -669,7 +744,7 @@ MAIN_OPTIONS = ((EngineConfig, None, {}), (RunConfig, None, {}), (ConsoleConfig,
 CHECK_OPTIONS = (
     (
         EngineConfig,
-        ("model", "trust_remote_code", "dtype", "enforce_eager", "tensor_parallel_size"),
+        ("model", "trust_remote_code", "dtype", "enforce_eager", "tensor_parallel_size", "extra_engine_args"),
         {
             "model": {"required": True},
             "dtype": {"help": "The engine's dtype (transformers runs in fp32)."},

@@ -29,11 +29,11 @@ from loguru import logger
 
 from speculators_v016.config import EngineConfig
 from speculators_v016.engine.assembly import Allocate, Assembler, AttributionError, copy_threads, expected_rows
-from speculators_v016.engine.context_length import context_length_error
-from speculators_v016.engine.cpu_attention import attention_overrides
+from speculators_v016.engine.engine_args import vllm_config
 from speculators_v016.engine.executor import capture_executor, executor_kind
 from speculators_v016.engine.generation import Decoding, Generated, Generation
 from speculators_v016.engine.vllm_check import require_vllm
+from speculators_v016.engine.worker_start import set_start_method
 from speculators_v016.layers import LayerPlan
 from speculators_v016.protocol import CaptureConfig
 from speculators_v016.shared.shm_records import RunRecord, reclaim_and_log
@@ -42,7 +42,6 @@ from speculators_v016.target import PromptError, check_token_ids
 
 __all__ = ["CaptureEngine", "EngineConfig", "EngineDeadError", "PromptError"]
 
-EXTENSION = "speculators_v016.worker.capture.CaptureWorkerExtension"
 _IN_PROCESS_ENGINES = 0  # live engines whose worker runs in this process (uniprocess executor)
 
 
@@ -128,37 +127,9 @@ class CaptureEngine:
         )
 
     def _vllm_config(self):
-        """vLLM's config from ours, field by field; async scheduling set as we run it."""
-        from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415 - vLLM only when an engine starts
-
+        """vLLM's config from ours (:mod:`~speculators_v016.engine.engine_args`); async scheduling set as we run it."""
         s = self.config
-        args = EngineArgs(
-            model=s.model,
-            dtype=s.dtype,
-            seed=s.seed,
-            max_model_len=s.max_model_len,
-            max_num_batched_tokens=s.batched_tokens,
-            max_num_seqs=s.max_num_seqs,
-            tensor_parallel_size=s.tensor_parallel_size,
-            gpu_memory_utilization=s.gpu_memory_utilization,
-            enforce_eager=s.enforce_eager,
-            trust_remote_code=s.trust_remote_code,
-            distributed_executor_backend=s.executor,
-            enable_prefix_caching=False,  # a cached prefix is not recomputed: no states for it
-            worker_extension_cls=EXTENSION,
-            # In the config (and so in its hash): compiled graphs cached on disk
-            # without these capture ids are never reused for this engine.
-            additional_config={"speculators_v016": self.capture.as_dict()},
-            **attention_overrides(s.dtype, s.extra_engine_args),
-            **s.extra_engine_args,
-        )
-        try:
-            config = args.create_engine_config()
-        except Exception as exc:
-            too_long = context_length_error(exc)
-            if too_long is not None:
-                raise too_long from None
-            raise
+        config = vllm_config(s, self.capture)
         use_async = s.async_scheduling
         if use_async and config.parallel_config.distributed_executor_backend == "ray":
             logger.warning("vLLM 0.16's Ray executor does not support async scheduling: running sync")
@@ -178,6 +149,7 @@ class CaptureEngine:
         global _IN_PROCESS_ENGINES
         executor_class = Executor.get_class(config)
         self.executor_kind = executor_kind(executor_class)
+        set_start_method(config.device_config.device_type, self.executor_kind)  # GPU workers: spawned, never forked
         self._in_process = self.executor_kind == "uni"
         self._executor_failed = False
         reclaim_and_log()  # dead runs' recorded segments: every engine start, whatever its executor

@@ -74,7 +74,9 @@ def check(config: CheckConfig) -> CheckReport:
     that do not fit here); the logit check and the layer replay run anyway.
     """
     model = config.engine.model
-    tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=config.engine.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(
+        config.engine.tokenizer, trust_remote_code=config.engine.trust_remote_code
+    )
     prepared = prepare_samples(
         list(config.train_data_path), tokenizer, config.seq_length, max_samples=config.samples, num_proc=1
     )

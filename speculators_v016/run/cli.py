@@ -9,6 +9,7 @@ atomic output and the ``verify``, ``check``, ``demo`` and ``clean-shm`` subcomma
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import sys
@@ -69,6 +70,23 @@ class LayerIds(click.ParamType):
             raise usage_error(exc) from None
 
 
+class JsonObject(click.ParamType):
+    """A JSON object's text (``--engine-args``), as a dict; anything else is a usage error naming the option."""
+
+    name = "json"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, dict):
+            return value
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as exc:
+            self.fail(f'{value!r} is not JSON ({exc}); give an object, e.g. \'{{"kv_cache_dtype": "fp8"}}\'')
+        if not isinstance(parsed, dict):
+            self.fail(f"{value!r} is a JSON {type(parsed).__name__}; give an object of vLLM EngineArgs fields")
+        return parsed
+
+
 class ConfigOption(click.Option):
     """An option with a help section; with ``keep_empty``, its variable set to "" is a value (not "unset")."""
 
@@ -87,6 +105,8 @@ def _click_type(f):
     meta = f.meta
     if meta["kind"] == "layer_ids":
         return LayerIds()
+    if meta["kind"] == "json_object":
+        return JsonObject()
     if meta["kind"] == "dir":
         return click.Path(file_okay=False, path_type=Path)
     if f.choices is not None:

@@ -40,6 +40,7 @@ from speculators_v016.checks.self_check import HoldBack, NonFiniteError
 from speculators_v016.checks.self_check import SelfCheckError as SelfCheckError  # re-exported: callers import it here
 from speculators_v016.config import RunConfig
 from speculators_v016.engine.buffer_pool import BufferPool
+from speculators_v016.engine.engine_args import check_engine_args
 from speculators_v016.generator import VllmHiddenStatesGenerator
 from speculators_v016.layers import LayerPlan
 from speculators_v016.run.dataset import PreparedSamples, prepare_samples
@@ -134,6 +135,8 @@ def fingerprint(opts: RunConfig, samples, layer_ids: list[int]) -> dict:
         generation["hidden_states_dtype"] = opts.engine.hidden_states_dtype
     if opts.regenerate:  # absent otherwise: folders of earlier releases still resume
         generation["regenerate"] = samples.describe()
+    if opts.engine.extra_engine_args:  # absent without: folders of earlier releases still resume
+        generation["engine_args"] = opts.engine.extra_engine_args
     return {
         "model": run_config.model_fingerprint(opts.engine.model),
         "dataset": {"sources": samples.sources, "kind": samples.kind},
@@ -151,6 +154,7 @@ def fingerprint(opts: RunConfig, samples, layer_ids: list[int]) -> dict:
 def run(opts: RunConfig, progress_to=None) -> RunSummary:
     """Make the samples of ``opts``; a progress bar goes to ``progress_to`` (a text stream) if given."""
     started = time.monotonic()
+    check_engine_args(opts.engine)  # vLLM takes --engine-args, before the dataset is read or the folder touched
     reclaim_and_log()  # dead runs' shared memory, also when this run has nothing left to do
     directory = shard_dir(Path(opts.output_dir), opts.shard_index, opts.num_shards)
     target = TargetInfo.read(opts.engine.model, opts.engine.trust_remote_code)
@@ -160,7 +164,9 @@ def run(opts: RunConfig, progress_to=None) -> RunSummary:
     with root, OutputDir(directory) as out:
         if out.removed_leftovers:
             logger.warning("removed {} temporary files left by an interrupted run", len(out.removed_leftovers))
-        tokenizer = AutoTokenizer.from_pretrained(opts.engine.model, trust_remote_code=opts.engine.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(
+            opts.engine.tokenizer, trust_remote_code=opts.engine.trust_remote_code
+        )
         if opts.regenerate:
             work = RegenerationWork.prepare(opts, tokenizer)
         else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 
 from speculators_v016.checks.self_check import SelfCheckError
+from speculators_v016.config import ConfigError
 from speculators_v016.exit_codes import ExitCode
 from speculators_v016.layers import LayerIdError
 from speculators_v016.run.dataset import BadRowError
@@ -22,6 +23,8 @@ from speculators_v016.target import ContextLengthError, GenerationSetupError, Pr
 
 
 def exit_code(exc: BaseException) -> ExitCode:
+    if isinstance(exc, ConfigError):  # a setting found unusable once vLLM was asked (--engine-args)
+        return ExitCode.USAGE
     bad_input = (BadRowError, PromptError, LayerIdError, RemoteCodeError, ContextLengthError, GenerationSetupError)
     if isinstance(exc, bad_input):
         return ExitCode.BAD_INPUT
@@ -45,6 +48,8 @@ def _message(exc: BaseException, code: int, log_trouble: str | None = None, log_
             f"error: cannot write the log {log_file}: {getattr(exc, 'strerror', None) or exc} (the output of "
             "vLLM, torch and the dataset tools goes there); free space there, or run with -v"
         )
+    if isinstance(exc, ConfigError) and exc.option:
+        return f"error: {exc.option}: {exc}"
     return f"error: {exc}" if code != ExitCode.GENERATION_FAILED else f"error: {type(exc).__name__}: {exc}"
 
 

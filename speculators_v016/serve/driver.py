@@ -17,6 +17,7 @@ from loguru import logger
 from transformers import AutoTokenizer
 
 from speculators_v016.config import ServeConfig
+from speculators_v016.engine.engine_args import check_engine_args
 from speculators_v016.exit_codes import ExitCode
 from speculators_v016.run.dataset import prepare_samples
 from speculators_v016.run.run_report import exit_code
@@ -32,7 +33,9 @@ def load_samples(config: ServeConfig):
     """The service's dataset (``--train-data-path``), tokenized as a run's, or None."""
     if not config.train_data_path:
         return None
-    tokenizer = AutoTokenizer.from_pretrained(config.engine.model, trust_remote_code=config.engine.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(
+        config.engine.tokenizer, trust_remote_code=config.engine.trust_remote_code
+    )
     return prepare_samples(
         list(config.train_data_path),
         tokenizer,
@@ -61,6 +64,7 @@ def serve(config: ServeConfig, console) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
+        check_engine_args(config.engine)  # vLLM takes --engine-args, before the dataset is read
         reclaim_and_log()
         service = CaptureService(config, load_samples(config)).start()
     except ServeDirError as exc:

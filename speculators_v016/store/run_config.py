@@ -71,7 +71,7 @@ def differences(old, new, prefix: str = "") -> list[str]:
 
 #: Fingerprint fields left out where they hold their default (so folders of earlier releases still resume),
 #: compared and named as that default: a refused resume says ``'fp8_e4m3' -> 'auto'``, never ``-> None``.
-FINGERPRINT_DEFAULTS = {("generation", "hidden_states_dtype"): "auto"}
+FINGERPRINT_DEFAULTS = {("generation", "hidden_states_dtype"): "auto", ("generation", "engine_args"): {}}
 
 
 def _with_defaults(fingerprint) -> dict:

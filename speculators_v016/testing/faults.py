@@ -43,6 +43,9 @@ modules carry no fault points: each fault wraps one of their seams here.
   way; wraps :meth:`CaptureEngine.stream`).
 * ``wrong-layer-check:n``: the ``n``-th logit-checked sample's last layer is
   replaced by the captured layer before it (wraps :meth:`LogitChecker.add`).
+* ``fork-workers``: vLLM chooses its workers' start method alone, as before GPU
+  workers were always spawned (:mod:`speculators_v016.engine.worker_start`;
+  replaces the engine's ``set_start_method``): on GPUs it forks them.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from pathlib import Path
 import torch
 
 from speculators_v016.checks.logit_check import LogitChecker
+from speculators_v016.engine import core as engine_core
 from speculators_v016.engine.buffer_pool import BufferPool
 from speculators_v016.engine.core import CaptureEngine
 from speculators_v016.fp8 import Fp8States
@@ -262,6 +266,8 @@ def install() -> None:
             return ring
 
         SlotRing.create = classmethod(create)
+    elif point == "fork-workers":
+        engine_core.set_start_method = lambda device_type, executor_kind: None
     elif point:
         raise SystemExit(f"{VARIABLE}={os.environ[VARIABLE]}: unknown fault point {point!r}")
 

@@ -93,6 +93,11 @@ def _sample_value(f, tmp_path):
         return "3,5", (3, 5)
     if f.meta["kind"] == "dir":
         return str(tmp_path / "env-out"), tmp_path / "env-out"
+    if f.meta["kind"] == "json_object":
+        return '{"kv_cache_dtype": "fp8", "enable_expert_parallel": true}', {
+            "kv_cache_dtype": "fp8",
+            "enable_expert_parallel": True,
+        }
     if f.base is bool:
         return "1", not f.meta["negate"]
     if f.choices is not None:
@@ -277,3 +282,38 @@ def test_the_engine_config_checks_choices_and_bounds(fields, message):
     """The generator's keywords are checked by the same field declarations as the options."""
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         EngineConfig(model="m", **fields)
+
+
+@pytest.mark.parametrize(
+    "given, needle",
+    [
+        ('{"dtype": "float16"}', "'dtype' is set by --dtype: give that option instead"),
+        ('{"worker_extension_cls": "x.Y"}', "'worker_extension_cls' is set by the capture itself"),
+        ('{"enable_prefix_caching": true}', "enable_prefix_caching=True is refused: a cached prefix is not computed"),
+        ('{"pipeline_parallel_size": 2}', "pipeline_parallel_size=2 is refused: vLLM 0.16 drops the aux"),
+        ('{"speculative_config": {"method": "ngram"}}', "is refused: speculative decoding adds draft steps"),
+        ('{"data_parallel_size": 2}', "data_parallel_size=2 is refused: a run drives one engine core"),
+        ("kv_cache_dtype=fp8", "is not JSON"),
+        ('["fp8"]', "is a JSON list"),
+    ],
+    ids=["owned", "capture-owned", "prefix-caching", "pipeline", "speculative", "data-parallel", "not-json", "list"],
+)
+def test_engine_args_that_cannot_be_given_are_usage_errors(captured, tmp_path, given, needle):
+    """--engine-args: one of our options' keys, one that breaks the capture, not a JSON object: exit 2 naming it."""
+    argv = [a for name, flag in REQUIRED.items() for a in (flag, str(tmp_path / name))]
+    result = invoke([*argv, "--engine-args", given])
+    assert result.exit_code == 2, result.output
+    assert "--engine-args" in result.output and needle in result.output, result.output
+    assert "config" not in captured
+
+
+@pytest.mark.parametrize("allowed", [{"enable_prefix_caching": False}, {"pipeline_parallel_size": 1}, {}])
+def test_engine_args_keeping_the_capture_intact_are_taken(allowed):
+    """The refused keys at the one value that keeps the capture exact pass through to the engine's config."""
+    assert EngineConfig(model="m", extra_engine_args=allowed).extra_engine_args == allowed
+
+
+def test_the_tokenizer_passed_to_vllm_is_the_one_the_dataset_is_tokenized_with():
+    """--engine-args' tokenizer is the run's tokenizer too (ids the engine gets are ids of that tokenizer)."""
+    assert EngineConfig(model="m").tokenizer == "m"
+    assert EngineConfig(model="m", extra_engine_args={"tokenizer": "t"}).tokenizer == "t"

@@ -1,0 +1,95 @@
+"""vLLM's engine arguments for a capture engine: our settings field by field, the user's own passed through.
+
+A user's ``--engine-args`` (``EngineConfig.extra_engine_args``) reach vLLM's ``EngineArgs`` as given,
+after :func:`speculators_v016.config.refuse_engine_args` refused those an option of ours sets and
+those that would break the capture. Whether vLLM knows a key, and takes its value, is vLLM's to say:
+:func:`vllm_config` builds vLLM's whole config (no weights are read) and blames the passed-through
+arguments, by name, for a failure only they cause. :func:`check_engine_args` runs it before a run
+reads its dataset, so a wrong key or value costs seconds, not a preprocessing pass and a model load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+
+from speculators_v016.config import ConfigError, EngineConfig
+from speculators_v016.engine.context_length import context_length_error
+from speculators_v016.engine.cpu_attention import attention_overrides
+from speculators_v016.protocol import CaptureConfig
+
+#: The worker extension every worker of a capture engine carries.
+EXTENSION = "speculators_v016.worker.capture.CaptureWorkerExtension"
+OPTION = "--engine-args"
+
+
+def _unknown_keys(extra: dict, engine_args_class) -> None:
+    """ConfigError naming a key that is no field of vLLM's ``EngineArgs`` (with the nearest ones)."""
+    fields = {f.name for f in dataclasses.fields(engine_args_class)}
+    for key in extra:
+        if key not in fields:
+            near = difflib.get_close_matches(key, sorted(fields), n=3)
+            hint = f"; did you mean {', '.join(near)}?" if near else ""
+            raise ConfigError(f"{key!r} is not one of vLLM's engine arguments (EngineArgs){hint}", OPTION)
+
+
+def engine_args(config: EngineConfig, capture: CaptureConfig | None = None):
+    """vLLM's ``EngineArgs`` of an engine of ``config`` (with ``capture`` in its config and so in its hash:
+    compiled graphs cached on disk without these capture ids are never reused for this engine)."""
+    from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415 - vLLM only when an engine starts
+
+    extra = config.extra_engine_args
+    _unknown_keys(extra, EngineArgs)
+    return EngineArgs(
+        model=config.model,
+        dtype=config.dtype,
+        seed=config.seed,
+        max_model_len=config.max_model_len,
+        max_num_batched_tokens=config.batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        tensor_parallel_size=config.tensor_parallel_size,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        enforce_eager=config.enforce_eager,
+        trust_remote_code=config.trust_remote_code,
+        distributed_executor_backend=config.executor,
+        enable_prefix_caching=False,  # a cached prefix is not recomputed: no states for it
+        worker_extension_cls=EXTENSION,
+        additional_config={"speculators_v016": capture.as_dict()} if capture is not None else {},
+        **attention_overrides(config.dtype, extra),
+        **extra,
+    )
+
+
+def vllm_config(config: EngineConfig, capture: CaptureConfig | None = None):
+    """vLLM's ``VllmConfig`` for ``config``; a failure the passed-through arguments alone cause is a
+    ConfigError naming them (the same config without them is built to tell)."""
+    try:
+        return engine_args(config, capture).create_engine_config()
+    except ConfigError:
+        raise
+    except Exception as exc:
+        too_long = context_length_error(exc)
+        if too_long is not None:
+            raise too_long from None
+        if config.extra_engine_args and _builds_without_extra(config):
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise ConfigError(
+                f"{json.dumps(config.extra_engine_args)}: vLLM refused it ({type(exc).__name__}: {first})", OPTION
+            ) from exc
+        raise
+
+
+def _builds_without_extra(config: EngineConfig) -> bool:
+    try:
+        engine_args(dataclasses.replace(config, extra_engine_args={})).create_engine_config()
+    except Exception:  # noqa: BLE001 - only whether it builds matters here
+        return False
+    return True
+
+
+def check_engine_args(config: EngineConfig) -> None:
+    """Before anything else of a run: vLLM takes the passed-through arguments (ConfigError naming them if not).
+    Nothing to ask vLLM where none were given."""
+    if config.extra_engine_args:
+        vllm_config(config)
