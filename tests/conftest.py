@@ -51,14 +51,27 @@ ARCHITECTURE_RESULTS: dict[str, dict] = {}
 
 @pytest.fixture
 def record_architecture():
-    """record(name, model_class, aux_source, tested, max_abs_error, tolerance, note, dtype) for docs/architectures.md.
+    """record(name, model_class, aux_source, tested, max_abs_error, tolerance, note, dtype, device) for
+    docs/architectures.md.
 
-    A float32 result is the family's row; another dtype's is kept beside it (``name@dtype``) for its column.
+    A float32 result is the family's row; another dtype's is kept beside it (``name@dtype``) for its column,
+    and a GPU's (``name@dtype@cuda``) for the GPU column.
     """
 
-    def record(name, model_class, aux_source, tested, max_abs_error=None, tolerance=None, note="", dtype="float32"):
-        key = name if dtype == "float32" else f"{name}@{dtype}"
+    def record(
+        name,
+        model_class,
+        aux_source,
+        tested,
+        max_abs_error=None,
+        tolerance=None,
+        note="",
+        dtype="float32",
+        device="cpu",
+    ):
+        key = (name if dtype == "float32" else f"{name}@{dtype}") + ("" if device == "cpu" else f"@{device}")
         ARCHITECTURE_RESULTS[key] = dict(
+            device=device,
             name=name,
             model_class=model_class,
             aux_source=aux_source,

@@ -1,0 +1,195 @@
+"""The real command on vLLM 0.16's own GPU engine, as users run it (bf16 from the checkpoint, compiled with
+CUDA graphs, default options, the GPU build's ``--engine-args``): the run, the multiprocess executor (and
+the fork that killed it before), another attention backend chosen, SIGKILL then resume, FP8 storage,
+``check``, ``--regenerate``, and ``serve`` against the offline files. Skipped where vLLM's CUDA platform
+does not load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from speculators.train.data import Eagle3SampleFileDataset
+
+from helpers.cli import conversations, load_all, write_jsonl
+from helpers.families import MEDIAN_BOUND, ROW_BOUND
+from helpers.gpu import command_env, engine_args, invoke_gpu, requires_vllm_gpu, save_figures
+from speculators_v016 import fp8
+from speculators_v016.checks.fidelity import row_errors
+from speculators_v016.online import OnlineSampleDataset
+from speculators_v016.store.sample_format import load_sample
+
+pytestmark = requires_vllm_gpu
+
+COUNT = 8
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("gpu-cli") / "chats.jsonl", conversations(COUNT, seed=11))
+
+
+def run(model_dir, data, out, *extra, **options):
+    return invoke_gpu(
+        "--target-model-path", model_dir, "--train-data-path", data, "--output-dir", out, "--seq-length", 512,
+        "--token-freq-path", Path(out).parent / "tf.pt", *extra, **options,
+    )  # fmt: skip
+
+
+def assert_ok(result, executor: str = "uni") -> None:
+    assert result.exit_code == 0, result.output[-6000:]
+    assert f"bfloat16, TP 1, {executor} executor, async scheduling on, compiled" in result.output, result.output
+    assert re.search(r"logit check: ok \(\d+ samples", result.output), result.output
+    assert f"verify:     ok ({COUNT} samples" in result.output, result.output
+
+
+def log_text(out: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted((Path(out) / "logs").glob("*.log")))
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory, model_dir, data_file):
+    """Every option at its default (bf16, compiled, CUDA graphs, async scheduling, uniprocess)."""
+    out = tmp_path_factory.mktemp("gpu-default") / "out"
+    result = run(model_dir, data_file, out)
+    assert_ok(result)
+    save_figures("cli-default", {"summary": [line for line in result.output.splitlines() if ":" in line][-10:]})
+    return out
+
+
+def test_the_default_run_passes_its_checks(default_run):
+    """The default run: the logit check and verify pass, and the log names vLLM's Triton attention."""
+    assert "TRITON_ATTN" in log_text(default_run)
+    assert len(load_all(default_run)) == COUNT
+
+
+def test_the_multiprocess_executor_runs_and_equals_the_default_run(tmp_path, model_dir, data_file, default_run):
+    """--executor mp (every TP run's executor) on the GPU: its worker spawned, checks pass, the same states."""
+    out = tmp_path / "out"
+    result = run(model_dir, data_file, out, "--executor", "mp")
+    assert_ok(result, "mp")
+    ours, reference = load_all(out), load_all(default_run)
+    worst = max(
+        (a.float() - b.float()).abs().max().item()
+        for i in reference
+        for a, b in zip(ours[i]["hidden_states"], reference[i]["hidden_states"])
+    )
+    save_figures("cli-mp-vs-uni", {"max_abs_difference": worst})
+    assert worst == 0.0
+
+
+def test_forked_workers_die_at_start_as_before_the_fix(tmp_path, model_dir, data_file):
+    """With vLLM left to choose (it forks: torch.cuda.is_initialized() is False), the mp run dies at start."""
+    out = tmp_path / "out"
+    result = run(model_dir, data_file, out, "--executor", "mp", fault="fork-workers")
+    assert result.exit_code != 0, result.output[-4000:]
+    assert "Cannot re-initialize CUDA in forked subprocess" in result.output + log_text(out), result.output[-4000:]
+
+
+def test_engine_args_choose_another_attention_backend(tmp_path, model_dir, data_file):
+    """--engine-args on the command line picks vLLM's FlexAttention backend: it runs it, and the checks pass."""
+    chosen = engine_args(attention_config={"backend": "FLEX_ATTENTION"})
+    out = tmp_path / "out"
+    result = run(model_dir, data_file, out, "--engine-args", json.dumps(chosen))
+    assert_ok(result)
+    text = log_text(out)
+    assert "FLEX_ATTENTION" in text and "TRITON_ATTN" not in text, text[-3000:]
+    config = json.loads((out / "data_config.json").read_text())
+    assert config["speculators_v016"]["fingerprint"]["generation"]["engine_args"] == chosen
+
+
+def test_a_killed_run_resumes_within_the_bounds(tmp_path, model_dir, data_file, default_run):
+    """SIGKILL mid-write of the third sample, then the same command: every sample, verified, the same states."""
+    out = tmp_path / "out"
+    killed = run(model_dir, data_file, out, "--write-workers", 1, fault="kill-mid-write:3")
+    assert killed.exit_code == -signal.SIGKILL, killed.output[-3000:]
+    resumed = run(model_dir, data_file, out)
+    assert_ok(resumed)
+    assert "(2 already done before this run)" in resumed.output, resumed.output
+    ours, reference = load_all(out), load_all(default_run)
+    medians, worst = [], 0.0
+    for i in reference:
+        assert torch.equal(ours[i]["input_ids"], reference[i]["input_ids"])
+        for a, b in zip(ours[i]["hidden_states"], reference[i]["hidden_states"]):
+            rows = row_errors(a, b)
+            medians.append(rows.median().item())
+            worst = max(worst, rows.max().item())
+    save_figures("cli-resume-vs-default", {"median_row": max(medians), "worst_row": worst})
+    assert max(medians) <= MEDIAN_BOUND[torch.bfloat16] and worst <= ROW_BOUND[torch.bfloat16]
+
+
+def test_fp8_storage_is_quantize_of_the_bf16_run(tmp_path, model_dir, data_file, default_run):
+    """--hidden-states-dtype fp8_e4m3 on the GPU (Triton quantizer): checks pass, codes = quantize(bf16 rows)."""
+    out = tmp_path / "out"
+    result = run(model_dir, data_file, out, "--hidden-states-dtype", "fp8_e4m3")
+    assert_ok(result)
+    reference = load_all(default_run)
+    for entry in sorted(out.glob("data_*.safetensors")):
+        stored = load_sample(entry, dequantize_to=None)["hidden_states"]
+        index = int(entry.stem.split("_")[1])
+        for got, rows in zip(stored, reference[index]["hidden_states"]):
+            codes, scales = fp8.quantize(rows)
+            assert torch.equal(got.codes.view(torch.uint8), codes.view(torch.uint8)), f"sample {index}"
+            assert torch.equal(got.scales, scales), f"sample {index}"
+
+
+def test_check_passes(model_dir, data_file):
+    """`check` on the GPU engine: logits, layer replay and the whole model in transformers agree."""
+    result = invoke_gpu("check", "--target-model-path", model_dir, "--train-data-path", data_file)
+    assert result.exit_code == 0, result.output[-6000:]
+    save_figures("cli-check", {"lines": result.output.strip().splitlines()[-12:]})
+
+
+def test_regenerate_runs_its_checks(tmp_path, model_dir, data_file):
+    """--regenerate, greedy, on the GPU: decode steps captured, the logit check on generated positions, verify."""
+    out = tmp_path / "out"
+    result = run(model_dir, data_file, out, "--regenerate", "--temperature", 0, "--max-new-tokens", 24)
+    assert result.exit_code == 0, result.output[-6000:]
+    assert re.search(r"logit check: ok", result.output) and "verify:     ok" in result.output, result.output
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(tmp_path_factory, model_dir, data_file):
+    """An offline run with one sample per step (as the service below runs)."""
+    out = tmp_path_factory.mktemp("gpu-offline-1") / "out"
+    result = run(model_dir, data_file, out, "--max-num-seqs", 1)
+    assert result.exit_code == 0, result.output[-6000:]
+    return out
+
+
+def test_serve_items_equal_the_offline_files_bit_for_bit(tmp_path, model_dir, data_file, one_at_a_time):
+    """`serve` on the GPU: every online item equals upstream's dataset item of the offline file, bit for bit."""
+    cmd = [sys.executable, "-m", "speculators_v016.run.cli", "serve", "--target-model-path", model_dir,
+           "--serve-dir", tmp_path / "states", "--port", 0, "--seq-length", 512, "--max-num-seqs", 1,
+           "--train-data-path", data_file]  # fmt: skip
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=command_env())  # fmt: skip
+    try:
+        url, lines = None, []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("serving "):
+                url = re.search(r" at (http://[\d.]+:\d+): ", line).group(1)
+                break
+        assert url, "".join(lines)
+        online = OnlineSampleDataset(url, max_len=512)
+        files = [str(one_at_a_time / f"data_{i}.safetensors") for i in range(COUNT)]
+        reference = Eagle3SampleFileDataset(max_len=512, file_list=files)
+        for i in range(COUNT):
+            a, b = online[i], reference[i]
+            assert sorted(a) == sorted(b)
+            for key in a:
+                assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), f"sample {i}: {key}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, rest[-3000:]
+    assert not [n for n in os.listdir(tmp_path / "states") if n.startswith("online_")]  # each taken once read
