@@ -78,6 +78,35 @@ ARCHITECTURES = {
             "scoring_func": "sigmoid",
         },
     ),
+    # DeepSeek-V3 with MLA's real geometry (vLLM's MLA kernels take only the latent size 576 = kv_lora_rank
+    # 512 + qk_rope_head_dim 64; TRITON_MLA refuses others): 8 heads (one GPU's share of a TP-8 Kimi-K2),
+    # 16 experts in 4 groups, 2 groups kept, top-4, a shared expert, a dense first layer, noaux_tc routing
+    # with its correction bias. On CPU vLLM runs it with VLLM_MLA_DISABLE=1; on GPUs with TRITON_MLA.
+    "deepseek_v3_mla": (
+        "DeepseekV3Config",
+        {
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "q_lora_rank": 128,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "moe_intermediate_size": 128,
+            "n_routed_experts": 16,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 4,
+            "n_group": 4,
+            "topk_group": 2,
+            "first_k_dense_replace": 1,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+        },
+    ),
     "qwen2_moe": (
         "Qwen2MoeConfig",
         {

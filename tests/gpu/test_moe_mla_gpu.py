@@ -1,0 +1,256 @@
+"""DeepSeek-V3 with MLA on, Mixtral and Qwen3-MoE on vLLM 0.16's own GPU path (GPU kit), bf16, eager and compiled.
+
+Runs with ``../shared/gpu-vllm`` (vLLM's Python code without its compiled libraries): the
+compiled kernels of the fused-MoE and MLA paths are stood in for by torch
+(:mod:`speculators_v016.testing.moe_ops`, :mod:`speculators_v016.testing.mla_ops`,
+each checked against loops in ``tests/unit/test_moe_ops.py``), installed in this process
+before any engine starts (the uniprocess executor: the worker is this process). Around
+them everything is vLLM's: its routers (DeepSeek's grouped ``noaux_tc`` routing compiled
+by torch.compile), its Triton fused-MoE GEMMs, MLA with ``TRITON_MLA`` (absorbed decode
+kernel, CUDA graphs in the compiled mode), Triton attention for the others.
+
+Per (family, mode), one engine (module-scoped, shut down before the next):
+
+* every captured layer, the last one included (the final norm's input), against
+  transformers in float32 on the same weights, per row, within the bf16 bounds of
+  :mod:`speculators_v016.checks.fidelity` (the median row; at most ``FLIPPED_ROWS`` of
+  the rows past the row bound: routing flips under bf16 rounding, reported per layer);
+* the same rows against the neighbouring layer and one position off sit at least
+  ``SEPARATION`` times the median bound away (an off-by-one cannot pass);
+* the start-up stream proof's margins, the logit check (vLLM's own prompt logprobs),
+  and in eager mode our taps against vLLM's own decoder-layer outputs, bit for bit.
+
+Engine arguments: ``SPECULATORS_GPU_ENGINE_ARGS`` (JSON, set by the kit's install.sh)
+merged into the engine's ``extra_engine_args``; DeepSeek's attention backend becomes
+``TRITON_MLA`` (MLA needs the latent size 576: ``deepseek_v3_mla``). Every prompt fits
+in one engine step (MLA's prefill with earlier context needs kernels not stood in).
+Figures are printed (``-s``) and, with ``SPECULATORS_GPU_FIGURES`` set, written there
+as JSON. Skips without CUDA or where vLLM's CUDA platform does not load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from helpers.reference import hf_layer_outputs, random_prompts
+from speculators_v016.checks.fidelity import FLIPPED_ROWS, ROW_BOUNDS, row_errors
+from speculators_v016.checks.logit_check import LogitChecker
+from speculators_v016.generator import VllmHiddenStatesGenerator
+from speculators_v016.testing import mla_ops, moe_ops
+from speculators_v016.worker import aux_outputs
+from speculators_v016.worker.stream_proof import DIFFERENT_FACTOR
+
+
+def _unavailable() -> str | None:
+    """Why this module cannot run here (None: it can)."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    try:
+        from vllm.platforms import current_platform  # noqa: PLC0415 - vLLM's platform: only where a GPU is
+    except Exception as exc:  # the kit missing or broken: say so in the skip
+        return f"vLLM does not load: {exc!r}"
+    return None if current_platform.is_cuda() else f"vLLM's platform is {current_platform.device_type}, not CUDA"
+
+
+SKIP = _unavailable()
+pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+if SKIP is None:
+    # MLA on: tests/conftest.py sets VLLM_MLA_DISABLE=1 for the CPU tiers, and vLLM freezes its environment
+    # at the first engine start in a process, so this must hold before any engine (GPU only: the CPU suite
+    # runs in one process with DeepSeek on plain attention).
+    os.environ["VLLM_MLA_DISABLE"] = "0"
+
+LAYERS = 4
+LENGTHS = [40, 200, 3, 90]  # 333 tokens: one step at most (max_num_batched_tokens below)
+MEDIAN_BOUND, ROW_BOUND = ROW_BOUNDS["bfloat16"]
+SEPARATION = 8
+ENGINE = dict(layer_ids=list(range(LAYERS)), max_model_len=512, dtype="bfloat16", max_num_batched_tokens=512,
+              max_num_seqs=4, gpu_memory_utilization=0.25)  # fmt: skip
+#: family -> (tiny architecture, attention backend)
+FAMILIES = {"deepseek_v3_mla": ("deepseek_v3_mla", "TRITON_MLA"), "mixtral": ("mixtral", None),
+            "qwen3_moe": ("qwen3_moe", None)}  # fmt: skip
+MODES = {"eager": True, "compiled": False}  # enforce_eager
+CASES = [(family, mode) for family in FAMILIES for mode in MODES]
+
+
+def engine_args(backend: str | None) -> dict:
+    """The kit's engine arguments, with the family's attention backend where it needs its own."""
+    args = json.loads(os.environ.get("SPECULATORS_GPU_ENGINE_ARGS") or "{}")
+    if backend is not None:
+        args["attention_config"] = {**args.get("attention_config", {}), "backend": backend}
+    return args
+
+
+def save_figures(name: str, figures: dict) -> None:
+    where = os.environ.get("SPECULATORS_GPU_FIGURES")
+    if where:
+        os.makedirs(where, exist_ok=True)
+        with open(os.path.join(where, f"{name}.json"), "w") as fh:
+            json.dump(figures, fh, indent=1)
+
+
+@pytest.fixture(scope="module")
+def stand_ins():
+    """The torch stand-ins registered in this process before any engine starts."""
+    report = {"moe": moe_ops.install(), "mla": mla_ops.install()}
+    print(f"\nstand-ins: {report}")
+    return report
+
+
+def vllm_layer_outputs(gen, prompt: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Our states of one prompt, and vLLM's own stream after each decoder layer, read with hooks (eager only)."""
+    model = gen.engine.executor.driver_worker.worker.model_runner.get_model()
+    layers = aux_outputs.find_decoder_stack(model).decoder.layers
+    seen: dict[int, torch.Tensor] = {}
+
+    def hook(index):
+        def keep(module, args, out):
+            hidden, residual = out if isinstance(out, tuple) else (out, None)
+            stream = hidden if residual is None else hidden + residual
+            seen.setdefault(index, stream[: len(prompt)].detach().to("cpu", copy=True))
+
+        return keep
+
+    handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
+    try:
+        [result] = gen.generate([prompt])
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [s.cpu() for s in result["hidden_states"]], [seen[i] for i in range(len(layers))]
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tiny_model):
+    return {family: tiny_model(arch, LAYERS) for family, (arch, _) in FAMILIES.items()}
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{m}" for f, m in CASES])
+def run(request, stand_ins, tiny_models):
+    """One engine per (family, mode): its states, capture info, logit check and (eager) independent reading."""
+    family, mode = request.param
+    model_dir = tiny_models[family]
+    prompts = random_prompts(LENGTHS, seed=3)
+    with VllmHiddenStatesGenerator(model_dir, enforce_eager=MODES[mode],
+                                   extra_engine_args=engine_args(FAMILIES[family][1]), **ENGINE) as gen:  # fmt: skip
+        engine = gen.engine
+        info = engine.capture_info[0]
+        checker = LogitChecker(model_dir, engine.dtype, LAYERS - 1)
+        results = [None] * len(prompts)
+        for index, ids, states in engine.stream(enumerate(prompts), prompt_logprobs=lambda _: checker.active):
+            results[index] = [s.cpu() for s in states]
+            if checker.active:
+                checker.add(index, torch.tensor(ids), states, engine.prompt_logprobs.pop(index))
+        independent = vllm_layer_outputs(gen, prompts[1][:100]) if MODES[mode] else None
+        runner = gen.engine.executor.driver_worker.worker.model_runner
+        backend = ",".join(sorted({g.backend.get_name() for groups in runner.attn_groups for g in groups}))
+        dtype = engine.dtype
+    return dict(family=family, mode=mode, model_dir=model_dir, prompts=prompts, info=info, results=results,
+                logit=checker.result, independent=independent, backend=backend, dtype=dtype)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models):
+    """transformers in float32 (CPU), every decoder layer, per family."""
+    prompts = random_prompts(LENGTHS, seed=3)
+    return {family: hf_layer_outputs(model_dir, prompts) for family, model_dir in tiny_models.items()}
+
+
+def test_kernels_behind_the_stand_ins_match_torch(stand_ins):
+    """vLLM's fused_experts (Triton GEMMs + stand-ins) and its FA2 wrapper (stand-in) against torch, on the GPU."""
+    from vllm.config import VllmConfig, set_current_vllm_config  # noqa: PLC0415 - vLLM: GPU host only
+    from vllm.model_executor.layers.fused_moe import fused_experts  # noqa: PLC0415 - vLLM: GPU host only
+    from vllm.vllm_flash_attn import flash_attn_varlen_func  # noqa: PLC0415 - vLLM: GPU host only
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tokens, hidden, inter, experts, topk = 77, 256, 128, 16, 4
+    x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    w1 = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(experts, hidden, inter, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(experts, device="cuda", generator=g)[:topk] for _ in range(tokens)]).int()
+    weights = torch.rand(tokens, topk, device="cuda", generator=g)
+    with set_current_vllm_config(VllmConfig()):
+        got = fused_experts(x, w1, w2, weights, ids)
+    want = torch.zeros(tokens, hidden, device="cuda")
+    for k in range(topk):
+        h = torch.einsum("th,tnh->tn", x.float(), w1[ids[:, k].long()].float())
+        act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+        want += weights[:, k : k + 1] * torch.einsum("tn,thn->th", act, w2[ids[:, k].long()].float())
+    moe_rows = row_errors(got, want)
+    lengths = [5, 100, 1, 64]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(int(cu[-1]), 8, 192, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+    out = flash_attn_varlen_func(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=100,
+                                 max_seqlen_k=100, softmax_scale=0.07, causal=True)  # fmt: skip
+    ref, _ = mla_ops.varlen_attention(q.float(), k.float(), v.float(), cu, cu, 0.07, True)
+    attn_rows = row_errors(out.flatten(1), ref.flatten(1))
+    print(f"\nfused_experts vs torch: rows median {moe_rows.median():.2e}, max {moe_rows.max():.2e}; "
+          f"FA2 stand-in via vLLM's wrapper: rows max {attn_rows.max():.2e}")  # fmt: skip
+    assert moe_rows.median() <= MEDIAN_BOUND and moe_rows.max() <= ROW_BOUND
+    assert attn_rows.max() <= 1e-2
+
+
+def test_states_match_transformers_per_row(run, references):
+    """Every layer (the last included) within the bf16 bounds of fp32 transformers; flips counted; proof, logits."""
+    family, mode, info = run["family"], run["mode"], run["info"]
+    reference = references[family]
+    wanted = FAMILIES[family][1] or engine_args(None).get("attention_config", {}).get("backend")
+    if wanted:  # the backend vLLM chose is the one asked for (MLA on for DeepSeek)
+        assert run["backend"] == wanted, run["backend"]
+    figures = {"family": family, "mode": mode, "backend": run["backend"], "model_class": info["model_class"],
+               "aux_source": "built-in" if info["builtin_ids"] else "taps", "layers": []}  # fmt: skip
+    for line in info["stream_margins"].values():  # the proof held, with the margin it reports
+        assert line.startswith(("layer", "final norm")), line
+        if "margin" in line:
+            assert float(line.rsplit("margin ", 1)[1].rstrip("x")) >= DIFFERENT_FACTOR, line
+    figures["stream_margins"] = info["stream_margins"]
+    for layer in range(LAYERS):
+        rows = torch.cat([row_errors(s[layer], ref[layer]) for s, ref in zip(run["results"], reference)])
+        shifted = torch.cat([row_errors(s[layer][1:], ref[layer][:-1]) for s, ref in zip(run["results"], reference)
+                             if len(ref[layer]) > 1])  # fmt: skip
+        other = layer - 1 if layer else layer + 1
+        wrong = torch.cat([row_errors(s[layer], ref[other]) for s, ref in zip(run["results"], reference)])
+        figures["layers"].append(
+            dict(
+                layer=layer,
+                median_row=rows.median().item(),
+                worst_row=rows.max().item(),
+                past_row_bound=(rows > ROW_BOUND).float().mean().item(),
+                rows=len(rows),
+                row_one_off_median=shifted.median().item(),
+                layer_one_off_median=wrong.median().item(),
+            )  # fmt: skip
+        )
+    figures["logit_check"] = run["logit"].line()
+    print(f"\n{family} ({mode}, {run['backend']}): logit check {figures['logit_check']}")
+    for f in figures["layers"]:
+        print(f"  layer {f['layer']}: rows median {f['median_row']:.2e}, worst {f['worst_row']:.2e}, "
+              f"{f['past_row_bound']:.1%} past {ROW_BOUND:g} (routing flips); one row off {f['row_one_off_median']:.2f}, "
+              f"one layer off {f['layer_one_off_median']:.2f}")  # fmt: skip
+    save_figures(f"moe-mla-{family}-{mode}", figures)
+    assert run["logit"].ok and run["logit"].samples > 0, run["logit"].line()
+    for f in figures["layers"]:
+        assert f["median_row"] <= MEDIAN_BOUND, f
+        assert f["past_row_bound"] <= FLIPPED_ROWS, f
+        assert f["row_one_off_median"] >= SEPARATION * MEDIAN_BOUND, f
+        assert f["layer_one_off_median"] >= SEPARATION * MEDIAN_BOUND, f
+
+
+def test_taps_equal_vllms_own_layers(run):
+    """Eager: our taps equal vLLM's own decoder-layer outputs bit for bit (hooks; compiled graphs skip hooks)."""
+    if run["independent"] is None:
+        pytest.skip("compiled mode: hooks added after compilation do not run inside vLLM's graphs")
+    ours, theirs = run["independent"]
+    assert len(ours) == len(theirs) == LAYERS
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), run["family"]
+
+
+def test_bf16_states_and_cases(run):
+    """States come back in bf16, one per prompt and layer, of the prompt's length."""
+    assert run["dtype"] == torch.bfloat16
+    for states, ids in zip(run["results"], run["prompts"]):
+        assert len(states) == LAYERS and all(s.dtype == torch.bfloat16 and s.shape[0] == len(ids) for s in states)
