@@ -179,6 +179,21 @@ def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
     out.copy_(F.silu(x.float()).to(input.dtype) * y)
 
 
+def gelu_tanh_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
+    """Stands in for vLLM's compiled ``_C.gelu_tanh_and_mul``: ``out = gelu_tanh(x) * y`` for ``input = [x, y]``
+    (Gemma's MLP; vLLM looks the op up when the layer is built, even where its native forward runs)."""
+    d = input.shape[-1] // 2
+    x, y = input[..., :d], input[..., d:]
+    out.copy_(F.gelu(x.float(), approximate="tanh").to(input.dtype) * y)
+
+
+def gelu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
+    """Stands in for vLLM's compiled ``_C.gelu_and_mul``: ``out = gelu(x) * y`` (exact gelu), as above."""
+    d = input.shape[-1] // 2
+    x, y = input[..., :d], input[..., d:]
+    out.copy_(F.gelu(x.float()).to(input.dtype) * y)
+
+
 def _grouped_topk_fake(
     scores: torch.Tensor,
     num_expert_group: int,
@@ -218,6 +233,8 @@ _OPS = {
     "moe_align_block_size": ("_moe_C", ("sorted_token_ids", "expert_ids", "num_tokens_post_pad"), None),
     "moe_sum": ("_moe_C", ("output",), None),
     "silu_and_mul": ("_C", ("out",), None),
+    "gelu_tanh_and_mul": ("_C", ("out",), None),
+    "gelu_and_mul": ("_C", ("out",), None),
 }
 _MINE: dict[str, object] = {}  # qualified name -> our torch.library op (kept alive)
 
@@ -234,12 +251,12 @@ def install() -> dict[str, list[str]]:
             if _compiled(namespace, name):
                 report["kept"].append(qualified)
                 continue
+            ns = getattr(torch.ops, namespace)
+            if name in vars(ns):  # the kit's placeholder, set as an attribute: let the namespace find the op
+                delattr(ns, name)
             op = torch.library.custom_op(qualified, globals()[name], mutates_args=mutates)
             if fake is not None:
                 op.register_fake(fake)
             _MINE[qualified] = op
-            ns = getattr(torch.ops, namespace)
-            if name in vars(ns):  # the kit's placeholder, set as an attribute: let the namespace find the op
-                delattr(ns, name)
         report["installed"].append(qualified)
     return report

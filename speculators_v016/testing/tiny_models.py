@@ -291,18 +291,22 @@ def build_tiny_model(
     corpus: Iterable[str] | None = None,
     vocab_size: int = 512,
     dtype: str = "float32",
+    model_vocab_size: int | None = None,
     **overrides,
 ) -> Path:
     """Save a tiny random ``arch`` model and its tokenizer to ``out``; return the path.
 
     ``dtype``: the checkpoint's (``bfloat16``: weights stored and declared bf16, as released models are).
+    ``model_vocab_size``: the model's vocabulary where it must be larger than the tokenizer's (benchmarks
+    with a target's embedding and lm_head sizes; their prompts are token ids).
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose from {sorted(ARCHITECTURES)}")
     out = Path(out)
     config_cls, extra = ARCHITECTURES[arch]
     tokenizer = train_tokenizer(corpus or DEFAULT_CORPUS, vocab_size)
-    fields = {**_COMMON, **extra, "vocab_size": len(tokenizer), "num_hidden_layers": num_layers, **overrides}
+    vocab = max(model_vocab_size or 0, len(tokenizer))
+    fields = {**_COMMON, **extra, "vocab_size": vocab, "num_hidden_layers": num_layers, **overrides}
     config = getattr(transformers, config_cls)(**fields)
     config.dtype = torch.float32  # saved as the checkpoint's dtype
     torch.manual_seed(seed)

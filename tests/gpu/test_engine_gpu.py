@@ -14,17 +14,31 @@ of a prefill of the final sequences. Skipped where vLLM's CUDA platform does not
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from helpers.families import DENSE, LAYERS, MEDIAN_BOUND, ROW_BOUND, judge, run_family
+from helpers.families import DENSE, LAYERS, MEDIAN_BOUND, ROW_BOUND, SEPARATION, judge, run_family
 from helpers.gpu import GPU_MEMORY, engine_args, requires_vllm_gpu, save_figures, vllm_loop
 from helpers.reference import hf_layer_outputs, random_prompts
 from speculators_v016.checks.fidelity import row_errors
 from speculators_v016.engine.generation import Generation
 from speculators_v016.generator import VllmHiddenStatesGenerator
+from speculators_v016.testing import moe_ops
 
 pytestmark = requires_vllm_gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_stand_ins():
+    """Torch stand-ins for compiled ops the GPU kit lacks and vLLM looks up (Gemma's gelu_tanh_and_mul)."""
+    moe_ops.install()
+
 
 LENGTHS = [40, 200, 3, 90, 700, 17]
 PROMPTS = random_prompts(LENGTHS, seed=3)
@@ -94,11 +108,55 @@ def test_async_scheduling_off_gives_the_same_states(llama, uni_async):
 
 
 def test_the_multiprocess_executor_gives_the_same_states(llama, uni_async):
-    """TP 1 through the mp executor (its worker spawned: forked ones cannot use CUDA): the uniprocess states."""
+    """TP 1 through the mp executor (its worker spawned: forked ones cannot use CUDA): the uniprocess states
+    within bf16 rounding (its own process may pick other GEMM kernels: measured 1 ulp at most), every row."""
     info, states = capture(llama, executor="mp")
     assert info["ring"] and info["async_scheduling"]
-    save_figures("llama-mp-vs-uni", {"max_abs_difference": max_difference(states, uni_async[1])})
-    assert max_difference(states, uni_async[1]) == 0.0
+    rows = torch.cat([row_errors(a, b) for p, q in zip(states, uni_async[1]) for a, b in zip(p, q)])
+    save_figures(
+        "llama-mp-vs-uni",
+        {"max_abs_difference": max_difference(states, uni_async[1]), "worst_row": rows.max().item()},
+    )
+    assert rows.max().item() <= ROW_BOUND[torch.bfloat16] / SEPARATION
+
+
+FORK_PROBE = """
+import json, os, sys
+import torch
+
+from speculators_v016.engine import core
+from speculators_v016.generator import VllmHiddenStatesGenerator
+
+if __name__ == "__main__":
+    model, choice, extra = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    assert torch.cuda.is_available() and not torch.cuda.is_initialized()  # GPUs counted, CUDA not initialised
+    if choice == "vllm":  # before the fix: vLLM chooses the start method alone
+        core.set_start_method = lambda device_type, executor_kind: None
+    with VllmHiddenStatesGenerator(model, layer_ids=[1, 3], executor="mp", dtype="bfloat16", enforce_eager=True,
+                                   max_model_len=256, gpu_memory_utilization=%r, extra_engine_args=extra) as gen:
+        [result] = gen.generate([[5, 6, 7, 8, 9]])
+    print("method", os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork"))
+    print("captured", [tuple(h.shape) for h in result["hidden_states"]])
+"""
+
+
+def test_gpu_workers_are_spawned_where_vllm_would_fork_them(llama, tmp_path):
+    """A driving program that counted GPUs (CUDA not initialised): vLLM alone forks the mp worker, ours spawns
+    it, and the capture runs through it."""
+    script = tmp_path / "fork_probe.py"
+    script.write_text(FORK_PROBE % GPU_MEMORY)
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_WORKER_MULTIPROC_METHOD"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    outcomes = {}
+    for choice in ("vllm", "ours"):
+        proc = subprocess.run([sys.executable, str(script), llama, choice, json.dumps(engine_args())],
+                              capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+        outcomes[choice] = (proc.returncode, proc.stdout + proc.stderr)
+    save_figures("fork-vs-spawn", {k: [v[0], [x for x in v[1].splitlines() if x.startswith(("method", "captured",
+                 "RuntimeError"))]] for k, v in outcomes.items()})  # fmt: skip
+    assert "method fork" in outcomes["vllm"][1] or "Cannot re-initialize CUDA" in outcomes["vllm"][1]
+    assert outcomes["ours"][0] == 0 and "method spawn" in outcomes["ours"][1], outcomes["ours"][1][-3000:]
+    assert "captured [(5, 128), (5, 128)]" in outcomes["ours"][1]
 
 
 def test_greedy_generation_is_vllms_own_loop_token_for_token(llama, tmp_path):

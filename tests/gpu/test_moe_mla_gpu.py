@@ -36,6 +36,7 @@ import os
 import pytest
 import torch
 
+from helpers.gpu import vllm_on_cuda
 from helpers.reference import hf_layer_outputs, random_prompts
 from speculators_v016.checks.fidelity import FLIPPED_ROWS, ROW_BOUNDS, row_errors
 from speculators_v016.checks.logit_check import LogitChecker
@@ -44,19 +45,7 @@ from speculators_v016.testing import mla_ops, moe_ops
 from speculators_v016.worker import aux_outputs
 from speculators_v016.worker.stream_proof import DIFFERENT_FACTOR
 
-
-def _unavailable() -> str | None:
-    """Why this module cannot run here (None: it can)."""
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU"
-    try:
-        from vllm.platforms import current_platform  # noqa: PLC0415 - vLLM's platform: only where a GPU is
-    except Exception as exc:  # the kit missing or broken: say so in the skip
-        return f"vLLM does not load: {exc!r}"
-    return None if current_platform.is_cuda() else f"vLLM's platform is {current_platform.device_type}, not CUDA"
-
-
-SKIP = _unavailable()
+SKIP = vllm_on_cuda()
 pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 if SKIP is None:
     # MLA on: tests/conftest.py sets VLLM_MLA_DISABLE=1 for the CPU tiers, and vLLM freezes its environment

@@ -37,7 +37,7 @@ def vllm_layer_outputs(gen, prompt: list[int]) -> tuple[list[torch.Tensor], list
         def keep(module, args, out):
             hidden, residual = out if isinstance(out, tuple) else (out, None)
             stream = hidden if residual is None or parallel else hidden + residual
-            seen.setdefault(index, stream[: len(prompt)].clone())
+            seen.setdefault(index, stream[: len(prompt)].cpu().clone())  # CPU, as our states are
 
         return keep
 

@@ -49,12 +49,12 @@ def engine_args(**more) -> dict:
 #: the GPU build's engine arguments, a share of the GPU, no progress bar.
 def command_env(**more) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECULATORS_DATA_GEN_")}
-    env.update(
-        SPECULATORS_DATA_GEN_ENGINE_ARGS=json.dumps(engine_args()),
-        SPECULATORS_DATA_GEN_GPU_MEMORY_UTILIZATION=str(GPU_MEMORY),
-        SPECULATORS_DATA_GEN_NO_PROGRESS="1",
-        SPECULATORS_DATA_GEN_NUM_PREPROCESSING_WORKERS="1",
-    )
+    for command in ("", "SERVE_", "CHECK_"):  # a subcommand's options read their own variables
+        env[f"SPECULATORS_DATA_GEN_{command}ENGINE_ARGS"] = json.dumps(engine_args())
+    for command in ("", "SERVE_"):  # check has no --gpu-memory-utilization
+        env[f"SPECULATORS_DATA_GEN_{command}GPU_MEMORY_UTILIZATION"] = str(GPU_MEMORY)
+    env.update(SPECULATORS_DATA_GEN_NO_PROGRESS="1", SPECULATORS_DATA_GEN_NUM_PREPROCESSING_WORKERS="1")
+    env["SPECULATORS_DATA_GEN_SERVE_NUM_PREPROCESSING_WORKERS"] = "1"
     env.update(more)
     return env
 

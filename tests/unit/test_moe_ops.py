@@ -257,9 +257,22 @@ def test_silu_and_mul_matches_a_loop():
     torch.testing.assert_close(out.float(), want, rtol=1.6e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("name", ["gelu_tanh_and_mul", "gelu_and_mul"])
+def test_gelu_and_mul_matches_vllms_compiled_cpu_kernel(name):
+    """gelu(_tanh)_and_mul: the stand-in equals vLLM's compiled CPU kernel of that name within bf16 rounding."""
+    x = torch.randn(7, 2 * 16, generator=gen(15)).to(torch.bfloat16)  # the CPU kernel wants 16-wide halves
+    ours, theirs = torch.empty(7, 16, dtype=torch.bfloat16), torch.empty(7, 16, dtype=torch.bfloat16)
+    getattr(moe_ops, name)(ours, x)
+    getattr(torch.ops._C, name)(theirs, x)
+    torch.testing.assert_close(ours.float(), theirs.float(), rtol=1.6e-2, atol=1e-2)
+    approximate = "tanh" if "tanh" in name else "none"
+    want = torch.nn.functional.gelu(x[:, :16].double(), approximate=approximate) * x[:, 16:].double()
+    torch.testing.assert_close(ours.double(), want, rtol=1.6e-2, atol=1e-2)
+
+
 def test_install_keeps_compiled_kernels(installed):
     """A compiled op of the same name stays (vLLM's CPU build has _C.silu_and_mul); the missing ones are ours."""
-    assert installed["kept"] == ["_C::silu_and_mul"]
+    assert installed["kept"] == ["_C::silu_and_mul", "_C::gelu_tanh_and_mul", "_C::gelu_and_mul"]
     assert set(installed["installed"]) == {f"_moe_C::{n}" for n in
                                            ("topk_softmax", "topk_sigmoid", "grouped_topk", "moe_align_block_size",
                                             "moe_sum")}  # fmt: skip

@@ -1,0 +1,255 @@
+#!/usr/bin/env python3
+"""The generator on vLLM's GPU loop against vLLM's own loop, side by side, and the CLI writing files against it.
+
+Sides, each a process of its own holding its engine warm for the whole run (compiled, CUDA graphs, bf16):
+
+* ``vllm``: vLLM's own loop, ``LLMEngine`` (add_request, then step until done; max_tokens=1), its engine
+  core in a process of its own as vLLM runs it;
+* ``uni``: the generator (``stream()``, 4 layers captured, states dropped as a writer would take them),
+  the worker in the driving process (the uniprocess executor, the default on one GPU);
+* ``mp``: the same with the multiprocess executor (TP 1: the worker in a process of its own).
+
+Each round times one pass of every side over the same prompts, in turn (interleaved: the machine's noise
+hits all alike); ratios are of medians. ``--cli`` also times ``speculators-data-gen`` writing the files
+(its own "tokens/s of generation" line) against the ``uni`` side's passes. ``--profile`` runs one pass of
+the generator under torch's profiler and gives the share of GPU time in our copies (device-to-device into
+the staging buffer, device-to-host into the ring) and in FP8 quantization.
+
+    . .gpu-vllm/install.sh && python3 tools/benchmarks/gpu_generator.py [--shapes 4096 7168] [--rounds 3] [--cli]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from report import recording  # noqa: E402
+
+#: hidden size -> the bench model: a few layers of a Llama, the vocabulary of the targets of that width.
+SHAPES = {
+    256: dict(layers=4, vocab=1024, intermediate=512, heads=4, kv_heads=2),  # a trial of the script (CPU too)
+    4096: dict(layers=8, vocab=32000, intermediate=14336, heads=32, kv_heads=8),
+    7168: dict(layers=4, vocab=129280, intermediate=7168, heads=56, kv_heads=8),
+}
+#: engine settings that are the generator's own keywords (the rest go through extra_engine_args)
+OURS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "enforce_eager")
+CAPTURE = 4  # layers captured: 1, n//2, n-2, n-1 of the bench model
+
+
+def bench_model(where: Path, hidden: int) -> str:
+    """A random-weight Llama of ``hidden`` (built once, bf16, no tokenizer needed: prompts are token ids)."""
+    from speculators_v016.testing.tiny_models import build_tiny_model  # noqa: PLC0415 - transformers, parent only
+
+    s = SHAPES[hidden]
+    where = Path(where) / f"llama-{hidden}"
+    if not (where / "config.json").exists():
+        build_tiny_model(where, "llama", num_layers=s["layers"], hidden_size=hidden, intermediate_size=s["intermediate"],
+                         num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], model_vocab_size=s["vocab"],
+                         head_dim=hidden // s["heads"], max_position_embeddings=8192, dtype="bfloat16")  # fmt: skip
+    return str(where)
+
+
+def prompts(count: int, low: int, high: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import torch  # noqa: PLC0415 - only where prompts are made
+
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (count,), generator=gen).tolist()
+    return [torch.randint(5, vocab - 5, (n,), generator=gen).tolist() for n in lengths]
+
+
+def engine_settings(args: dict) -> dict:
+    extra = json.loads(os.environ.get("SPECULATORS_GPU_ENGINE_ARGS") or "{}")
+    return dict(dtype="bfloat16", max_model_len=args["high"] + 8, max_num_seqs=args["max_num_seqs"], enforce_eager=args["eager"],
+                max_num_batched_tokens=args["batched_tokens"], gpu_memory_utilization=args["memory"], **extra)  # fmt: skip
+
+
+def layer_ids(num_layers: int) -> list[int]:
+    return sorted({1, num_layers // 2, num_layers - 2, num_layers - 1})
+
+
+# -- a side: a child process that holds its engine and times a pass on each "run" line ------------------------
+def side(args: dict) -> None:
+    batch = prompts(args["count"], args["low"], args["high"], args["vocab"])
+    warm = prompts(8, args["low"], args["high"], args["vocab"], seed=1)
+    settings = engine_settings(args)
+    if args["side"] == "vllm":
+        from vllm import SamplingParams  # noqa: PLC0415 - each side imports what it measures
+        from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415 - the same
+        from vllm.v1.engine.llm_engine import LLMEngine  # noqa: PLC0415 - the same
+
+        engine = LLMEngine.from_engine_args(EngineArgs(model=args["model"], enable_prefix_caching=False, **settings))
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+
+        def one_pass(items):
+            for i, ids in enumerate(items):
+                engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+            while engine.has_unfinished_requests():
+                engine.step()
+    else:
+        from speculators_v016.generator import VllmHiddenStatesGenerator  # noqa: PLC0415 - the same
+
+        extra = {k: settings.pop(k) for k in list(settings) if k not in OURS}
+        gen = VllmHiddenStatesGenerator(args["model"], layer_ids=layer_ids(args["layers"]), executor=args["side"],
+                                        extra_engine_args=extra, **settings)  # fmt: skip
+
+        def one_pass(items):
+            for _ in gen.stream(items):  # dropped, as a writer takes them
+                pass
+
+    one_pass(warm)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "profile":
+            print(json.dumps(profile(one_pass, batch)), flush=True)
+            continue
+        start = time.perf_counter()
+        one_pass(batch)
+        seconds = time.perf_counter() - start
+        print(json.dumps({"tokens_per_s": sum(map(len, batch)) / seconds, "seconds": seconds}), flush=True)
+
+
+def profile(one_pass, batch) -> dict:
+    """One pass under torch's profiler: GPU time by kind of kernel (our copies and quantizer apart)."""
+    import torch  # noqa: PLC0415 - the child has it loaded already
+    from torch.profiler import ProfilerActivity  # noqa: PLC0415 - the same
+
+    with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+        one_pass(batch)
+    kinds: dict[str, float] = {}
+    for event in prof.events():
+        us = getattr(event, "device_time", 0.0) or getattr(event, "cuda_time", 0.0) or 0.0
+        if not us:
+            continue
+        name = event.name
+        kind = ("memcpy DtoH" if "DtoH" in name or "Device -> Pageable" in name or "Device -> Pinned" in name
+                else "memcpy DtoD" if "DtoD" in name or "Device -> Device" in name
+                else "memcpy HtoD" if "HtoD" in name or "-> Device" in name
+                else "fp8 quantize" if "quantize" in name.lower() else "compute")  # fmt: skip
+        kinds[kind] = kinds.get(kind, 0.0) + us
+    total = sum(kinds.values()) or 1.0
+    return {"gpu_ms": {k: v / 1e3 for k, v in kinds.items()}, "share": {k: v / total for k, v in kinds.items()}}
+
+
+class Side:
+    """A running side: start it, ask it for passes."""
+
+    def __init__(self, args: dict):
+        self.name = args["side"]
+        self.proc = subprocess.Popen([sys.executable, __file__, json.dumps(args)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})  # fmt: skip
+        self._reply()
+
+    def _reply(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        raise RuntimeError(f"side {self.name} ended (exit {self.proc.wait()})")
+
+    def ask(self, what: str = "run") -> dict:
+        self.proc.stdin.write(what + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+def cli_rate(model: str, data: Path, out: Path, args: dict) -> float:
+    """speculators-data-gen writing every sample (default options, the GPU build's engine arguments): its
+    tokens/s of generation, from the summary."""
+    settings = engine_settings(args)
+    extra = {k: v for k, v in settings.items() if k not in OURS}
+    cmd = [sys.executable, "-m", "speculators_v016.run.cli", "--target-model-path", model, "--train-data-path",
+           str(data), "--output-dir", str(out), "--seq-length", str(args["high"]), "--layer-ids",
+           ",".join(map(str, layer_ids(args["layers"]))), "--engine-args", json.dumps(extra),
+           "--gpu-memory-utilization", str(args["memory"]), "--max-num-seqs", str(args["max_num_seqs"]),
+           "--max-num-batched-tokens", str(args["batched_tokens"]), "--token-freq-path", "", "--logit-check-samples",
+           "0", "--no-progress", *(["--enforce-eager"] if args["eager"] else [])]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    subprocess.run(["rm", "-rf", str(out)], check=False)
+    found = re.search(r"\(([\d,]+) tokens/s", proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not found:
+        raise RuntimeError(f"the CLI failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return float(found.group(1).replace(",", ""))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", type=int, nargs="+", default=[4096, 7168], choices=sorted(SHAPES))
+    ap.add_argument("--sides", nargs="+", default=["vllm", "uni", "mp"], choices=["vllm", "uni", "mp"])
+    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--low", type=int, default=1024, help="shortest prompt (tokens)")
+    ap.add_argument("--high", type=int, default=4096, help="longest prompt (tokens)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--memory", type=float, default=0.25, help="each side's gpu_memory_utilization")
+    ap.add_argument("--cli", action="store_true", help="also the CLI writing files (first shape), against uni")
+    ap.add_argument("--cli-runs", type=int, default=2, help="runs of the CLI (--cli)")
+    ap.add_argument("--profile", action="store_true", help="GPU time in our copies (torch profiler, uni side)")
+    ap.add_argument("--eager", action="store_true", help="eager engines (a trial; measurements are compiled)")
+    ap.add_argument("--where", default="/tmp/speculators-v016-gpu-bench")
+    opts = ap.parse_args()
+    lines = []
+    for hidden in opts.shapes:
+        s = SHAPES[hidden]
+        model = bench_model(Path(opts.where), hidden)
+        args = dict(model=model, count=opts.prompts, low=opts.low, high=opts.high, vocab=s["vocab"], layers=s["layers"],
+                    max_num_seqs=opts.max_num_seqs, batched_tokens=opts.batched_tokens, memory=opts.memory,
+                    eager=opts.eager)  # fmt: skip
+        sides = [Side({**args, "side": name}) for name in opts.sides]
+        rates: dict[str, list[float]] = {name: [] for name in opts.sides}
+        for _ in range(opts.rounds):
+            for running in sides:
+                rates[running.name].append(running.ask()["tokens_per_s"])
+        prof = next((x.ask("profile") for x in sides if x.name == "uni"), None) if opts.profile else None
+        for running in sides:
+            running.close()
+        print(f"hidden {hidden}: {json.dumps(rates)} profile {json.dumps(prof)}", file=sys.stderr, flush=True)
+        cli = []
+        if opts.cli and hidden == opts.shapes[0]:
+            data = Path(opts.where) / f"prompts-{hidden}.jsonl"
+            batch = prompts(opts.prompts, opts.low, opts.high, s["vocab"])
+            data.write_text("".join(json.dumps({"input_ids": p, "loss_mask": [1] * len(p)}) + "\n" for p in batch))
+            cli = [cli_rate(model, data, Path(opts.where) / "cli-out", args) for _ in range(opts.cli_runs)]
+        lines.append((hidden, s, rates, cli, prof))
+    with recording(__file__):
+        print(f"{opts.prompts} prompts of {opts.low}-{opts.high} tokens, bf16, "
+              f"{'eager' if opts.eager else 'compiled (CUDA graphs)'}, "
+              f"max_num_batched_tokens {opts.batched_tokens}, max_num_seqs {opts.max_num_seqs}, {CAPTURE} layers "
+              f"captured, {opts.rounds} interleaved rounds, medians; vllm = LLMEngine (add_request, step), "
+              "uni / mp = the generator's stream() with the uniprocess / multiprocess (TP 1) executor")  # fmt: skip
+        for hidden, s, rates, cli, prof in lines:
+            med = {k: statistics.median(v) for k, v in rates.items() if v}
+            print(f"hidden {hidden}, {s['layers']} layers, vocabulary {s['vocab']}, MLP {s['intermediate']}:")
+            for name, values in rates.items():
+                print(f"  {name:5} {med[name]:12,.0f} tokens/s   (rounds: {', '.join(f'{v:,.0f}' for v in values)})")
+            for name in med:
+                if name != "vllm" and "vllm" in med:
+                    per_round = [a / b for a, b in zip(rates[name], rates["vllm"])]
+                    print(f"  ratio {name} / vllm: {med[name] / med['vllm']:.3f}x (per round: "
+                          f"{', '.join(f'{r:.3f}' for r in per_round)})")  # fmt: skip
+            if cli and "uni" in med:
+                print(f"  CLI writing files: {statistics.median(cli):,.0f} tokens/s of generation (runs: "
+                      f"{', '.join(f'{v:,.0f}' for v in cli)}); ratio CLI / uni: {statistics.median(cli) / med['uni']:.3f}x")  # fmt: skip
+            if prof:
+                share = ", ".join(f"{k} {v:.2%}" for k, v in sorted(prof["share"].items()))
+                print(f"  GPU time of one uni pass by kind (torch profiler): {share}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 2 and sys.argv[1].startswith("{"):
+        side(json.loads(sys.argv[1]))
+    else:
+        main()
