@@ -100,6 +100,9 @@ def serve(config: ServeConfig, console) -> int:
         service.stop()
     line, _ = status_line(service, (service.stats.started, 0, 0, 0))
     console.echo(line, summary=True)
+    if isinstance(service.failure, ServeDirError):
+        console.failure(f"error: {service.failure}")
+        return ExitCode.OUTPUT_REFUSED
     if service.failure is not None:
         console.failure(f"error: the service's engine failed: {type(service.failure).__name__}: {service.failure}")
         return exit_code(service.failure)

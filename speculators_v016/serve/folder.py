@@ -11,7 +11,13 @@ ask for again.
 Ownership by record, as the shared-memory rules have it: the service holds an
 exclusive lock on ``.speculators-serve.lock`` while it lives, and appends a line
 to ``published.jsonl`` (file, bytes, the consumer that asked for it) *before* the
-file gets its name. The service deletes a published file only while that record
+file gets its name. The lock file is never opened through a symlink, and one that
+is not a regular file of one link holding at most a pid is not ours: refused,
+untouched. Once locked, it must still be the file at its path (else it is taken
+again); the running service looks every second: a lock deleted is made again, a
+lock replaced by another file stops the service (another may use the folder).
+The journal's first line carries the name counter over (``{"next": N}``): names
+are never reused, even after a start that published nothing. The service deletes a published file only while that record
 says it is its own and not yet taken, and only when:
 
 * its consumer is dead: a process on this host (by pid and start time, so a
@@ -31,6 +37,7 @@ import fcntl
 import json
 import os
 import re
+import stat
 from pathlib import Path
 
 from speculators_v016.serve.publications import Publications
@@ -42,6 +49,45 @@ LOCK = ".speculators-serve.lock"
 JOURNAL = "published.jsonl"
 _NAME = re.compile(r"^online_(\d+)\.safetensors$")
 _TMP = re.compile(rf"^{re.escape(TMP_PREFIX)}online_\d+\.safetensors\.\d+$")
+
+
+_PID_BYTES = 32  # a lock of ours holds a pid, or nothing
+
+
+def _open_lock(path: Path, folder: Path) -> int:
+    """Open (or create) the lock file: never through a symlink; refused where it is not a regular file of one
+    link holding at most a pid (someone else's file: never truncated, never written)."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:  # ELOOP: a symlink; ENXIO and others: a socket, a FIFO without a writer
+        raise ServeDirError(f"--serve-dir {folder}: {LOCK} is not a regular file ({exc.strerror}); not ours") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ServeDirError(f"--serve-dir {folder}: {LOCK} is not a regular file; not ours")
+        if st.st_nlink != 1:
+            raise ServeDirError(f"--serve-dir {folder}: {LOCK} has {st.st_nlink} links (another file's); not ours")
+        content = os.pread(fd, _PID_BYTES + 1, 0)
+        if len(content) > _PID_BYTES or not content.strip().isdigit() and content.strip():
+            raise ServeDirError(f"--serve-dir {folder}: {LOCK} holds something other than a pid; not ours")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Is ``path`` (not followed) the file open as ``fd``?"""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _target(tmp_name: str) -> str:
@@ -73,27 +119,73 @@ class ServeDir(Publications):
     def open(self) -> ServeDir:
         """Take the folder: lock it, reclaim what a dead service's record names, refuse files that are not ours."""
         self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise ServeDirError(f"--serve-dir {self.path} is in use by a running service (pid {holder})") from None
+        fd = self._lock()
         try:
             self._take_over()
         except BaseException:
             os.close(fd)
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._write_pid(fd)
         self._lock_fd = fd
         self._journal = open(self.path / JOURNAL, "a", encoding="utf-8")  # noqa: SIM115 - open while serving
         return self
 
+    def _lock(self) -> int:
+        """The lock file, open and locked: never through a link, never a file that is not a lock of ours, and
+        still the one at its path once locked (a lock deleted or replaced meanwhile is taken again)."""
+        path = self.path / LOCK
+        for _ in range(10):
+            fd = _open_lock(path, self.path)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, _PID_BYTES, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise ServeDirError(f"--serve-dir {self.path} is in use by a running service (pid {holder})") from None
+            if _same_file(fd, path):
+                return fd
+            os.close(fd)  # deleted or replaced between open and lock: the one now at the path is the lock
+        raise ServeDirError(f"--serve-dir {self.path}: its {LOCK} keeps being replaced; is another service starting?")
+
+    @staticmethod
+    def _write_pid(fd: int) -> None:
+        os.ftruncate(fd, 0)  # a lock of ours (_open_lock checked): an empty file or a pid
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+
+    def check_lock(self) -> str:
+        """Is the lock at its path still the one this service holds? ``"held"``; ``"restored"`` where it was
+        deleted (a new one is made and locked, so no other service takes the folder); ServeDirError where
+        another file replaced it (another service may use the folder)."""
+        path = self.path / LOCK
+        with self._cond:
+            if self._lock_fd is None or _same_file(self._lock_fd, path):
+                return "held"
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            except FileExistsError:
+                raise ServeDirError(
+                    f"--serve-dir {self.path}: {LOCK} was replaced by another file while this service held it; "
+                    "another service may be using the folder"
+                ) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise ServeDirError(f"--serve-dir {self.path}: {LOCK} was replaced and is locked by another") from None
+            self._write_pid(fd)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = fd
+            return "restored"
+
     def _take_over(self) -> None:
         journal = self.path / JOURNAL
         named: set[str] = set()
+        counted = (
+            0  # the counter a journal carries over: names are never reused, even after a start that published none
+        )
+        if journal.is_symlink() or journal.exists() and not journal.is_file():
+            raise ServeDirError(f"--serve-dir {self.path}: {JOURNAL} is not a regular file; not ours")
         if journal.exists():
             for line in journal.read_text(encoding="utf-8", errors="replace").splitlines():
                 try:
@@ -102,6 +194,8 @@ class ServeDir(Publications):
                     continue  # a torn last line: its file was never renamed (the line comes first)
                 if isinstance(record, dict) and isinstance(record.get("file"), str) and _NAME.match(record["file"]):
                     named.add(record["file"])
+                elif isinstance(record, dict) and isinstance(record.get("next"), int):
+                    counted = max(counted, record["next"])
         names = os.listdir(self.path)
         ours = named | {n for n in names if _TMP.match(n) and _target(n) in named}  # a temporary file: its line first
         foreign = sorted(n for n in names if n not in (LOCK, JOURNAL) and n not in ours)
@@ -112,7 +206,7 @@ class ServeDir(Publications):
                 "use an empty folder or one only a service of ours used"
             )
         numbers = [int(_NAME.match(n).group(1)) for n in named]
-        self._next = max(numbers, default=-1) + 1  # names are never reused: an old handle never reads a new file
+        self._next = max(counted, max(numbers, default=-1) + 1)  # never reused: an old handle never reads a new file
         for name in names:
             if name in ours:
                 try:
@@ -120,7 +214,7 @@ class ServeDir(Publications):
                     self.reclaimed.dead_service += name in named
                 except FileNotFoundError:
                     pass  # its consumer took it meanwhile
-        write_atomic(self.path, JOURNAL, b"")
+        write_atomic(self.path, JOURNAL, (json.dumps({"next": self._next}) + "\n").encode())  # before any name is used
 
     def close(self) -> None:
         """Stop serving from the folder: the record and what is not yet taken stay (the next service reclaims them)."""

@@ -69,6 +69,10 @@ class Publications:
         """Delete object ``name`` (it may be gone already)."""
         raise NotImplementedError
 
+    def check_lock(self) -> str:
+        """Does this service still hold what keeps others out (the folder's lock)? ``"held"`` here."""
+        return "held"
+
     # -- the cap -----------------------------------------------------------------------------------
     def reserve(self, nbytes: int, stopped: threading.Event) -> None:
         """Wait until ``nbytes`` more fit under the cap (an object larger than the cap goes alone)."""

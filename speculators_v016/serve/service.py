@@ -45,7 +45,7 @@ from speculators_v016.generator import VllmHiddenStatesGenerator
 from speculators_v016.layers import LayerPlan
 from speculators_v016.run.console import private_dir
 from speculators_v016.run.dataset import PreparedSamples
-from speculators_v016.serve.folder import ServeDir
+from speculators_v016.serve.folder import ServeDir, ServeDirError
 from speculators_v016.serve.mooncake import MooncakeBackend
 from speculators_v016.store.sample_format import encode_parts, safetensors_parts
 from speculators_v016.target import PromptError, TargetInfo, check_token_ids
@@ -232,6 +232,8 @@ class CaptureService:
         return request.future
 
     def down(self) -> ServiceStopped:
+        if isinstance(self.failure, ServeDirError):
+            return ServiceStopped(f"the service stopped: {self.failure}")
         if self.failure is not None:
             return ServiceStopped(f"the service's engine failed: {type(self.failure).__name__}: {self.failure}")
         return ServiceStopped("the service is stopping")
@@ -366,6 +368,15 @@ class CaptureService:
         while not self._stopping.wait(REAP_INTERVAL):
             for name, why in self.backend.reap():
                 logger.warning("reclaimed {}: {}", name, why)
+            try:
+                if self.backend.check_lock() == "restored":
+                    logger.warning("the serve folder's lock file was deleted while this service held it: made again")
+            except ServeDirError as exc:  # another service may use the folder: this one publishes no more
+                logger.error("{}", exc)
+                self.failure = exc
+                self._stopping.set()
+                self._fail_all(self.down())
+                return
 
     # -- what clients read of it -------------------------------------------------------------------
     def info(self) -> dict:
