@@ -675,6 +675,28 @@ class ServeConfig:
     )
     host: str = setting("127.0.0.1", "Address to listen on (0.0.0.0: every interface).", section=SERVICE)
     port: int = setting(8471, "Port to listen on (0: any free one, printed at start).", section=SERVICE, min=0)
+    api_key: str | None = setting(
+        None,
+        "Key every request but GET /health must carry (Authorization: Bearer KEY; 401 otherwise). Prefer its "
+        "variable or --api-key-file: an option is visible in the process list.",
+        section=SERVICE,
+    )
+    api_key_file: str | None = setting(
+        None, "File whose first line is --api-key (the key stays out of the process list).", section=SERVICE
+    )
+    max_connections: int = setting(
+        256,
+        "HTTP connections served at once (a thread each); more are answered 503 at once.",
+        section=SERVICE,
+        min=1,
+    )
+    read_timeout: float = setting(
+        30.0,
+        "Seconds a client has to send a request (its line, headers and body); a slower one is cut.",
+        section=SERVICE,
+        min=0,
+        min_open=True,
+    )
     max_pending: int = setting(
         64, "Requests in the engine or being published at most; more wait (backpressure).", section=SERVICE, min=1
     )
@@ -726,6 +748,8 @@ class ServeConfig:
             raise ConfigError("--backend folder publishes to a folder: give --serve-dir", "--serve-dir")
         if self.backend != "folder" and self.serve_dir is not None:
             raise ConfigError(f"--serve-dir is the folder backend's; --backend {self.backend} does not use it")
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ConfigError("give --api-key or --api-key-file, not both", "--api-key-file")
 
     @classmethod
     def build(cls, engine: Mapping[str, Any], **serve: Any) -> ServeConfig:

@@ -4,17 +4,31 @@
 A request that fails for a reason that may pass (the producer unreachable, a
 timeout, 503, a published file reclaimed before it was read) is tried again,
 ``retries`` times with a growing pause; then :class:`ProducerError` names the
-sample and the producer. A request the service calls wrong (400) is not retried.
+sample and the producer. A request the service calls wrong (400) or refuses
+(401: the API key) is not retried.
+
+The tries of one sample's call carry one ``request_id``: the service answers a
+retry with what the first try published, never a second file. A call that
+fails after all its tries tells the service to release what its tries may still
+publish (``POST /v1/release``), so nothing it asked for is left unread.
+``api_key`` (default: ``$SPECULATORS_DATA_GEN_SERVE_API_KEY``) goes with every
+request as ``Authorization: Bearer <key>``, as the service's ``--api-key`` wants.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
+import uuid
 
+from speculators_v016.serve.auth import API_KEY_VARIABLE
 from speculators_v016.serve.publications import this_consumer
+
+__all__ = ["API_KEY_VARIABLE", "ProducerClient", "ProducerError"]
+RELEASE_TIMEOUT = 10.0  # seconds the release after a failed call may take (best effort)
 
 
 class ProducerError(RuntimeError):
@@ -22,9 +36,22 @@ class ProducerError(RuntimeError):
 
 
 class ProducerClient:
-    def __init__(self, url: str, timeout: float = 600.0, retries: int = 3, pause: float = 1.0):
+    def __init__(
+        self, url: str, timeout: float = 600.0, retries: int = 3, pause: float = 1.0, api_key: str | None = None
+    ):
         self.url = url.rstrip("/")
         self.timeout, self.retries, self.pause = timeout, retries, pause
+        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_VARIABLE) or None
+
+    def _open(self, path: str, data: bytes | None, timeout: float) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(
+            self.url + path, data=data, headers=headers, method="GET" if data is None else "POST"
+        )
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
 
     def _call(self, what: str, path: str, body: dict | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
@@ -32,18 +59,11 @@ class ProducerClient:
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(self.pause * attempt)
-            request = urllib.request.Request(
-                self.url + path,
-                data=data,
-                headers={"Content-Type": "application/json"},
-                method="GET" if data is None else "POST",
-            )
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return json.loads(response.read())
+                return self._open(path, data, self.timeout)
             except urllib.error.HTTPError as exc:
                 message = _error_of(exc)
-                if exc.code == 400:
+                if exc.code in (400, 401):
                     raise ProducerError(f"{what}: the producer {self.url} refused the request: {message}") from None
                 last = f"HTTP {exc.code}: {message}"
             except (urllib.error.URLError, OSError, ValueError) as exc:
@@ -55,12 +75,25 @@ class ProducerClient:
 
     def request(self, what: str, index: int | None = None, input_ids=None, loss_mask=None) -> dict:
         """Ask for one sample (by the service's dataset index, or by token ids); return its handle."""
-        body: dict = {"consumer": this_consumer()}
+        body: dict = {"consumer": this_consumer(), "request_id": uuid.uuid4().hex}
         if index is not None:
             body["index"] = index
         else:
             body["input_ids"], body["loss_mask"] = list(input_ids), None if loss_mask is None else list(loss_mask)
-        return self._call(what, "/v1/samples", body)["handle"]
+        try:
+            return self._call(what, "/v1/samples", body)["handle"]
+        except ProducerError:
+            self.release(body["request_id"])
+            raise
+
+    def release(self, request_id: str) -> bool:
+        """Tell the service to delete what request ``request_id`` published (or will), unless taken; one try,
+        best effort: False where the service did not answer (its lease reclaims it then)."""
+        data = json.dumps({"request_id": request_id}).encode()
+        try:
+            return bool(self._open("/v1/release", data, min(self.timeout, RELEASE_TIMEOUT)).get("released"))
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
 
 
 def _error_of(exc: urllib.error.HTTPError) -> str:

@@ -59,8 +59,9 @@ class OnlineSampleDataset(Eagle3SampleFileDataset):
     here (default: its own path, as on one node). ``mode``: ``"online"`` (each
     file deleted once read) or ``"hybrid"`` (kept in ``cache_dir``, up to
     ``cache_bytes``, and read from there in later epochs). The backend (the serve folder, or the
-    Mooncake store) is the service's, as ``/v1/info`` names it. The other arguments
-    are upstream's.
+    Mooncake store) is the service's, as ``/v1/info`` names it. ``api_key``: the
+    service's ``--api-key`` (default: ``$SPECULATORS_DATA_GEN_SERVE_API_KEY``). The other
+    arguments are upstream's.
     """
 
     def __init__(
@@ -77,12 +78,13 @@ class OnlineSampleDataset(Eagle3SampleFileDataset):
         standardize_fn=standardize_data_v1,
         timeout: float = 600.0,
         retries: int = 3,
+        api_key: str | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if mode == "hybrid" and cache_dir is None:
             raise ValueError("mode 'hybrid' keeps what it read: it needs cache_dir")
-        self.client = ProducerClient(producer, timeout=timeout, retries=retries)
+        self.client = ProducerClient(producer, timeout=timeout, retries=retries, api_key=api_key)
         info = self.client.info()
         self.producer_info = info
         self.reader = reader_for(info, folder)

@@ -21,6 +21,7 @@ from speculators_v016.engine.engine_args import check_engine_args
 from speculators_v016.exit_codes import ExitCode
 from speculators_v016.run.dataset import prepare_samples
 from speculators_v016.run.run_report import exit_code
+from speculators_v016.serve.auth import ApiKeyError, api_key_of, exposure_warning
 from speculators_v016.serve.folder import ServeDirError
 from speculators_v016.serve.http_api import HttpFront
 from speculators_v016.serve.service import CaptureService
@@ -64,6 +65,15 @@ def serve(config: ServeConfig, console) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
+        api_key = api_key_of(config.api_key, config.api_key_file)
+    except ApiKeyError as exc:
+        console.failure(f"error: {exc}")
+        return ExitCode.USAGE
+    warning = exposure_warning(config.host, api_key)
+    if warning:
+        logger.warning("{}", warning)
+        console.echo(f"warning: {warning}", err=True)
+    try:
         check_engine_args(config.engine)  # vLLM takes --engine-args, before the dataset is read
         reclaim_and_log()
         service = CaptureService(config, load_samples(config)).start()
@@ -75,7 +85,7 @@ def serve(config: ServeConfig, console) -> int:
         console.log_exception(exc)
         return exit_code(exc)
     try:
-        front = HttpFront(service, config.host, config.port).start()
+        front = HttpFront.for_config(service, config, api_key).start()
     except OSError as exc:
         service.stop()
         console.failure(f"error: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}")

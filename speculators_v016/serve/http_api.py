@@ -3,105 +3,249 @@
 * ``GET /v1/info``: the model, layer ids, dtype, hidden size, the backend and its
   folder, the dataset's sample count and token lengths (where the service has a
   dataset), counters.
-* ``GET /health``: 200 while the engine serves, 503 naming the failure otherwise.
+* ``GET /health``: 200 while the engine serves, 503 naming why otherwise: the engine failed, the
+  service is stopping, or publishing has waited at ``--max-published-bytes`` for
+  ``publications.BLOCKED_SECONDS`` with nothing taken (consumers that ask and do not read).
 * ``POST /v1/samples``: ``{"index": i}`` (sample i of the service's dataset) or
   ``{"input_ids": [...], "loss_mask": [...]}``, with ``"consumer": {"host",
   "pid", "start"}`` so that what a dead consumer left can be reclaimed. The
   answer comes once the sample is published: ``{"handle": {"backend",
   "file", "bytes", "blake3", "num_tokens"}}``. 400: the request is wrong (the
   message says how); 503: the service stopped or its engine failed (named).
+  ``"request_id"`` (at most 64 of ``[A-Za-z0-9._-]``): the tries of one call
+  carry one id, and a try whose id the service already has is answered with
+  that request's handle, never a second publication.
+* ``POST /v1/release``: ``{"request_id": id}``: what that request published (or
+  will) is deleted unless taken: a client that gave up on it says so.
 
 A request waits while the service is at its bounds (backpressure): clients
-set their own timeouts. Upstream 0.9.0's client is answered too (``GET /v1/models``,
+set their own timeouts. What a stranger can make the front hold is bounded
+(:mod:`~speculators_v016.serve.connections`): ``--max-connections`` handler
+threads (more get 503), ``--read-timeout`` for a request's line, headers and
+body, a body of :func:`max_body_bytes` (413 above it: ``seq_length`` token ids
+and a mask as JSON fit), the fields a request may have and their lengths (400
+naming them). With ``--api-key`` every path but ``/health`` needs
+``Authorization: Bearer <key>`` (401): :mod:`~speculators_v016.serve.auth`. Upstream 0.9.0's client is answered too (``GET /v1/models``,
 ``POST /v1/completions``: :mod:`speculators_v016.serve.peer_api`).
 """
 
 from __future__ import annotations
 
+import io
 import json
+import re
 import threading
+import time
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 from loguru import logger
 
+from speculators_v016.config import ServeConfig, default_of
 from speculators_v016.serve import peer_api
-from speculators_v016.serve.service import CaptureService, RequestError, ServiceStopped
+from speculators_v016.serve.auth import authorized
+from speculators_v016.serve.connections import BoundedHTTPServer, DeadlineReader
+from speculators_v016.serve.service import RequestError, ServiceStopped
 
-MAX_BODY = 64 << 20  # bytes of a request body at most (a 16M-token sample as JSON fits)
+SAMPLE_FIELDS = ("index", "input_ids", "loss_mask", "consumer", "request_id")
+MAX_HOST = 255  # characters of consumer.host (a DNS name at most)
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+def max_body_bytes(seq_length: int) -> int:
+    """The largest request body served: 64 KiB and 32 bytes a token (``seq_length`` token ids and a loss mask
+    as JSON take at most 12 a token: an id of 7 digits and its separator, a mask digit and its)."""
+    return (64 << 10) + 32 * seq_length
+
+
+def consumer_of(value) -> dict | None:
+    """The ``consumer`` field as the record keeps it, or RequestError naming what is wrong and the limit."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise RequestError("consumer: an object {host, pid, start} is needed")
+    if set(value) - {"host", "pid", "start"}:
+        names = ", ".join(repr(k[:40]) for k in sorted(value)[:4])
+        raise RequestError(f"consumer: keys host, pid and start only, got {names}")
+    host, pid, start = value.get("host"), value.get("pid"), value.get("start")
+    if not isinstance(host, str) or len(host) > MAX_HOST:
+        raise RequestError(f"consumer.host: at most {MAX_HOST} characters of text")
+    for name, number in (("pid", pid), ("start", start)):
+        if number is not None and (isinstance(number, bool) or not isinstance(number, int) or not 0 <= number < 2**63):
+            raise RequestError(f"consumer.{name}: an integer in [0, 2**63)")
+    return {"host": host, "pid": pid, "start": start}
+
+
+def request_id_of(value) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _REQUEST_ID.match(value):
+        raise RequestError("request_id: at most 64 characters of [A-Za-z0-9._-]")
+    return value
 
 
 class _Handler(BaseHTTPRequestHandler):
-    service: CaptureService
+    service = None  # a CaptureService (set per front)
+    api_key: str | None = None
+    read_timeout: float = 30.0
+    max_body: int = 0
     protocol_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        super().setup()
+        self._reader = DeadlineReader(self.connection)
+        self.rfile = io.BufferedReader(self._reader)
+
+    def handle_one_request(self) -> None:
+        self._reader.deadline = time.monotonic() + self.read_timeout  # line, headers and body: this long in all
+        super().handle_one_request()
 
     def log_message(self, format, *args):  # noqa: A002 - the base class's name
         logger.debug("http {}: " + format, self.client_address[0], *args)
 
-    def _answer(self, status: HTTPStatus, body: dict) -> None:
+    def _answer(self, status: HTTPStatus, body: dict, close: bool = False, headers: dict | None = None) -> None:
         data = json.dumps(body).encode()
+        self.connection.settimeout(self.read_timeout)  # a client that does not read is not waited for longer
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        if close:  # its body was not read: the connection cannot carry another request
+            self.send_header("Connection", "close")
+            self.close_connection = True
         self.end_headers()
         self.wfile.write(data)
 
-    def _error(self, status: HTTPStatus, message: str) -> None:
-        self._answer(status, {"error": message})
+    def _error(self, status: HTTPStatus, message: str, close: bool = False, headers: dict | None = None) -> None:
+        self._answer(status, {"error": message}, close, headers)
+
+    def _authorized(self) -> bool:
+        if self.api_key is None or authorized(self.headers.get("Authorization"), self.api_key):
+            return True
+        self._error(
+            HTTPStatus.UNAUTHORIZED,
+            "this service needs its API key: send the header Authorization: Bearer <key> (the service's --api-key)",
+            close=True,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+        return False
 
     def do_GET(self) -> None:  # noqa: N802 - the base class's name
-        if self.path == "/v1/info":
+        if self.path == "/health":
+            problem = self.service.health()
+            if problem is None:
+                self._answer(HTTPStatus.OK, {"ok": True})
+            else:
+                self._error(HTTPStatus.SERVICE_UNAVAILABLE, problem)
+        elif not self._authorized():
+            return
+        elif self.path == "/v1/info":
             self._answer(HTTPStatus.OK, self.service.info())
         elif self.path == "/v1/models":
             self._answer(HTTPStatus.OK, peer_api.models(self.service))
-        elif self.path == "/health":
-            if self.service.failure is None and not self.service.stopping:
-                self._answer(HTTPStatus.OK, {"ok": True})
-            else:
-                self._error(HTTPStatus.SERVICE_UNAVAILABLE, str(self.service.down()))
         else:
-            self._error(HTTPStatus.NOT_FOUND, f"no such path {self.path!r}: GET /v1/info, /health; POST /v1/samples")
+            self._error(HTTPStatus.NOT_FOUND, "no such path: GET /v1/info, /health; POST /v1/samples")
+
+    def _body(self) -> dict | None:
+        """The request's JSON object, or None once the client was answered why not."""
+        if self.headers.get("Transfer-Encoding") is not None:
+            self._error(HTTPStatus.BAD_REQUEST, "Transfer-Encoding is not served: send a Content-Length", close=True)
+            return None
+        lengths = self.headers.get_all("Content-Length") or []
+        if len(lengths) != 1:
+            self._error(HTTPStatus.LENGTH_REQUIRED, "one Content-Length header is needed", close=True)
+            return None
+        raw = lengths[0].strip()
+        if not (raw.isascii() and raw.isdigit()):
+            self._error(HTTPStatus.BAD_REQUEST, f"Content-Length header {raw[:40]!r} is not a byte count", close=True)
+            return None
+        length = int(raw)
+        if length > self.max_body:
+            self._error(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                f"a request body of at most {self.max_body:,} bytes is served (64 KiB and 32 a token of "
+                f"--seq-length), got {length:,}",
+                close=True,
+            )
+            return None
+        data = self.rfile.read(length)
+        if len(data) < length:
+            self.close_connection = True  # the client went away mid-body
+            return None
+        try:
+            body = json.loads(data)
+        except (ValueError, RecursionError) as exc:
+            self._error(HTTPStatus.BAD_REQUEST, f"the body is not JSON: {str(exc)[:200]}")
+            return None
+        if not isinstance(body, dict):
+            self._error(HTTPStatus.BAD_REQUEST, "the request must be a JSON object")
+            return None
+        return body
 
     def do_POST(self) -> None:  # noqa: N802 - the base class's name
-        if self.path not in ("/v1/samples", "/v1/completions"):
-            self._error(HTTPStatus.NOT_FOUND, f"no such path {self.path!r}: POST /v1/samples, /v1/completions")
+        if self.path not in ("/v1/samples", "/v1/completions", "/v1/release"):
+            message = "no such path: POST /v1/samples, /v1/release, /v1/completions"
+            self._error(HTTPStatus.NOT_FOUND, message, close=True)
             return
-        length = int(self.headers.get("Content-Length") or 0)
-        if not 0 < length <= MAX_BODY:
-            self._error(HTTPStatus.BAD_REQUEST, f"a request body of 1 to {MAX_BODY} bytes is needed, got {length}")
+        if not self._authorized():
+            return
+        body = self._body()
+        if body is None:
             return
         try:
-            body = json.loads(self.rfile.read(length))
-            if not isinstance(body, dict):
-                raise RequestError("the request must be a JSON object")
             if self.path == "/v1/completions":
                 self._answer(HTTPStatus.OK, peer_api.completion(self.service, body))
-                return
-            if "index" in body:
-                ids, mask = self.service.sample_of(body["index"])
+            elif self.path == "/v1/release":
+                self._answer(HTTPStatus.OK, {"released": self.service.release(request_id_of(body.get("request_id")))})
             else:
-                ids, mask = body.get("input_ids"), body.get("loss_mask")
-            consumer = body.get("consumer") if isinstance(body.get("consumer"), dict) else None
-            handle = self.service.submit(ids, mask, consumer).result()
+                self._answer(HTTPStatus.OK, {"handle": self._sample(body)})
         except (RequestError, ValueError) as exc:
             self._error(HTTPStatus.BAD_REQUEST, str(exc))
         except ServiceStopped as exc:
             self._error(HTTPStatus.SERVICE_UNAVAILABLE, str(exc))
         except Exception as exc:  # noqa: BLE001 - the client is told; the service goes on or is already down
             self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}")
+
+    def _sample(self, body: dict) -> dict:
+        unknown = sorted(set(body) - set(SAMPLE_FIELDS))
+        if unknown:
+            raise RequestError(f"unknown field {unknown[0][:40]!r}: a request has {', '.join(SAMPLE_FIELDS)}")
+        consumer, request_id = consumer_of(body.get("consumer")), request_id_of(body.get("request_id"))
+        if "index" in body:
+            ids, mask = self.service.sample_of(body["index"])
         else:
-            self._answer(HTTPStatus.OK, {"handle": handle})
+            ids, mask = body.get("input_ids"), body.get("loss_mask")
+        return self.service.submit(ids, mask, consumer, request_id=request_id).result()
 
 
 class HttpFront:
-    """The HTTP server of a :class:`CaptureService`, serving on its own threads."""
+    """The HTTP server of a :class:`CaptureService`, serving on its own threads (at most ``max_connections``)."""
 
-    def __init__(self, service: CaptureService, host: str, port: int):
-        handler = type("Handler", (_Handler,), {"service": service})
-        self.server = ThreadingHTTPServer((host, port), handler)
-        self.server.daemon_threads = True
+    def __init__(
+        self,
+        service,
+        host: str,
+        port: int,
+        *,
+        api_key: str | None = None,
+        read_timeout: float = default_of(ServeConfig, "read_timeout"),
+        max_connections: int = default_of(ServeConfig, "max_connections"),
+        max_body: int | None = None,
+    ):
+        if max_body is None:
+            max_body = max_body_bytes(default_of(ServeConfig, "seq_length"))
+        limits = {"service": service, "api_key": api_key, "read_timeout": read_timeout, "max_body": max_body}
+        handler = type("Handler", (_Handler,), limits)
+        self.server = BoundedHTTPServer((host, port), handler, max_connections)
         self.host, self.port = self.server.server_address[:2]
         self._thread = threading.Thread(target=self.server.serve_forever, name="serve-http", daemon=True)
+
+    @classmethod
+    def for_config(cls, service, config: ServeConfig, api_key: str | None) -> HttpFront:
+        """The front as ``config`` bounds it (``--read-timeout``, ``--max-connections``, the body by ``--seq-length``)."""
+        return cls(service, config.host, config.port, api_key=api_key, read_timeout=config.read_timeout,
+                   max_connections=config.max_connections, max_body=max_body_bytes(config.seq_length))  # fmt: skip
 
     @property
     def url(self) -> str:

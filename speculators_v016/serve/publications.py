@@ -18,6 +18,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+#: Seconds a publisher waits at the cap, nothing taken meanwhile, before ``/health`` says publishing is blocked.
+BLOCKED_SECONDS = 30.0
+
 
 def process_start(pid: int) -> int | None:
     """The start time of process ``pid`` (clock ticks since boot, /proc), None if it does not run."""
@@ -46,6 +49,7 @@ class ReclaimCounts:
     consumer_dead: int = 0
     lease_expired: int = 0
     dead_service: int = 0
+    released: int = 0
 
 
 class Publications:
@@ -57,6 +61,7 @@ class Publications:
         self.reclaimed = ReclaimCounts()
         self.published = 0
         self._reserved = 0
+        self._waiting: dict[object, float] = {}  # publishers waiting at the cap, since when
         self._cond = threading.Condition()
         self._host = socket.gethostname()
 
@@ -76,12 +81,60 @@ class Publications:
     # -- the cap -----------------------------------------------------------------------------------
     def reserve(self, nbytes: int, stopped: threading.Event) -> None:
         """Wait until ``nbytes`` more fit under the cap (an object larger than the cap goes alone)."""
+        token = object()
         with self._cond:
-            while self.outstanding() + nbytes > self.max_bytes and (self.records or self._reserved):
-                if stopped.is_set():
-                    raise RuntimeError("the service is stopping")
-                self._cond.wait(0.02)
+            try:
+                while self.outstanding() + nbytes > self.max_bytes and (self.records or self._reserved):
+                    if stopped.is_set():
+                        raise RuntimeError("the service is stopping")
+                    self._waiting.setdefault(token, time.monotonic())
+                    self._cond.wait(0.02)
+            finally:
+                self._waiting.pop(token, None)
             self._reserved += nbytes
+
+    def waiting_seconds(self) -> float:
+        """How long the longest-waiting publisher has waited at the cap (0: none waits)."""
+        waiting = list(self._waiting.values())
+        return time.monotonic() - min(waiting) if waiting else 0.0
+
+    def blocked(self) -> str | None:
+        """Why publishing is stuck, where a publisher has waited at the cap for ``BLOCKED_SECONDS`` (nothing
+        taken meanwhile): the bytes and files not taken, and the consumer holding most of them. None otherwise."""
+        with self._cond:
+            waited = self.waiting_seconds()
+            if waited < BLOCKED_SECONDS:
+                return None
+            held = self.outstanding()
+            by: dict[tuple, int] = {}
+            for record in self.records.values():
+                consumer = record.consumer or {}
+                key = (consumer.get("host"), consumer.get("pid"))
+                by[key] = by.get(key, 0) + 1
+        most = max(by.items(), key=lambda item: item[1], default=None)
+        who = ""
+        if most is not None:
+            host, pid = most[0]
+            who = f"; {most[1]} of them asked by " + (
+                f"pid {pid} on {host}" if host else "a client that named no process"
+            )
+        return (
+            f"publishing has waited {waited:.0f} s at --max-published-bytes {self.max_bytes:,}: {held:,} bytes in "
+            f"{len(self.records)} published objects no consumer took{who} (reclaimed when their consumer dies, "
+            f"their lease of {self.lease_seconds:g} s runs out, or it releases them)"
+        )
+
+    def release(self, name: str) -> bool:
+        """Delete object ``name`` where the record says it is ours and not taken (its client gave up on it)."""
+        with self._cond:
+            self._refresh()
+            if name not in self.records:
+                return False
+            self._delete(name)
+            del self.records[name]
+            self.reclaimed.released += 1
+            self._cond.notify_all()
+            return True
 
     def _unreserve(self, nbytes: int) -> None:
         with self._cond:

@@ -31,6 +31,7 @@ import json
 import queue
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -51,6 +52,7 @@ from speculators_v016.store.sample_format import encode_parts, safetensors_parts
 from speculators_v016.target import PromptError, TargetInfo, check_token_ids
 
 REAP_INTERVAL = 1.0  # seconds between looks for what dead consumers left
+MAX_REQUEST_IDS = 4096  # request ids remembered (a retry comes within seconds; the oldest are forgotten)
 
 
 class RequestError(ValueError):
@@ -110,6 +112,7 @@ class CaptureService:
         self._unjudged: set[int] = set()  # checked requests taken and not judged yet
         self._queue: queue.Queue[Request] = queue.Queue()
         self._taken: dict[int, Request] = {}
+        self._by_id: OrderedDict[str, Future] = OrderedDict()  # request ids clients gave -> their futures
         self._slots = threading.BoundedSemaphore(config.max_pending)
         self._to_publish: queue.Queue = queue.Queue(maxsize=max(2, config.write_workers))
         self._stopping = threading.Event()
@@ -204,23 +207,39 @@ class CaptureService:
             raise RequestError(str(exc)) from None
         return ids, mask
 
-    def submit(self, ids, mask, consumer: dict | None = None, layout: str = "sample") -> Future:
-        """Queue one sample (waits while ``max_pending`` are taken); the future's result is its handle."""
+    def submit(
+        self, ids, mask, consumer: dict | None = None, layout: str = "sample", request_id: str | None = None
+    ) -> Future:
+        """Queue one sample (waits while ``max_pending`` are taken); the future's result is its handle.
+        ``request_id``: a call's tries carry one; a try whose id is known gets that request's future."""
         ids, mask = self.check(ids, mask)
         if layout == "stacked" and self.config.engine.fp8:
             raise RequestError(
                 "--hidden-states-dtype fp8_e4m3 keeps one scale per token and layer; upstream's FP8 files have one "
                 "per token: serve the engine's dtype to its client"
             )
-        while not self._slots.acquire(timeout=0.1):
-            self._raise_if_down()
+        future = Future()
+        if request_id is not None:
+            with self._key_lock:
+                known = self._by_id.get(request_id)
+                if known is not None:
+                    return known  # a retry: answered with the first try's handle, never published twice
+                self._by_id[request_id] = future
+                while len(self._by_id) > MAX_REQUEST_IDS:
+                    self._by_id.popitem(last=False)
         try:
-            self._raise_if_down()
-        except BaseException:
-            self._slots.release()
+            while not self._slots.acquire(timeout=0.1):
+                self._raise_if_down()
+            try:
+                self._raise_if_down()
+            except BaseException:
+                self._slots.release()
+                raise
+        except BaseException as exc:
+            future.set_exception(exc)  # a retry that joined it is told too
             raise
         with self._key_lock:
-            request = Request(next(self._keys), ids, mask, consumer, layout)
+            request = Request(next(self._keys), ids, mask, consumer, layout, future)
             self._given = request.key + 1
             if request.key in self._checked:
                 self._unjudged.add(request.key)  # later samples wait until it is judged
@@ -230,6 +249,33 @@ class CaptureService:
         if self._stopping.is_set() or self.failure is not None:  # stopped while queueing: not left waiting
             self._fail_all(self.down())
         return request.future
+
+    def release(self, request_id: str | None) -> bool:
+        """A client gave up on request ``request_id``: what it published (or will) is deleted unless taken.
+        False: no such request is known (never asked, already released, or long forgotten)."""
+        if request_id is None:
+            raise RequestError("request_id: the id of the request to release is needed")
+        with self._key_lock:
+            future = self._by_id.pop(request_id, None)
+        if future is None:
+            return False
+        future.add_done_callback(self._release_published)
+        return True
+
+    def _release_published(self, future: Future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        handle = future.result()
+        name = handle.get("file", handle.get("key"))
+        if self.backend.release(name):
+            logger.info("released {}: its client gave up on it", name)
+
+    def health(self) -> str | None:
+        """Why the service cannot serve now (its engine failed, it is stopping, publishing is blocked at the
+        cap); None while it serves."""
+        if self.failure is not None or self.stopping:
+            return str(self.down())
+        return self.backend.blocked()
 
     def down(self) -> ServiceStopped:
         if isinstance(self.failure, ServeDirError):
@@ -397,6 +443,7 @@ class CaptureService:
             "requests": self.stats.requests,
             "served": self.stats.served,
             "published_not_taken_bytes": self.backend.not_taken(),
+            "publishing_waiting_seconds": round(self.backend.waiting_seconds(), 1),
             "max_published_bytes": self.config.max_published_bytes,
             "reclaimed": vars(self.backend.reclaimed),
             "logit_check": self._checker.result.line() if self._checker is not None else "off",

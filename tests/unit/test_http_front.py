@@ -1,0 +1,285 @@
+"""The service's HTTP front (speculators_v016.serve.http_api) against a stand-in service, no engine: slow
+clients cut, threads bounded, bodies and fields bounded, malformed headers answered, the API key
+required, and retries of one request answered once. Every client here targets 127.0.0.1, in bounded
+loops."""
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import SimpleNamespace
+
+import openai
+import pytest
+
+from speculators_v016.online.client import API_KEY_VARIABLE, ProducerClient, ProducerError
+from speculators_v016.serve.auth import exposure_warning
+from speculators_v016.serve.http_api import HttpFront, max_body_bytes
+from speculators_v016.serve.service import RequestError
+
+KEY = "s3cret-key"
+
+
+class StandIn:
+    """What the front asks of a CaptureService: answers at once, counts what it was asked."""
+
+    served_model_name = "tiny"
+
+    def __init__(self):
+        self.failure, self.stopping, self.submitted, self.released = None, False, [], []
+        self.backend = SimpleNamespace(kind="folder", path_of=lambda handle: f"/states/{handle['file']}")
+        self.blocked = None
+
+    def info(self) -> dict:
+        return {"service": "stand-in"}
+
+    def health(self) -> str | None:
+        return self.blocked
+
+    def down(self):
+        return RuntimeError("down")
+
+    def sample_of(self, index):
+        raise RequestError("no dataset")
+
+    def submit(self, ids, mask, consumer=None, layout="sample", request_id=None) -> Future:
+        if not isinstance(ids, list) or not ids:
+            raise RequestError("input_ids must be a non-empty list of token ids")
+        self.submitted.append((ids, consumer, request_id))
+        future = Future()
+        future.set_result({"backend": "folder", "file": f"online_{len(self.submitted) - 1}.safetensors"})
+        return future
+
+    def release(self, request_id: str) -> bool:
+        self.released.append(request_id)
+        return True
+
+
+def start(stand_in=None, **limits) -> tuple[HttpFront, StandIn]:
+    stand_in = stand_in or StandIn()
+    return HttpFront(stand_in, "127.0.0.1", 0, **limits).start(), stand_in
+
+
+@pytest.fixture
+def front():
+    front, stand_in = start()
+    yield front, stand_in
+    front.stop()
+
+
+def raw(front: HttpFront, data: bytes, timeout: float = 10) -> bytes:
+    """Send ``data`` on a fresh connection; everything answered until the service closes it."""
+    with socket.create_connection((front.host, front.port), timeout=timeout) as sock:
+        sock.sendall(data)
+        out = b""
+        while chunk := sock.recv(65536):
+            out += chunk
+        return out
+
+
+def status_and_error(answer: bytes) -> tuple[int, str]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)["error"]
+
+
+def post(url: str, body, headers: dict | None = None) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method="POST", headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_a_content_length_that_is_not_a_number_is_a_400_naming_the_header(front, capfd):
+    """`Content-Length: abc`: a 400 naming the header, no traceback; the front goes on serving."""
+    front, _ = front
+    answer = raw(front, b"POST /v1/samples HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n")
+    code, error = status_and_error(answer)
+    assert code == 400 and "Content-Length header 'abc'" in error
+    assert "Traceback" not in capfd.readouterr().err
+    assert urllib.request.urlopen(front.url + "/health", timeout=10).status == 200
+
+
+def test_a_body_over_the_limit_is_a_413_naming_it_and_never_read(front):
+    """A declared body over the limit (sized from --seq-length) is refused with 413 before a byte of it is read."""
+    front, stand_in = front
+    limit = max_body_bytes(2048)
+    answer = raw(front, f"POST /v1/samples HTTP/1.1\r\nContent-Length: {16 << 20}\r\n\r\n[{{}},".encode())
+    code, error = status_and_error(answer)
+    assert code == 413 and f"at most {limit:,} bytes" in error and str(16 << 20) in error.replace(",", "")
+    assert stand_in.submitted == []
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"input_ids": [1], "consumer": {"host": "h" * 300, "pid": 1, "start": 2}}, "consumer.host: at most 255"),
+        ({"input_ids": [1], "consumer": {"host": "h", "pid": 1, "start": 2, "x": "y" * 100}}, "consumer: keys"),
+        ({"input_ids": [1], "consumer": "me"}, "consumer: an object"),
+        ({"input_ids": [1], "request_id": "r" * 65}, "request_id: at most 64"),
+        ({"input_ids": [1], "notes": "x" * 1000}, "unknown field 'notes'"),
+    ],
+)
+def test_fields_are_bounded_and_refused_by_name(front, body, message):
+    """A consumer field, a request id or a field the front does not know: a 400 naming it and its limit."""
+    front, stand_in = front
+    code, answer = post(front.url + "/v1/samples", body)
+    assert code == 400 and message in answer["error"], answer
+    assert stand_in.submitted == []
+
+
+def test_slow_clients_are_cut_and_an_honest_one_is_served_meanwhile():
+    """Clients sending headers a byte at a time or a short body hold a thread no longer than the read timeout;
+    an honest client is answered while they dribble."""
+    front, stand_in = start(read_timeout=1.0, max_connections=16)
+    try:
+        slow = [socket.create_connection((front.host, front.port), timeout=10) for _ in range(8)]
+        for i, sock in enumerate(slow):
+            sock.sendall(b"POST /v1/samples HTTP/1.1\r\nContent-Length: 100\r\n\r\n{" if i % 2 else b"P")
+        started = time.monotonic()
+        code, answer = post(front.url + "/v1/samples", {"input_ids": [1, 2]})
+        assert code == 200 and answer["handle"]["file"] == "online_0.safetensors"
+        cut = []
+        for _ in range(40):  # a byte every 0.1 s to each: bounded, about 4 s at most
+            for sock in slow:
+                if sock not in cut:
+                    try:
+                        sock.sendall(b"x")
+                    except OSError:
+                        cut.append(sock)
+            if len(cut) == len(slow):
+                break
+            time.sleep(0.1)
+        for sock in slow:
+            sock.close()
+        assert len(cut) == len(slow) and time.monotonic() - started < 4.5
+    finally:
+        front.stop()
+
+
+def test_connections_beyond_the_cap_are_refused_with_503_and_threads_stay_bounded():
+    """More idle connections than --max-connections: the extra ones get a 503 at once, no thread each."""
+    front, _ = start(read_timeout=5.0, max_connections=8)
+    threads_before = threading.active_count()
+    held = []
+    try:
+        for _ in range(40):
+            held.append(socket.create_connection((front.host, front.port), timeout=10))
+        refused = 0
+        for sock in held[8:]:
+            answer = sock.recv(4096)
+            refused += answer.startswith(b"HTTP/1.1 503")
+        assert refused == 32
+        assert b"--max-connections 8" in answer
+        assert threading.active_count() <= threads_before + 8
+    finally:
+        for sock in held:
+            sock.close()
+        front.stop()
+
+
+def test_eighty_simultaneous_clients_are_all_answered(front):
+    """A burst of 80 clients at once: every one is answered (the listen backlog holds them)."""
+    front, _ = front
+    assert front.server.request_queue_size >= 128
+
+    def health(_):
+        with urllib.request.urlopen(front.url + "/health", timeout=30) as response:
+            return response.status
+
+    with ThreadPoolExecutor(80) as pool:
+        assert list(pool.map(health, range(80))) == [200] * 80
+
+
+def test_health_says_when_publishing_is_blocked(front):
+    """/health is 503 naming why while the service says publishing is blocked at the cap."""
+    front, stand_in = front
+    stand_in.blocked = "publishing has waited 31 s at --max-published-bytes"
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        urllib.request.urlopen(front.url + "/health", timeout=10)
+    assert raised.value.code == 503 and "--max-published-bytes" in json.loads(raised.value.read())["error"]
+
+
+@pytest.fixture
+def keyed():
+    front, stand_in = start(api_key=KEY)
+    yield front, stand_in
+    front.stop()
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}])
+def test_with_an_api_key_every_endpoint_but_health_needs_it(keyed, headers):
+    """--api-key: /v1/info, /v1/models, /v1/samples, /v1/completions are 401 without the bearer key; /health is not."""
+    front, stand_in = keyed
+    for path in ("/v1/info", "/v1/models"):
+        with pytest.raises(urllib.error.HTTPError) as raised:
+            urllib.request.urlopen(urllib.request.Request(front.url + path, headers=headers), timeout=10)
+        assert raised.value.code == 401 and "Authorization: Bearer" in json.loads(raised.value.read())["error"]
+    for path in ("/v1/samples", "/v1/completions", "/v1/release"):
+        code, answer = post(front.url + path, {"input_ids": [1]}, headers)
+        assert code == 401 and "API key" in answer["error"]
+    assert stand_in.submitted == [] and stand_in.released == []
+    assert urllib.request.urlopen(front.url + "/health", timeout=10).status == 200
+
+
+def test_the_client_sends_the_key_given_or_from_its_variable(keyed, monkeypatch):
+    """ProducerClient with api_key, or with SPECULATORS_DATA_GEN_SERVE_API_KEY set, is served; without: a
+    ProducerError naming the 401, not retried."""
+    front, stand_in = keyed
+    assert ProducerClient(front.url, api_key=KEY).info() == {"service": "stand-in"}
+    monkeypatch.setenv(API_KEY_VARIABLE, KEY)
+    assert ProducerClient(front.url).request("s", input_ids=[1, 2])["file"] == "online_0.safetensors"
+    monkeypatch.delenv(API_KEY_VARIABLE)
+    started = time.monotonic()
+    with pytest.raises(ProducerError, match="refused the request: .*API key"):
+        ProducerClient(front.url, retries=3, pause=5).info()
+    assert time.monotonic() - started < 5
+
+
+def test_an_openai_client_with_the_key_is_served(keyed):
+    """The OpenAI client (what upstream 0.9.0's generate_hidden_states is given) sends api_key as the bearer key."""
+    front, stand_in = keyed
+    client = openai.OpenAI(base_url=f"{front.url}/v1", api_key=KEY, max_retries=0)
+    answer = client.completions.create(model="tiny", prompt=[[1, 2, 3]], max_tokens=1)
+    assert answer.model_extra["kv_transfer_params"] == {"hidden_states_path": "/states/online_0.safetensors"}
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{front.url}/v1", api_key="EMPTY", max_retries=0).models.list()
+
+
+def test_binding_beyond_loopback_without_a_key_is_warned():
+    """A warning for 0.0.0.0 or a routable address without --api-key; none for loopback or with a key."""
+    assert "--api-key" in exposure_warning("0.0.0.0", None)
+    assert "--api-key" in exposure_warning("10.1.2.3", None)
+    assert exposure_warning("127.0.0.1", None) is None and exposure_warning("localhost", None) is None
+    assert exposure_warning("::1", None) is None and exposure_warning("0.0.0.0", KEY) is None
+
+
+def test_retries_of_one_request_carry_its_id_and_a_failed_call_releases_it():
+    """ProducerClient sends one request id for all tries of a call; when every try fails it tells the service
+    to release what they may have published."""
+    stand_in = StandIn()
+    calls = []
+
+    def slow_submit(ids, mask, consumer=None, layout="sample", request_id=None):
+        calls.append(request_id)
+        time.sleep(1.5)  # longer than the client's timeout
+        return StandIn.submit(stand_in, ids, mask, consumer, layout, request_id)
+
+    stand_in.submit = slow_submit
+    front, _ = start(stand_in)
+    try:
+        client = ProducerClient(front.url, timeout=0.5, retries=2, pause=0.05)
+        with pytest.raises(ProducerError, match="did not answer after 3 tries"):
+            client.request("s", input_ids=[1])
+        assert len(calls) == 3 and len(set(calls)) == 1 and calls[0]
+        deadline = time.monotonic() + 10
+        while not stand_in.released and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stand_in.released == calls[:1]
+    finally:
+        front.stop()
