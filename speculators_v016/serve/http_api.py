@@ -48,6 +48,7 @@ from speculators_v016.serve.connections import BoundedHTTPServer, DeadlineReader
 from speculators_v016.serve.service import RequestError, ServiceStopped
 
 SAMPLE_FIELDS = ("index", "input_ids", "loss_mask", "consumer", "request_id")
+DISCARD_BYTES = 64 << 20  # a refused request's body read and dropped, at most (its client then gets the answer)
 MAX_HOST = 255  # characters of consumer.host (a DNS name at most)
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
@@ -116,6 +117,24 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         self.end_headers()
         self.wfile.write(data)
+        if close:
+            self._discard_body()
+
+    def _discard_body(self) -> None:
+        """Read and drop the body of a refused request (up to ``DISCARD_BYTES``, within the read deadline), so that
+        closing does not reset the connection before its client reads the answer; never kept."""
+        raw = (self.headers.get("Content-Length") or "").strip() if self.headers is not None else ""
+        left = int(raw) if raw.isascii() and raw.isdigit() else 0
+        if left > DISCARD_BYTES:
+            return
+        try:
+            while left > 0:
+                chunk = self.rfile.read1(min(left, 1 << 16))
+                if not chunk:
+                    return
+                left -= len(chunk)
+        except (TimeoutError, OSError):
+            return
 
     def _error(self, status: HTTPStatus, message: str, close: bool = False, headers: dict | None = None) -> None:
         self._answer(status, {"error": message}, close, headers)

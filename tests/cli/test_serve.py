@@ -27,8 +27,9 @@ from speculators.train.data import Eagle3SampleFileDataset
 
 from helpers.cli import CPU, conversations, generate, write_jsonl
 from speculators_v016.online import OnlineSampleDataset, ProducerClient, ProducerError
+from speculators_v016.online.client import API_KEY_VARIABLE
 from speculators_v016.online.readers import MooncakeReader
-from speculators_v016.serve.folder import JOURNAL
+from speculators_v016.serve.folder import JOURNAL, LOCK
 from speculators_v016.store.sample_format import load_sample
 from speculators_v016.testing.faults import VARIABLE as FAULT
 
@@ -37,6 +38,7 @@ PEER = ("speculators==0.9.0", "hs-connectors==0.9.0", "torch==2.13.0")  # torch:
 PEER_ENV = {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}, "HF_HUB_OFFLINE": "1"}
 PEER_VENV = Path(__file__).resolve().parents[2] / "build" / "peer-venvs" / "speculators-0.9.0"
 SERVE_ENV = {**CPU, "SPECULATORS_DATA_GEN_NO_PROGRESS": "1"}
+API_KEY = "test-key-of-the-mooncake-service"
 CAP = 1 << 20  # --max-published-bytes: about two of the largest samples (fp32, 4 layers of 128, 256 tokens)
 
 
@@ -258,6 +260,48 @@ def test_bytes_not_taken_stay_under_the_cap_and_publishing_resumes(service):
         (service["dir"] / name).unlink()
 
 
+def test_a_call_that_timed_out_leaves_nothing_published(service):
+    """A call whose tries all time out at the cap: its tries are one request (one id), and the file it got is
+    released once published; /v1/info says how long publishing waited at the cap."""
+    filler, handles = ProducerClient(service["url"]), {}
+    threads = [threading.Thread(target=lambda i=i: handles.setdefault(i, filler.request(f"s{i}", index=i)))
+               for i in range(6)]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    late = ProducerClient(service["url"], timeout=1.5, retries=2, pause=0.1)
+    with pytest.raises(ProducerError, match="sample late: .* did not answer after 3 tries"):
+        late.request("sample late", index=7)
+    assert ProducerClient(service["url"]).info()["publishing_waiting_seconds"] > 0
+    deadline = time.monotonic() + 120
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        for handle in list(handles.values()):
+            (service["dir"] / handle["file"]).unlink(missing_ok=True)  # the fillers' files only: taken
+        time.sleep(0.05)
+    assert not any(t.is_alive() for t in threads)
+    for handle in handles.values():
+        (service["dir"] / handle["file"]).unlink(missing_ok=True)
+    while published(service["dir"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert published(service["dir"]) == []  # the late call's one file released, not three left unread
+    assert ProducerClient(service["url"]).info()["reclaimed"]["released"] >= 1
+
+
+def test_oversized_bodies_and_fields_are_refused_before_anything_is_kept(service):
+    """An 8 MiB consumer field: 413 naming the body limit, the journal unchanged; a long host: 400 naming it."""
+    journal = (service["dir"] / JOURNAL).stat().st_size
+    big = {"input_ids": [1], "consumer": {"host": "h" * (8 << 20), "pid": 1, "start": 1}}
+    request = urllib.request.Request(service["url"] + "/v1/samples", data=json.dumps(big).encode(), method="POST")
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        urllib.request.urlopen(request, timeout=60)
+    assert raised.value.code == 413 and "at most 73,728 bytes" in json.loads(raised.value.read())["error"]
+    long_host = {"input_ids": [1], "consumer": {"host": "h" * 1000, "pid": 1, "start": 1}}
+    request = urllib.request.Request(service["url"] + "/v1/samples", data=json.dumps(long_host).encode())
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        urllib.request.urlopen(request, timeout=60)
+    assert raised.value.code == 400 and "consumer.host: at most 255" in json.loads(raised.value.read())["error"]
+    assert (service["dir"] / JOURNAL).stat().st_size == journal
+
+
 def consumer_that_waits(url: str, field: str) -> tuple[subprocess.Popen, list[str]]:
     """A consumer process that asks for samples 0 and 1, prints their handles' ``field`` and never reads them."""
     script = (
@@ -300,6 +344,22 @@ def test_a_folder_in_use_or_holding_foreign_files_is_refused(service, model_dir,
     proc, url, lines = start_service(model_dir, unrecorded)
     assert url is None and proc.returncode == 4 and ".tmp-online_3.safetensors.1" in "".join(lines)
     assert (unrecorded / ".tmp-online_3.safetensors.1").exists()
+
+
+def test_a_deleted_lock_is_made_again_and_a_second_service_still_refused(service, model_dir):
+    """The lock file deleted while the service runs: the service makes it again within seconds, and a second
+    service on the folder is refused (exit 4), deleting nothing."""
+    lock = service["dir"] / LOCK
+    lock.unlink()
+    deadline = time.monotonic() + 10
+    while not lock.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert lock.read_text() == str(service["proc"].pid)
+    kept = ProducerClient(service["url"]).request("kept", index=0)["file"]
+    proc, url, lines = start_service(model_dir, service["dir"])
+    assert url is None and proc.returncode == 4 and "is in use by a running service" in "".join(lines)
+    assert (service["dir"] / kept).exists()
+    (service["dir"] / kept).unlink()
 
 
 def train_steps(model_dir, offline, save_dir, producer=None, rank=None, world=None) -> subprocess.Popen:
@@ -412,11 +472,15 @@ def test_what_the_peer_protocol_does_not_serve_is_refused_by_name(service, model
 
 @pytest.fixture(scope="module")
 def mooncake_service(model_dir, data_file):
-    """The same service with the Mooncake store as its backend (master started by the service, TCP)."""
-    proc, url, lines = start_service(model_dir, None, data_file=data_file)
-    assert url, "".join(lines)
-    yield {"url": url, "proc": proc, "start": "".join(lines)}
-    stop_service(proc)
+    """The same service with the Mooncake store as its backend (master started by the service, TCP), and an API
+    key: its variable, which the service reads as --api-key and every client of these tests (and their
+    subprocesses) sends."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(API_KEY_VARIABLE, API_KEY)
+        proc, url, lines = start_service(model_dir, None, data_file=data_file)
+        assert url, "".join(lines)
+        yield {"url": url, "proc": proc, "start": "".join(lines)}
+        stop_service(proc)
 
 
 @functools.cache
@@ -441,6 +505,21 @@ def test_mooncake_items_equal_the_offline_files_bit_for_bit(mooncake_service, of
         assert_same_item(items[i], reference[i], f"sample {i}")
     info = ProducerClient(mooncake_service["url"]).info()
     assert info["backend"]["kind"] == "mooncake" and info["published_not_taken_bytes"] == 0
+
+
+def test_a_service_with_an_api_key_refuses_requests_without_it(mooncake_service):
+    """--api-key (from its variable): /v1/info and /v1/samples without the bearer key are 401, a wrong key is a
+    ProducerError naming it, not retried; /health needs none."""
+    url = mooncake_service["url"]
+    for request in (urllib.request.Request(url + "/v1/info"),
+                    urllib.request.Request(url + "/v1/samples", data=b'{"index": 0}', method="POST")):  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as raised:
+            urllib.request.urlopen(request, timeout=60)
+        assert raised.value.code == 401 and "Authorization: Bearer" in json.loads(raised.value.read())["error"]
+    with pytest.raises(ProducerError, match="refused the request: this service needs its API key"):
+        ProducerClient(url, api_key="wrong", retries=3, pause=5).request("s", index=0)
+    assert urllib.request.urlopen(url + "/health", timeout=10).status == 200
+    assert ProducerClient(url).info()["requests"] >= COUNT  # the key from the variable
 
 
 def test_mooncake_two_ranks_train_as_offline(mooncake_service, offline, model_dir, tmp_path, offline_rank_losses):

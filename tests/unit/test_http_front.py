@@ -71,12 +71,16 @@ def front():
 
 
 def raw(front: HttpFront, data: bytes, timeout: float = 10) -> bytes:
-    """Send ``data`` on a fresh connection; everything answered until the service closes it."""
+    """Send ``data`` on a fresh connection; the one answer read back (head and its Content-Length of body)."""
     with socket.create_connection((front.host, front.port), timeout=timeout) as sock:
         sock.sendall(data)
         out = b""
         while chunk := sock.recv(65536):
             out += chunk
+            head, _, body = out.partition(b"\r\n\r\n")
+            length = [line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")]
+            if length and len(body) >= int(length[0].split(b":")[1]):
+                break
         return out
 
 
