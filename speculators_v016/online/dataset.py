@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import operator
 import os
-import shutil
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch
 from speculators.train.data import Eagle3SampleFileDataset, standardize_data_v1
 
 from speculators_v016.online.client import ProducerClient, ProducerError
-from speculators_v016.online.readers import reader_for
+from speculators_v016.online.readers import HandleError, StaleFile, Taken, reader_for
 
 MODES = ("online", "hybrid")
 
@@ -106,7 +105,7 @@ class OnlineSampleDataset(Eagle3SampleFileDataset):
         self.requests = 0  # this process's requests (a hybrid epoch read from the cache makes none)
         self._cache_used: int | None = None  # bytes in the cache, as this process last counted them
         self._cache_added = 0
-        self._served: dict[tuple[int, int], Path] = {}  # (thread, index) -> the served file it reads
+        self._served: dict[tuple[int, int], Taken] = {}  # (thread, index) -> the served file it reads
         # upstream's attributes, as its __init__ sets them (its own __init__ reads every file at start)
         self.data = _RequestedFiles(self, len(lengths))
         self.max_len = max_len
@@ -125,7 +124,7 @@ class OnlineSampleDataset(Eagle3SampleFileDataset):
         finally:
             served = self._served.pop((threading.get_ident(), index), None)
             if served is not None:
-                served.unlink(missing_ok=True)  # taken: the service's cap counts it no more
+                served.release()  # taken: the service's cap counts it no more
 
     def _cached(self, index: int) -> Path | None:
         if self.cache_dir is None:
@@ -143,31 +142,55 @@ class OnlineSampleDataset(Eagle3SampleFileDataset):
         cached = self._cached(index)
         if cached is not None:
             return cached
-        path = self._request(index)
-        if self.mode == "hybrid" and self._room_for(path.stat().st_size):
-            kept = self.cache_dir / f"data_{index}.safetensors"
+        taken = self._request(index)
+        if self.mode == "hybrid" and self._room_for(taken.path.stat().st_size):
             try:
-                os.replace(path, kept)
-            except OSError:  # another filesystem: copy, then the served file is taken
-                shutil.copyfile(path, kept.with_suffix(".part"))
-                os.replace(kept.with_suffix(".part"), kept)
-                path.unlink(missing_ok=True)
-            return kept
-        self._served[threading.get_ident(), index] = path  # by thread too: two threads may read one index
-        return path
+                return self.reader.keep(taken, self.cache_dir / f"data_{index}.safetensors")
+            except OSError as exc:
+                taken.release()
+                raise ProducerError(
+                    f"sample {index}: the file the producer {self.client.url} published cannot be kept in "
+                    f"{self.cache_dir} ({exc.strerror or exc})"
+                ) from exc
+            except StaleFile as exc:
+                raise ProducerError(f"sample {index}: the producer {self.client.url} published it, but {exc}") from None
+        self._served[threading.get_ident(), index] = taken  # by thread too: two threads may read one index
+        return taken.path
 
-    def _request(self, index: int) -> Path:
+    def _request(self, index: int) -> Taken:
+        """Ask for sample ``index`` and take its object, checked (:mod:`speculators_v016.online.readers`).
+
+        A handle naming something outside the folder (or store), or lacking a field, is refused at once;
+        a file gone (reclaimed: its lease ran out) or not what the handle says (short, altered) is asked
+        for once more."""
         what = f"sample {index}"
-        for _ in range(2):  # a file reclaimed before it was read (its lease ran out): asked for once more
+        for _ in range(2):
             self.requests += 1
-            if self.samples is None:
-                handle = self.client.request(what, index=index)
-            else:
-                handle = self.client.request(what, input_ids=self.samples[index][0], loss_mask=self.samples[index][1])
-            path = self.reader.fetch(handle)
-            if path is not None:
-                return path
-        raise ProducerError(f"{what}: the producer {self.client.url} published it, but {self.reader.where(handle)}")
+            try:
+                if self.samples is None:
+                    handle = self.client.request(what, index=index)
+                else:
+                    ids, mask = self.samples[index]
+                    handle = self.client.request(what, input_ids=ids, loss_mask=mask)
+            except (KeyError, TypeError) as exc:  # a reply without a handle: not the service's answer
+                raise ProducerError(
+                    f"{what}: the producer {self.client.url} answered without a handle ({type(exc).__name__}: {exc})"
+                ) from None
+            try:
+                taken = self.reader.fetch(handle)
+            except HandleError as exc:
+                raise ProducerError(
+                    f"{what}: the producer {self.client.url} answered a handle refused: {exc}"
+                ) from None
+            except StaleFile as exc:
+                why = str(exc)
+                continue
+            except ProducerError as exc:
+                raise ProducerError(f"{what}: the producer {self.client.url}: {exc}") from None
+            if taken is not None:
+                return taken
+            why = self.reader.where(handle)
+        raise ProducerError(f"{what}: the producer {self.client.url} published it, but {why}")
 
     def _room_for(self, size: int) -> bool:
         """Within ``cache_bytes``? The cache is counted again every 256 files this process adds (other

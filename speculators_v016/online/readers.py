@@ -1,21 +1,115 @@
 """How a consumer gets the file of a handle: from the serve folder, or out of the Mooncake store.
 
-Either way the dataset gets a local path that upstream's reader opens, and deletes it once read
+Either way the dataset gets a local file that upstream's reader opens, and removes it once read
 (the served file itself, or the private copy of a Mooncake object). A Mooncake object is removed
 from the store as soon as it is copied out: taken, as a deleted file is.
+
+A handle is the producer's word, and the producer may be wrong or impersonated: nothing in it is
+trusted (:func:`check_handle`). The consumer touches only a plain name of the service's own naming
+(``online_N.safetensors``; ``speculators/HOST/PID-START/online_N`` in the store) inside the folder
+(or store) it was configured with: never an absolute path, never ``..``, never a name with a
+folder in it. A served file is opened without following a link (``O_NOFOLLOW``), must be a regular
+file of the handle's size and digest (the digest the service computed as it wrote it, BLAKE3 or
+sha256 as the handle names it) and a safetensors file whose header and data end where the file
+ends; only then is it read, and it is deleted (or moved into the cache) only while its name still
+holds that very file (same device and inode). Anything else is a :class:`ProducerError` naming the
+sample, the service and what is wrong; a short or altered file is asked for again once (a retry can
+help there), a handle that names something outside the folder is not.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import re
+import shutil
+import stat
+import struct
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from speculators_v016.online.client import ProducerError
 from speculators_v016.serve.mooncake import local_address_towards, local_buffer_for
+from speculators_v016.store.checksum import ALGORITHMS
+from speculators_v016.store.checksum import new as new_digest
 
 SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") else None
+#: the names a service publishes (speculators_v016.serve.folder): a counter, nothing from data
+FILE_NAME = re.compile(r"^online_\d{1,18}\.safetensors$")
+#: the keys a service puts into the Mooncake store (speculators_v016.serve.mooncake)
+STORE_KEY = re.compile(r"^speculators/[A-Za-z0-9._-]{1,255}/\d{1,10}-\d{1,20}/online_\d{1,18}$")
+_HEADER_MAX = 100 << 20  # safetensors' own bound on a header
+_BLOCK = 16 << 20
+
+
+class HandleError(ProducerError):
+    """A handle that names something this consumer must not touch, or lacks a field: asking again will not help."""
+
+
+class StaleFile(ProducerError):
+    """The served file is not what the handle says (short, altered, not safetensors): asking again may help."""
+
+
+def check_handle(handle, needs: str) -> tuple[str, int, str, str]:
+    """``(name, bytes, algorithm, digest)`` of a handle, or HandleError saying what is wrong with it.
+
+    ``needs``: the field naming the object (``file`` or ``key``); its value is matched by the caller."""
+    if not isinstance(handle, dict):
+        raise HandleError(f"the reply's handle is {type(handle).__name__}, not an object")
+    name = handle.get(needs)
+    if not isinstance(name, str):
+        raise HandleError(f"the reply's handle has no {needs!r} (fields: {sorted(handle)[:8]})")
+    size = handle.get("bytes")
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 8:
+        raise HandleError(f"the reply's handle gives bytes {size!r}, not a file size")
+    found = [a for a in ALGORITHMS if a in handle]
+    if not found or not isinstance(handle[found[0]], str) or not re.fullmatch(r"[0-9a-f]{64}", handle[found[0]]):
+        raise HandleError(f"the reply's handle carries no digest ({' or '.join(ALGORITHMS)}, 64 hex digits)")
+    return name, size, found[0], handle[found[0]]
+
+
+def check_safetensors_frame(head: bytes, size: int) -> None:
+    """The file's first bytes: a safetensors header whose tensors end exactly where the file ends."""
+    if len(head) < 8:
+        raise StaleFile(f"{size} bytes: too short for a safetensors file")
+    (length,) = struct.unpack("<Q", head[:8])
+    if not 0 < length <= min(_HEADER_MAX, size - 8) or len(head) < 8 + length:
+        raise StaleFile(f"not a safetensors file (header of {length} bytes in a file of {size})")
+    try:
+        header = json.loads(head[8 : 8 + length])
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+        raise StaleFile(f"not a safetensors file (its header does not parse: {type(exc).__name__})") from None
+    if max(ends, default=0) != size - 8 - length:
+        raise StaleFile(f"a safetensors file whose tensors end at {max(ends, default=0)} of {size - 8 - length} bytes")
+
+
+@dataclass
+class Taken:
+    """A fetched sample: ``path`` is what upstream's reader opens; :meth:`release` removes what was served."""
+
+    path: Path
+    identity: tuple[int, int] | None = None  # (device, inode) of a served file; None: a private copy of ours
+
+    def release(self) -> None:
+        """Taken: the served file deleted (only while its name still holds the file that was checked)."""
+        if self.identity is None:
+            self.path.unlink(missing_ok=True)
+        else:
+            remove_if_same(self.path, self.identity)
+
+
+def remove_if_same(path: Path, identity: tuple[int, int]) -> None:
+    """Delete ``path`` if it still is the regular file ``identity`` names (never through a link)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(info.st_mode) and (info.st_dev, info.st_ino) == identity:
+        path.unlink(missing_ok=True)
 
 
 class FolderReader:
@@ -24,15 +118,70 @@ class FolderReader:
     def __init__(self, folder: Path):
         self.folder = Path(folder)
 
-    def fetch(self, handle: dict) -> Path | None:
-        """The served file, or None where it is gone (reclaimed before it was read)."""
-        path = self.folder / handle["file"]
-        return path if path.exists() else None
+    def fetch(self, handle: dict) -> Taken | None:
+        """The served file, checked; None where it is gone (reclaimed before it was read)."""
+        name, size, algorithm, digest = check_handle(handle, "file")
+        if not FILE_NAME.match(name):
+            raise HandleError(
+                f"the reply names the file {name[:200]!r}, not a plain name of the service's folder "
+                "(online_N.safetensors): refused, nothing read or deleted"
+            )
+        path = self.folder / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise HandleError(f"{path} is a symbolic link, not a file the service wrote: not followed") from None
+            raise StaleFile(f"{path} cannot be opened ({exc.strerror or exc})") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise HandleError(f"{path} is not a regular file: not read")
+            if info.st_size != size:
+                raise StaleFile(f"{path} has {info.st_size} bytes, the reply says {size}")
+            check_safetensors_frame(os.pread(fd, min(size, 8 + _HEADER_MAX, 1 << 20), 0), size)
+            if _digest_of(fd, size, algorithm) != digest:
+                raise StaleFile(f"{path}: its {algorithm} differs from the reply's (altered or torn)")
+        finally:
+            os.close(fd)
+        return Taken(path, (info.st_dev, info.st_ino))
+
+    def keep(self, taken: Taken, kept: Path) -> Path:
+        """Move a served file into the cache as ``kept`` (copied where the cache is on another filesystem)."""
+        info = os.lstat(taken.path)
+        if not stat.S_ISREG(info.st_mode) or (info.st_dev, info.st_ino) != taken.identity:
+            raise StaleFile(f"{taken.path} was replaced after it was checked: not kept")
+        try:
+            os.replace(taken.path, kept)
+        except OSError:  # another filesystem: copy what was checked, then the served file is taken
+            fd = os.open(taken.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as src, open(kept.with_suffix(".part"), "wb") as dst:
+                shutil.copyfileobj(src, dst, _BLOCK)
+            os.replace(kept.with_suffix(".part"), kept)
+            taken.release()
+        return kept
 
     def where(self, handle: dict) -> str:
         return (
             f"{handle['file']} is not in {self.folder}: is its --serve-dir seen here under another path (folder=...)?"
         )
+
+
+def _digest_of(fd: int, size: int, algorithm: str) -> str:
+    """The digest of the first ``size`` bytes of ``fd`` (no more are read, whatever the file does meanwhile)."""
+    digest = new_digest(algorithm)
+    buffer = bytearray(min(_BLOCK, size))
+    view = memoryview(buffer)
+    offset = 0
+    while offset < size:
+        count = os.preadv(fd, [view[: min(len(buffer), size - offset)]], offset)
+        if not count:
+            break
+        digest.update(view[:count])
+        offset += count
+    return digest.hexdigest()
 
 
 class MooncakeReader:
@@ -56,31 +205,54 @@ class MooncakeReader:
             self._store, self._pid = store, os.getpid()
         return self._store
 
-    def fetch(self, handle: dict) -> Path | None:
+    def fetch(self, handle: dict) -> Taken | None:
+        key, size, algorithm, digest = check_handle(handle, "key")
+        if not STORE_KEY.match(key):
+            raise HandleError(
+                f"the reply names the store key {key[:200]!r}, not one the service puts "
+                "(speculators/HOST/PID-START/online_N): refused, nothing read or removed"
+            )
         with self._lock:
-            return self._fetch(handle)
+            return self._fetch(key, size, algorithm, digest)
 
-    def _fetch(self, handle: dict) -> Path | None:
+    def _fetch(self, key: str, size: int, algorithm: str, digest: str) -> Taken | None:
         store = self._client()
-        data = store.get(handle["key"])
-        if len(data) != handle["bytes"]:
+        data = store.get(key)
+        if len(data) != size:
             return None  # gone (reclaimed), or the store failed: Mooncake's get says which only in its log
+        check_safetensors_frame(bytes(data[: min(size, 8 + _HEADER_MAX)]), size)
+        check = new_digest(algorithm)
+        check.update(data)
+        if check.hexdigest() != digest:
+            raise StaleFile(f"{key}: its {algorithm} differs from the reply's")
         # a private copy for upstream's reader, deleted once read (no folder: forked workers never run atexit)
         fd, name = tempfile.mkstemp(prefix=f"speculators-online-{os.getpid()}-", suffix=".safetensors", dir=SCRATCH)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
-        path = Path(name)
-        store.remove(handle["key"], True)  # taken
-        return path
+        store.remove(key, True)  # taken
+        return Taken(Path(name))
+
+    def keep(self, taken: Taken, kept: Path) -> Path:
+        try:
+            os.replace(taken.path, kept)
+        except OSError:  # another filesystem
+            shutil.copyfile(taken.path, kept.with_suffix(".part"))
+            os.replace(kept.with_suffix(".part"), kept)
+            taken.release()
+        return kept
 
     def where(self, handle: dict) -> str:
         return f"{handle['key']} could not be read from the Mooncake store at master {self.master}"
 
 
 def reader_for(info: dict, folder) -> FolderReader | MooncakeReader:
-    backend = info["backend"]
-    if backend["kind"] == "folder":
-        return FolderReader(Path(folder if folder is not None else backend["dir"]))
-    if backend["kind"] == "mooncake":
-        return MooncakeReader(backend["master"], backend["max_object_bytes"])
-    raise ProducerError(f"the producer publishes to a backend this client does not know: {backend['kind']!r}")
+    try:
+        backend = info["backend"]
+        kind = backend["kind"]
+        if kind == "folder":
+            return FolderReader(Path(folder if folder is not None else backend["dir"]))
+        if kind == "mooncake":
+            return MooncakeReader(backend["master"], backend["max_object_bytes"])
+    except (KeyError, TypeError) as exc:
+        raise ProducerError(f"the producer's /v1/info names no backend this client can use ({exc!r})") from None
+    raise ProducerError(f"the producer publishes to a backend this client does not know: {kind!r}")
