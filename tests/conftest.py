@@ -45,6 +45,20 @@ def model_dir(tiny_model):
     return tiny_model("llama")
 
 
+@pytest.fixture(scope="session")
+def zero_embedding_model(tiny_model, tmp_path_factory):
+    """The tiny Llama with token ``ZERO_TOKEN``'s input embedding row zeroed (as real checkpoints have rows)."""
+    import shutil  # noqa: PLC0415 - as tiny_model's imports: only where models are built
+
+    from helpers import ZERO_TOKEN  # noqa: PLC0415 - as tiny_model's imports
+    from speculators_v016.testing.tiny_models import zero_embedding_rows  # noqa: PLC0415 - transformers, see above
+
+    out = tmp_path_factory.mktemp("zero-embedding") / "llama"
+    shutil.copytree(tiny_model("llama"), out)
+    zero_embedding_rows(out, [ZERO_TOKEN])
+    return str(out)
+
+
 # -- the architecture table: each engine test of a model family records its result ------------
 ARCHITECTURE_RESULTS: dict[str, dict] = {}
 

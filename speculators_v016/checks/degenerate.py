@@ -10,6 +10,16 @@ repeated only where another row holds the same values for a different token
 (identical tokens may legitimately give identical rows in a model without
 positional encoding).
 
+One exception, from what the model computes: a zero row is legitimate where
+its token's input embedding row is zero (``zero_ids``,
+:mod:`~speculators_v016.checks.zero_embeddings` reads them from the checkpoint):
+in a model without biases such a token at position 0 gives exact zeros in
+every layer (norm, attention and MLP of 0 are 0), and real checkpoints have
+such rows (padding, reserved tokens). That exemption is narrow on purpose: a
+zero row of any other token, a zero layer of tokens with non-zero embeddings,
+and repeated non-zero rows are still findings. What is lost is only a broken
+capture that zeroes exactly the rows of zero-embedding tokens and no other.
+
 Both functions are exact. :func:`may_be_degenerate` reads a few columns of
 every row (what a run can afford per sample): a zero row is zero in those
 columns, and two equal rows are equal there, so False proves there is nothing
@@ -86,14 +96,24 @@ def _name(rows: list[int], length: int) -> str:
     return f"rows [{shown}] ({len(rows)} of {length})"
 
 
-def may_be_degenerate(input_ids: torch.Tensor, states: Sequence[torch.Tensor | Fp8States]) -> bool:
-    """Cheap screen (a few columns per row): False proves no row is all zeros or repeats another token's."""
+def _exempt(ids: torch.Tensor, rows: list[int], zero_ids: frozenset[int]) -> list[int]:
+    """``rows`` less those whose token's embedding row is zero (a zero row is what the model computes there)."""
+    if not zero_ids or not rows:
+        return rows
+    return [r for r, t in zip(rows, ids[rows].tolist()) if t not in zero_ids]
+
+
+def may_be_degenerate(
+    input_ids: torch.Tensor, states: Sequence[torch.Tensor | Fp8States], zero_ids: frozenset[int] = frozenset()
+) -> bool:
+    """Cheap screen (a few columns per row): False proves no row is all zeros (of a token whose embedding row
+    is not zero, ``zero_ids``) or repeats another token's."""
     ids = input_ids.reshape(-1)
     for h in states:
         if h.shape[0] == 0:
             continue
         zero, groups = _candidates(h)
-        if zero or any(bool((ids[g] != ids[g[0]]).any()) for g in groups):
+        if _exempt(ids, zero, zero_ids) or any(bool((ids[g] != ids[g[0]]).any()) for g in groups):
             return True
     return False
 
@@ -112,8 +132,11 @@ def _equal_classes(h: torch.Tensor | Fp8States, group: list[int]) -> list[list[i
     return classes
 
 
-def degenerate_layers(input_ids: torch.Tensor, states: Sequence[torch.Tensor | Fp8States]) -> list[tuple[int, str]]:
-    """``(position in states, what is wrong)`` for each layer holding rows no real model produces."""
+def degenerate_layers(
+    input_ids: torch.Tensor, states: Sequence[torch.Tensor | Fp8States], zero_ids: frozenset[int] = frozenset()
+) -> list[tuple[int, str]]:
+    """``(position in states, what is wrong)`` for each layer holding rows no real model produces;
+    ``zero_ids``: tokens whose input embedding row is zero (their zero rows are the model's own)."""
     ids = input_ids.reshape(-1)
     found = []
     for j, h in enumerate(states):
@@ -123,10 +146,12 @@ def degenerate_layers(input_ids: torch.Tensor, states: Sequence[torch.Tensor | F
         zero, groups = _candidates(h)
         if zero:
             zero = [r for r, z in zip(zero, _zero(h, rows=zero).tolist()) if z]
+        zeros = set(zero)  # every zero row, exempt or not, stays out of the repeated-row test
+        zero = _exempt(ids, zero, zero_ids)
         if zero and len(zero) == length:
             found.append((j, "every value is 0"))
             continue
-        repeated, zeros = [], set(zero)
+        repeated = []
         for group in groups:
             for rows in _equal_classes(h, group):
                 if rows[0] not in zeros and bool((ids[rows] != ids[rows[0]]).any()):

@@ -25,23 +25,37 @@ class NonFiniteError(RuntimeError):
 
 
 class SelfCheckError(RuntimeError):
-    """The captured states failed the run's own check (logit check, or states no model produces)."""
+    """The captured states failed the run's own check (logit check, or states no model produces);
+    ``finding``: for the latter, the sample, layer and rows alone (without what the run does about it)."""
+
+    def __init__(self, message: str, finding: str | None = None):
+        super().__init__(message)
+        self.finding = finding
 
 
-def check_plausible(name: int, input_ids: torch.Tensor, states: list, layer_ids: list[int], holding: bool) -> None:
-    """Raise SelfCheckError if a layer of sample ``name`` holds states no model produces."""
-    if not may_be_degenerate(input_ids, states):
+def check_plausible(
+    name: int,
+    input_ids: torch.Tensor,
+    states: list,
+    layer_ids: list[int],
+    holding: bool,
+    zero_ids: frozenset[int] = frozenset(),
+) -> None:
+    """Raise SelfCheckError if a layer of sample ``name`` holds states no model produces (``zero_ids``: tokens
+    whose input embedding row is zero, :mod:`~speculators_v016.checks.zero_embeddings`)."""
+    if not may_be_degenerate(input_ids, states, zero_ids):
         return
-    found = degenerate_layers(input_ids, states)
+    found = degenerate_layers(input_ids, states, zero_ids)
     if found:
         j, what = found[0]
         kept = (
             "nothing of this run was written" if holding else "samples written before it passed this check and are kept"
         )
+        finding = f"sample {name}, layer {layer_ids[j]}: {what}"
         raise SelfCheckError(
-            f"self-check failed: sample {name}, layer {layer_ids[j]}: {what}. No model produces this: the "
-            f"capture is broken, and the run stops ({kept}; this sample is not written). Please report it "
-            "with the log"
+            f"self-check failed: {finding}. No model produces this: the capture is broken, and the run stops "
+            f"({kept}; this sample is not written). Please report it with the log",
+            finding,
         )
 
 
@@ -64,18 +78,25 @@ class HoldBack:
     ``checked``: the indexes the logit check judges (empty: nothing is held);
     ``checker``: the run's :class:`~speculators_v016.checks.logit_check.LogitChecker`
     (released once all of them passed); ``put(name, sample)``: hand a sample to
-    the writer.
+    the writer; ``zero_ids``: tokens whose input embedding row is zero.
     """
 
-    def __init__(self, checked: set, checker, layer_ids: list[int], put: Callable[[int, dict], None]):
-        self.checker, self.layer_ids, self.put = checker, layer_ids, put
+    def __init__(
+        self,
+        checked: set,
+        checker,
+        layer_ids: list[int],
+        put: Callable[[int, dict], None],
+        zero_ids: frozenset[int] = frozenset(),
+    ):
+        self.checker, self.layer_ids, self.put, self.zero_ids = checker, layer_ids, put, zero_ids
         self.awaiting = set(checked)  # checked samples not judged yet
         self.held: list[tuple] = []  # (name, sample, what else put takes)
 
     def judge(self, index, name: int, input_ids: torch.Tensor, states: list, theirs) -> None:
         """Raise SelfCheckError if sample ``index`` (file name ``name``) fails the self-check; ``theirs``:
         vLLM's prompt logprobs of a checked sample."""
-        check_plausible(name, input_ids, states, self.layer_ids, bool(self.awaiting))
+        check_plausible(name, input_ids, states, self.layer_ids, bool(self.awaiting), self.zero_ids)
         if index in self.awaiting and theirs is not None:
             check_logits(self.checker, name, input_ids, states, theirs, len(self.held))
 

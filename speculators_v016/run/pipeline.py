@@ -38,6 +38,7 @@ from speculators_v016.checks.finite import non_finite_reason
 from speculators_v016.checks.logit_check import LogitChecker
 from speculators_v016.checks.self_check import HoldBack, NonFiniteError
 from speculators_v016.checks.self_check import SelfCheckError as SelfCheckError  # re-exported: callers import it here
+from speculators_v016.checks.zero_embeddings import zero_embedding_ids
 from speculators_v016.config import RunConfig
 from speculators_v016.engine.buffer_pool import BufferPool
 from speculators_v016.engine.engine_args import check_engine_args
@@ -208,14 +209,16 @@ def run(opts: RunConfig, progress_to=None) -> RunSummary:
             for i in pending:  # before the engine starts
                 ids = work.samples.input_ids[i]
                 check_token_ids(f"sample {i}", ids, target.vocab_size, f" of {opts.engine.model}")
+        zero_ids = zero_embedding_rows(opts.engine.model, target.vocab_size)
         cpus = os.sched_getaffinity(0)  # before vLLM's CPU worker pins this thread to one core
         generator = VllmHiddenStatesGenerator.from_config(opts.engine, plan)
         try:
             config = existing or _new_config(generator, opts, work, fp, len(mine))
             config["speculators_v016"]["checksum"] = algorithm  # an earlier release's folder: now said
+            config["speculators_v016"]["zero_embedding_token_ids"] = sorted(zero_ids)  # verify's screen reads them
             run_config.save(directory, config)
             _announce(generator, opts, len(pending), summary.already_done)
-            _generate(generator, work, pending, directory, opts, summary, progress_to, cpus, algorithm, done)
+            _generate(generator, work, pending, directory, opts, summary, progress_to, cpus, algorithm, done, zero_ids)
         finally:
             generator.shutdown()
         if opts.regenerate and opts.token_freq_path:
@@ -224,6 +227,22 @@ def run(opts: RunConfig, progress_to=None) -> RunSummary:
         config["speculators_v016"]["last_run"] = asdict(summary)
         run_config.save(directory, config)
     return summary
+
+
+def zero_embedding_rows(model: str, vocab_size: int) -> frozenset[int]:
+    """The target's tokens whose input embedding row is zero (their zero states are the model's own), logged."""
+    zero_ids = zero_embedding_ids(model, vocab_size)
+    if zero_ids is None:
+        logger.info("{}: no safetensors embedding read; the screen exempts no zero row", model)
+        return frozenset()
+    if zero_ids:
+        logger.info(
+            "{}: {} tokens have an all-zero input embedding row (e.g. {}): their zero states are the model's own",
+            model,
+            len(zero_ids),
+            sorted(zero_ids)[:5],
+        )
+    return zero_ids
 
 
 def _announce(generator, opts: RunConfig, pending: int, done: int) -> None:
@@ -259,6 +278,7 @@ def _generate(
     cpus=None,
     algorithm: str = checksums.DEFAULT,
     done: dict | None = None,
+    zero_ids: frozenset[int] = frozenset(),
 ) -> None:
     layer_ids = list(generator.plan.layer_ids)
     engine = generator.engine
@@ -287,7 +307,7 @@ def _generate(
         writer.put(name, sample, done=lambda: pool.give_back(block))
 
     # every finished sample waits here until the logit check has judged all of its samples
-    hold = HoldBack(checked, checker, layer_ids, put)
+    hold = HoldBack(checked, checker, layer_ids, put, zero_ids)
 
     window = max(opts.batch_size, 2 * opts.engine.max_num_seqs)
     total_tokens = work.tokens(pending)  # None: a regenerating run's, not known before the target writes them

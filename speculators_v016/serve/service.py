@@ -6,8 +6,10 @@ most ``seq_length`` of them), queues it and returns a future. One thread runs
 over a feed of the queued requests, so requests of all clients are batched as a
 run's samples are (async scheduling, the capture ring, FP8 storage, the start-up
 stream proof). Each finished sample goes through a bounded queue to the publisher
-threads. The engine's thread judges every sample as a run does (states no model
-produces stop the service: the capture is broken) and, for the first
+threads. The engine's thread judges every sample as a run does: a sample whose
+states hold rows no model produces is refused (its client told, counted), and
+:data:`SCREENED_IN_A_ROW` such samples in a row stop the service (the capture is
+broken: one request never stops it); and, for the first
 ``logit_check_samples`` requests, the logit check: their last layer, normed and
 projected, must reproduce vLLM's own prompt logprobs. While a checked request
 that was already taken is not judged yet, every sample that finishes is held
@@ -41,6 +43,7 @@ from loguru import logger
 from speculators_v016.checks.finite import non_finite
 from speculators_v016.checks.logit_check import LogitChecker
 from speculators_v016.checks.self_check import SelfCheckError, check_logits, check_plausible
+from speculators_v016.checks.zero_embeddings import zero_embedding_ids
 from speculators_v016.config import ServeConfig
 from speculators_v016.generator import VllmHiddenStatesGenerator
 from speculators_v016.layers import LayerPlan
@@ -53,6 +56,11 @@ from speculators_v016.target import PromptError, TargetInfo, check_token_ids
 
 REAP_INTERVAL = 1.0  # seconds between looks for what dead consumers left
 MAX_REQUEST_IDS = 4096  # request ids remembered (a retry comes within seconds; the oldest are forgotten)
+#: Samples screened out in a row (states no model produces, none passing between them) that stop the service: a
+#: broken capture breaks every sample after it, so it stops within this many; one request, or a client's few
+#: concurrent ones, never does (each is refused: its client told, the others served). A failed logit check stops it
+#: at once.
+SCREENED_IN_A_ROW = 3
 
 
 class RequestError(ValueError):
@@ -87,6 +95,7 @@ class ServiceStats:
     tokens: int = 0
     bytes: int = 0
     refused: int = 0
+    screened: int = 0  # refused: their states hold rows no model produces
     started: float = field(default_factory=time.monotonic)
 
 
@@ -104,6 +113,8 @@ class CaptureService:
             self.backend = MooncakeBackend(config.mooncake_master, config.host, config.max_published_bytes,
                                            config.lease_seconds, log_dir=private_dir())  # fmt: skip
         self.stats = ServiceStats()
+        self.zero_ids = zero_embedding_ids(config.engine.model, self.target.vocab_size) or frozenset()
+        self._screened_in_a_row = 0
         self.failure: BaseException | None = None
         self._keys = itertools.count()
         self._key_lock = threading.Lock()
@@ -340,14 +351,20 @@ class CaptureService:
                 theirs = self.engine.prompt_logprobs.pop(key, None) if key in self._checked else None
                 input_ids = torch.tensor(ids, dtype=torch.long)
                 try:
-                    check_plausible(key, input_ids, states, layer_ids, holding=bool(self._unjudged))
-                    if theirs is not None:
-                        check_logits(self._checker, key, input_ids, states, theirs, len(held))
+                    check_plausible(key, input_ids, states, layer_ids, bool(self._unjudged), self.zero_ids)
                 except SelfCheckError as exc:
-                    request.future.set_exception(ServiceStopped(f"the service stopped: {exc}"))
-                    raise
+                    if self._screen_out(request, exc):
+                        raise
+                else:
+                    self._screened_in_a_row = 0
+                    try:
+                        if theirs is not None:
+                            check_logits(self._checker, key, input_ids, states, theirs, len(held))
+                    except SelfCheckError as exc:
+                        request.future.set_exception(ServiceStopped(f"the service stopped: {exc}"))
+                        raise
+                    held.append((request, states))
                 self._unjudged.discard(key)
-                held.append((request, states))
                 if not self._unjudged:  # nothing taken is still to be judged: publish what waited
                     for item in held:
                         self._hand_to_publishers(item)
@@ -364,6 +381,28 @@ class CaptureService:
                 if not request.future.done():
                     request.future.set_exception(self.down())
             self._fail_all(self.down())
+
+    def _screen_out(self, request: Request, exc: SelfCheckError) -> bool:
+        """A sample whose states hold rows no model produces: refused (its client told), counted; True when
+        :data:`SCREENED_IN_A_ROW` samples in a row were, and the service stops (the capture is broken)."""
+        self.stats.screened += 1
+        self._screened_in_a_row += 1
+        if self._screened_in_a_row >= SCREENED_IN_A_ROW:
+            request.future.set_exception(ServiceStopped(f"the service stopped: {exc}"))
+            return True
+        logger.error(
+            "request {} refused, its states hold rows no model produces ({} in a row): {}",
+            request.key,
+            self._screened_in_a_row,
+            exc.finding,
+        )
+        request.future.set_exception(
+            RequestError(
+                f"not published: its states hold rows no model produces ({exc.finding}); the service goes on "
+                f"({self.stats.screened} samples refused so far, it stops after {SCREENED_IN_A_ROW} in a row)"
+            )
+        )
+        return False
 
     def _hand_to_publishers(self, item: tuple) -> None:
         request = item[0]
@@ -442,6 +481,7 @@ class CaptureService:
             "lengths": None if self.samples is None else [len(ids) for ids in self.samples.input_ids],
             "requests": self.stats.requests,
             "served": self.stats.served,
+            "screened": self.stats.screened,
             "published_not_taken_bytes": self.backend.not_taken(),
             "publishing_waiting_seconds": round(self.backend.waiting_seconds(), 1),
             "max_published_bytes": self.config.max_published_bytes,

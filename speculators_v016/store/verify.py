@@ -12,7 +12,8 @@ dtype, a 0/1 loss mask as long as ``input_ids``, no NaN/Inf (FP8 storage:
 e4m3 codes ``[T, hidden_size]``, float32 scales ``[T]`` that are finite and
 > 0, no NaN code, finite once dequantized), and no row that
 no real model produces (all zeros, the same row for different tokens:
-:mod:`~speculators_v016.checks.degenerate`); no sample file lacks a manifest
+:mod:`~speculators_v016.checks.degenerate`; a zero row of a token whose input
+embedding row is zero, as the run recorded them, is the model's own); no sample file lacks a manifest
 entry; across shards every index exists exactly once; the folder holds one
 layout (shard folders of one count, or one unsharded run: upstream's trainer
 reads the folder recursively and would mix them).
@@ -80,6 +81,7 @@ class FolderSettings:
     skipped: int  # samples the last run did not write (NaN/Inf; --regenerate: turns without room)
     storage: str = "auto"  # hidden_states_dtype: "auto" (the engine's dtype) or "fp8_e4m3"
     regenerated: bool = False  # a --regenerate run's folder: its text is checked against its samples
+    zero_ids: frozenset[int] = frozenset()  # tokens whose input embedding row is zero (the run recorded them)
 
 
 def _field(config: dict, path: str, kind):
@@ -119,6 +121,9 @@ def folder_settings(folder: Path) -> FolderSettings | None:
         storage = config["speculators_v016"].get("hidden_states_dtype", "auto")  # absent: earlier releases
         if storage not in ("auto", fp8.NAME):
             raise ConfigError(f"field speculators_v016.hidden_states_dtype is {storage!r}, not 'auto' or {fp8.NAME!r}")
+        zero_ids = config["speculators_v016"].get("zero_embedding_token_ids") or []  # absent: earlier releases
+        if not isinstance(zero_ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in zero_ids):
+            raise ConfigError("field speculators_v016.zero_embedding_token_ids is not a list of token ids")
         return FolderSettings(
             format=fmt,
             layer_ids=layer_ids,
@@ -131,6 +136,7 @@ def folder_settings(folder: Path) -> FolderSettings | None:
             skipped=_skipped(last_run),
             storage=storage,
             regenerated=bool(config["speculators_v016"].get("regenerate")),
+            zero_ids=frozenset(zero_ids),
         )
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
@@ -166,7 +172,12 @@ def _folders(root: Path, report: Report) -> list[Path]:
 
 
 def _check_sample(
-    path: Path, layer_ids: list[int], hidden: int, dtype: str, storage: str = "auto"
+    path: Path,
+    layer_ids: list[int],
+    hidden: int,
+    dtype: str,
+    storage: str = "auto",
+    zero_ids: frozenset[int] = frozenset(),
 ) -> tuple[int, list[str]]:
     try:
         data = load_sample(path, dequantize_to=None)
@@ -207,7 +218,7 @@ def _check_sample(
                 f"(fields {', '.join(changed)})"
             )
     if not problems:
-        for j, what in degenerate_layers(ids, states):
+        for j, what in degenerate_layers(ids, states, zero_ids):
             problems.append(
                 f"{path}: hidden_states[{j}] (layer {layer_ids[j]}): {what}; no model produces "
                 "this: the capture was broken"
@@ -319,7 +330,7 @@ def _verify_folder(
         if len(data) != entry.bytes or checksum.of_bytes(data, entry.algorithm) != entry.digest:
             report.problems.append(f"{path}: size or {entry.algorithm} differs from the manifest")
             continue
-        length, problems = _check_sample(path, settings.layer_ids, hidden, dtype, settings.storage)
+        length, problems = _check_sample(path, settings.layer_ids, hidden, dtype, settings.storage, settings.zero_ids)
         report.problems += problems
         if settings.regenerated and not problems:
             report.problems += regenerated.sample_problems(path, journal.get(index))

@@ -31,6 +31,9 @@ modules carry no fault points: each fault wraps one of their seams here.
 * ``zero-states:n``: from the ``n``-th sample the engine yields on, every
   hidden state is 0, as when the capture ring was replaced by an empty file
   (wraps :meth:`CaptureEngine.stream`).
+* ``zero-sample:n``: the ``n``-th sample the engine yields (its warm-up prompts not
+  counted), and only it, has every hidden state 0 (a capture that failed once; wraps
+  :meth:`CaptureEngine.stream`).
 * ``wrong-layer:n``: from the ``n``-th sample on, the middle captured layer
   holds the layer captured before it, as if its tap read the wrong layer
   (wraps :meth:`CaptureEngine.stream`).
@@ -173,13 +176,14 @@ def install() -> None:
                 yield key, ids, states
 
         CaptureEngine.stream = stream
-    elif point == "zero-states":
+    elif point in ("zero-states", "zero-sample"):
         original_stream = CaptureEngine.stream
         zeroing = []
 
         def stream(self, *args, **kwargs):
             for key, ids, states in original_stream(self, *args, **kwargs):
-                if zeroing or _armed(point):
+                warm_up = isinstance(key, tuple) and key[:1] == ("warm-up",)  # not a request of the service's
+                if (zeroing and point == "zero-states") or (not (warm_up and point == "zero-sample") and _armed(point)):
                     zeroing.append(key)
                     states = [
                         Fp8States(torch.zeros_like(h.codes), torch.ones_like(h.scales))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -327,3 +328,13 @@ def build_tiny_model(
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
+
+
+def zero_embedding_rows(model_dir: str | Path, token_ids: Iterable[int]) -> None:
+    """Set the input embedding rows of ``token_ids`` to zero in a tiny model's checkpoint (as real checkpoints
+    have for padding and reserved tokens)."""
+    path = Path(model_dir) / "model.safetensors"
+    tensors = load_file(path)
+    (name,) = [n for n in tensors if n.endswith("embed_tokens.weight")]
+    tensors[name][list(token_ids)] = 0
+    save_file(tensors, path, metadata={"format": "pt"})

@@ -10,8 +10,10 @@ import time
 
 import pytest
 
+from helpers import ZERO_TOKEN
 from helpers.cli import CPU, conversations, generate, invoke, write_jsonl
 from speculators_v016.store.manifest import Manifest
+from speculators_v016.store.sample_format import load_sample
 from speculators_v016.testing.faults import VARIABLE as FAULT
 
 COUNT = 12
@@ -130,3 +132,18 @@ def test_output_dir_dev_shm_with_the_mp_executor(tmp_path, model_dir, data_file)
     assert "first run: 0" in output and "resume: 0" in output and "verify: 0" in output, output
     assert "files this tool did not write" not in output and "not a file of this tool" not in output, output
     assert re.search(r"^speculators-v016-runs-\d+$", output, re.M), output  # the records folder was there
+
+
+def test_a_row_starting_with_a_zero_embedding_token_runs_and_verifies(tmp_path, zero_embedding_model):
+    """A dataset row whose first token's embedding row is zero (exact-zero states at position 0 in every layer, as
+    the model computes them): the run completes, logit check and verify ok, and records the token for verify."""
+    rows = [{"input_ids": [ZERO_TOKEN, *range(20 + i, 60 + i)], "loss_mask": [0] * 10 + [1] * 31} for i in range(3)]
+    data, out = write_jsonl(tmp_path / "rows.jsonl", rows), tmp_path / "out"
+    result = generate(zero_embedding_model, data, out)
+    assert result.exit_code == 0, result.output
+    assert re.search(r"logit check: ok \(3 samples", result.output) and "verify:     ok" in result.output
+    config = json.loads((out / "data_config.json").read_text())
+    assert config["speculators_v016"]["zero_embedding_token_ids"] == [ZERO_TOKEN]
+    sample = load_sample(out / "data_0.safetensors")
+    assert all(bool((h[0] == 0).all()) and bool((h[1:] != 0).any(dim=-1).all()) for h in sample["hidden_states"])
+    assert invoke("verify", out).exit_code == 0

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file
 from speculators.train.data import Eagle3SampleFileDataset
 
+from helpers import ZERO_TOKEN
 from helpers.cli import CPU, conversations, generate, write_jsonl
 from speculators_v016.online import OnlineSampleDataset, ProducerClient, ProducerError
 from speculators_v016.online.client import API_KEY_VARIABLE
@@ -141,6 +142,32 @@ def test_a_failing_self_check_stops_the_service_and_nothing_is_published(
     assert any(message in e for e in errors), errors
     assert re.search(r"error: the service's engine failed: SelfCheckError: self-check failed: sample \d+", rest), rest
     assert published(serve_dir) == []
+
+
+def test_a_zero_embedding_token_is_served_and_one_broken_sample_is_refused_not_fatal(zero_embedding_model, tmp_path):
+    """A request starting with a token whose embedding row is zero (exact-zero states at position 0) is served; a
+    sample whose capture failed once (all zero) is refused to its client alone, counted, and the service goes on."""
+    proc, url, lines = start_service(zero_embedding_model, tmp_path / "states", fault="zero-sample:2")
+    assert url, "".join(lines)
+    try:
+        rows = [([ZERO_TOKEN, *range(30 + i, 70 + i)], [1] * 41) for i in range(3)]
+        ds = OnlineSampleDataset(url, max_len=256, samples=rows, retries=0)
+        assert ds[0]["input_ids"].tolist() == rows[0][0][1:]  # upstream shifts by one
+        with pytest.raises(ProducerError) as caught:
+            ds[1]
+        assert re.search(
+            rf"^sample 1: the producer {url} refused the request: not published: its states hold rows no model "
+            r"produces \(sample 1, layer \d+: rows \[1, 2, [\d, .]+\] \(40 of 41\) are all 0\); the service goes on "
+            r"\(1 samples refused so far",
+            str(caught.value),
+        ), caught.value
+        assert ds[2]["input_ids"].tolist() == rows[2][0][1:]
+        info = ProducerClient(url).info()
+        assert (info["served"], info["screened"], info["failure"]) == (2, 1, None), info
+    finally:
+        code, rest = stop_service(proc)
+    assert code == 0, rest
+    assert "request 1 refused, its states hold rows no model produces (1 in a row)" in "".join(lines) + rest
 
 
 def test_start_line_and_info_name_the_model_layers_and_dataset(service, model_dir, offline):

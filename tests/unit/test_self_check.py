@@ -1,9 +1,13 @@
 """The run's self-check: finished samples wait for the logit check, and what stops a run."""
 
+import json
+
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from speculators_v016.checks.self_check import HoldBack, NonFiniteError, SelfCheckError
+from speculators_v016.checks.zero_embeddings import zero_embedding_ids
 from speculators_v016.run import pipeline
 
 
@@ -101,3 +105,37 @@ def test_a_checked_sample_that_will_never_come_is_not_waited_for():
     assert written == [(100, {"index": 100})] and checker.released
     hold.forget([1])  # again: nothing more happens
     assert len(written) == 1
+
+
+def test_a_zero_row_of_a_zero_embedding_token_does_not_stop_the_run():
+    """HoldBack given the target's zero-embedding tokens: their zero rows pass, another token's zero row stops."""
+    written = []
+    hold = HoldBack(set(), None, [2, 5], lambda name, sample: written.append(name), frozenset({7}))
+    h = [torch.randn(4, 8), torch.randn(4, 8)]
+    for layer in h:
+        layer[0] = 0
+    hold.judge(0, 100, torch.tensor([7, 1, 2, 3]), h, None)
+    with pytest.raises(SelfCheckError, match=r"sample 101, layer 2: rows \[0\] \(1 of 4\) are all 0") as caught:
+        hold.judge(1, 101, torch.tensor([6, 1, 2, 3]), h, None)
+    assert caught.value.finding == "sample 101, layer 2: rows [0] (1 of 4) are all 0"
+
+
+def test_the_zero_embedding_rows_are_read_from_the_checkpoint_without_the_model(tmp_path):
+    """The ids of all-zero rows of the embedding tensor, from one file or an index (shortest name wins); None
+    where there is no safetensors checkpoint."""
+    table = torch.randn(10, 4)
+    table[[0, 6]] = 0
+    other = torch.randn(10, 4)
+    other[3] = 0  # an MTP layer's copy, or the output head: not the one read
+    save_file({"model.embed_tokens.weight": table, "lm_head.weight": other}, tmp_path / "model.safetensors")
+    assert zero_embedding_ids(tmp_path, 10) == {0, 6}
+    assert zero_embedding_ids(tmp_path, 5) == {0}  # rows past the vocabulary are no tokens
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    save_file({"model.layers.61.embed_tokens.weight": other}, sharded / "b.safetensors")
+    save_file({"model.embed_tokens.weight": table.to(torch.bfloat16)}, sharded / "a.safetensors")
+    weight_map = {"model.layers.61.embed_tokens.weight": "b.safetensors", "model.embed_tokens.weight": "a.safetensors"}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert zero_embedding_ids(sharded, 10) == {0, 6}
+    assert zero_embedding_ids(tmp_path / "absent", 10) is None
+    assert zero_embedding_ids("org/model-on-a-hub", 10) is None

@@ -323,3 +323,41 @@ def test_every_unreadable_sample_is_reported(tmp_path):
         assert f"FAIL {out}/data_{i}.safetensors: cannot be read (Permission denied)" in output, output
     assert "cannot be verified" not in output
     assert "FAILED: 4 samples" in output, output  # the four readable ones were all checked
+
+
+def zero_first_rows(length: int, seed: int) -> list[torch.Tensor]:
+    """What a model without biases computes for a token whose embedding row is zero, at position 0."""
+    out = states(length, seed)
+    for h in out:
+        h[0] = 0
+    return out
+
+
+def test_a_zero_row_of_a_token_whose_embedding_row_is_zero_is_the_models_own():
+    """Position 0 all zero in every layer for a zero-embedding token: no finding; the same zero row for another
+    token, a zero row further on, or every row zero are still findings."""
+    ids = torch.arange(10, 19)
+    real = zero_first_rows(9, 0)
+    assert not may_be_degenerate(ids, real, frozenset({10})) and degenerate_layers(ids, real, frozenset({10})) == []
+    assert degenerate_layers(ids, real) == [(j, "rows [0] (1 of 9) are all 0") for j in range(3)]
+    assert degenerate_layers(ids, real, frozenset({11})) == [(j, "rows [0] (1 of 9) are all 0") for j in range(3)]
+    later = [h.clone() for h in real]
+    later[1][4] = 0
+    assert may_be_degenerate(ids, later, frozenset({10}))
+    assert degenerate_layers(ids, later, frozenset({10})) == [(1, "rows [4] (1 of 9) are all 0")]
+    zeros = [torch.zeros(9, HIDDEN) for _ in LAYERS]
+    assert degenerate_layers(ids, zeros, frozenset({10})) == [
+        (j, "rows [1, 2, 3, 4, 5, 6, 7, 8] (8 of 9) are all 0") for j in range(3)
+    ]
+
+
+def test_verify_reads_the_zero_embedding_tokens_the_run_recorded(tmp_path):
+    """A folder whose samples start with a zero-embedding token verifies when data_config.json records the token;
+    without the record (an earlier release's folder) the zero rows are findings, as before."""
+    out = make_folder(tmp_path / "out", make_states=zero_first_rows)
+    assert len(verify(out).problems) == 9
+    settings = json.loads((out / "data_config.json").read_text())
+    settings["speculators_v016"]["zero_embedding_token_ids"] = [10]
+    (out / "data_config.json").write_text(json.dumps(settings))
+    report = verify(out)
+    assert report.ok, report.problems
