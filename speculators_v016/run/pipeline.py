@@ -205,6 +205,20 @@ def run(opts: RunConfig, progress_to=None) -> RunSummary:
                 work.end(directory, set(done))
             summary.seconds = time.monotonic() - started
             return summary
+        cut = work.cut_without_engine(directory, pending, done) if opts.regenerate and existing else None
+        if cut is not None:  # every turn left has no room (a finished run, run again): nothing for the engine
+            logger.bind(terminal=True).info(
+                "nothing to generate: the {} turns not written have no room under --seq-length {}",
+                len(cut),
+                opts.seq_length,
+            )
+            _note_cut(cut, summary, opts)
+            work.begin(directory, [], done, None)
+            work.end(directory, set(done))
+            summary.seconds = time.monotonic() - started
+            existing["speculators_v016"]["last_run"] = asdict(summary)  # what is not written, and why: verify counts it
+            run_config.save(directory, existing)
+            return summary
         if not opts.regenerate:
             for i in pending:  # before the engine starts
                 ids = work.samples.input_ids[i]
@@ -341,12 +355,11 @@ def _generate(
             if by_samples:
                 bar.set_postfix_str(f"{summary.tokens / max(time.monotonic() - started, 1e-9):,.0f} tok/s", False)
             cut = work.take_cut()
-            for cut_index, why in cut:
-                logger.warning("sample {}: not generated: {}", cut_index + opts.start_idx, why)
-                summary.skipped[NOT_GENERATED] = summary.skipped.get(NOT_GENERATED, 0) + 1
+            _note_cut(cut, summary, opts)
             hold.forget(i for i, _ in cut)  # a checked turn that will never come is not waited for
             _note_rejected(writer.take_rejected(), summary, opts)
             bar.set_description(f"{writer.written}/{len(pending)} samples")
+        _note_cut(work.take_cut(), summary, opts)  # turns cut after the last sample came
         hold.finish()
     finally:
         summary.generation_seconds = time.monotonic() - started
@@ -395,6 +408,13 @@ def checksum_of_run(directory: Path, existing: dict | None, done: dict, asked: s
             "resuming a folder of {} digests: its new samples are listed with {} too", held, held
         )
     return held
+
+
+def _note_cut(cut: list, summary: RunSummary, opts: RunConfig) -> None:
+    """Turns --regenerate had no room for: named in the log, counted in the summary (verify counts them)."""
+    for cut_index, why in cut:
+        logger.warning("sample {}: not generated: {}", cut_index + opts.start_idx, why)
+        summary.skipped[NOT_GENERATED] = summary.skipped.get(NOT_GENERATED, 0) + 1
 
 
 def _note_rejected(rejected: list, summary: RunSummary, opts: RunConfig) -> None:

@@ -416,9 +416,15 @@ class RegenerationWork:
         names = {int(name) for name in done}
         missing = sorted(names - set(journal))
         if missing:
-            raise RuntimeError(
+            raise regenerated.JournalError(
                 f"{directory}: samples {missing[:5]} are listed in manifest.jsonl but "
                 f"{regenerated.JOURNAL} has no record of them: not a folder this tool wrote as it is"
+            )
+        untold = sorted(n for n in names if not isinstance(journal[n].get("text"), str))
+        if untold:
+            raise regenerated.JournalError(
+                f"{directory}: the {regenerated.JOURNAL} records of samples {untold[:5]} hold no text: not a folder "
+                "this tool wrote as it is"
             )
         self.records = {name: journal[name] for name in names}
         by_index = {name - self.start_idx: record for name, record in self.records.items()}
@@ -428,6 +434,22 @@ class RegenerationWork:
             self.tokenizer, convs, self.sampling, self.stop_ids, self.seq_length, by_index, logprobs_for=logprobs_for
         )
         self.journal = regenerated.Journal(directory)
+
+    def cut_without_engine(self, directory: Path, pending: list[int], done: dict) -> list[tuple[int, str]] | None:
+        """``pending``'s turns with why, if not one of them can be generated (each prompt, with the written turns'
+        text as history, leaves no room under --seq-length: a finished run run again); None where the engine has
+        a turn to generate. Tokenizes each pending conversation's next prompt; starts nothing."""
+        journal = regenerated.read_journal(directory)
+        names = {int(name) for name in done}
+        if names - set(journal) or any(not isinstance(journal[n].get("text"), str) for n in names):
+            return None  # begin() names that folder
+        by_index = {name - self.start_idx: journal[name] for name in names}
+        mine = set(pending)
+        convs = [c for c in self.conversations if any(c.first_index + t in mine for t in range(c.answers))]
+        trial = Regeneration(self.tokenizer, convs, self.sampling, self.stop_ids, self.seq_length, by_index)
+        for _turn in trial.feed():
+            return None
+        return trial.cut
 
     def feed(self, pending: list[int]):
         return self.regeneration.feed()

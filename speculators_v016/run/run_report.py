@@ -17,6 +17,7 @@ from speculators_v016.run.pipeline import run
 from speculators_v016.store.atomic_files import WriteError
 from speculators_v016.store.manifest import ManifestError
 from speculators_v016.store.outdir import OutputDirError
+from speculators_v016.store.regenerated import JournalError
 from speculators_v016.store.run_config import ResumeMismatchError
 from speculators_v016.store.verify import verify
 from speculators_v016.target import ContextLengthError, GenerationSetupError, PromptError, RemoteCodeError
@@ -28,7 +29,7 @@ def exit_code(exc: BaseException) -> ExitCode:
     bad_input = (BadRowError, PromptError, LayerIdError, RemoteCodeError, ContextLengthError, GenerationSetupError)
     if isinstance(exc, bad_input):
         return ExitCode.BAD_INPUT
-    if isinstance(exc, (OutputDirError, ResumeMismatchError, ManifestError)):
+    if isinstance(exc, (OutputDirError, ResumeMismatchError, ManifestError, JournalError)):
         return ExitCode.OUTPUT_REFUSED
     if isinstance(exc, WriteError) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)):
         return ExitCode.WRITE_FAILED

@@ -27,22 +27,60 @@ CONVERSATIONS = "regenerated.jsonl"
 NOT_GENERATED = "turn not generated (prompt reaches --seq-length)"
 
 
-def read_journal(directory: Path) -> dict[int, dict]:
-    """The journal's records by sample index (a later line wins; a torn last line is ignored)."""
+class JournalError(ValueError):
+    """The journal is not one this tool wrote as it is (a line that is not a record, a listed sample without its
+    line): the message names the file and line. A run refuses the folder (exit 4); verify names it."""
+
+
+def read_journal(directory: Path, problems: list[str] | None = None) -> dict[int, dict]:
+    """The journal's records by sample index (a later line wins; a torn last line is ignored).
+
+    A line that parses but is not a record (a JSON list, no integer ``index``) raises JournalError
+    naming it; with ``problems`` given (verify), it is appended there instead and the other lines are read."""
     path = directory / JOURNAL
     records: dict[int, dict] = {}
     if not path.exists():
         return records
     with path.open("rb") as fh:
-        for raw in fh:
+        for number, raw in enumerate(fh, 1):
             if not raw.endswith(b"\n"):
                 break  # the line a killed run was writing
             try:
                 record = json.loads(raw)
             except ValueError:
                 continue  # a line a killed run left torn, ended by the next run (its sample is not listed)
-            records[int(record["index"])] = record
+            why = _not_a_record(record)
+            if why:
+                finding = f"{path}:{number}: not a record this tool writes ({why})"
+                if problems is None:
+                    raise JournalError(f"{finding}: not a folder this tool wrote as it is")
+                problems.append(finding)
+                continue
+            records[record["index"]] = record
     return records
+
+
+def _not_a_record(record) -> str | None:
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    index = record.get("index")
+    if isinstance(index, bool) or not isinstance(index, int):
+        return f"index is {index!r}, not a sample index"
+    return None
+
+
+def text_problems(path: Path, record: dict, tokenizer) -> list[str]:
+    """A listed sample's journal text against its sampled ids, decoded by the target's tokenizer as the run did
+    (special tokens, the stop among them, left out)."""
+    if not isinstance(record.get("text"), str):
+        return [f"{path}: its {JOURNAL} record has no text"]
+    try:
+        decoded = tokenizer.decode(record["token_ids"], skip_special_tokens=True)
+    except Exception as exc:  # noqa: BLE001 - ids the tokenizer cannot decode are a finding
+        return [f"{path}: its sampled ids in {JOURNAL} do not decode ({type(exc).__name__}: {str(exc)[:100]})"]
+    if decoded != record["text"]:
+        return [f"{path}: its text in {JOURNAL} is not what its sampled ids decode to"]
+    return []
 
 
 class Journal:

@@ -40,6 +40,7 @@ from speculators_v016.store import checksum, regenerated
 from speculators_v016.store.atomic_files import TMP_PREFIX
 from speculators_v016.store.manifest import Manifest, ManifestError
 from speculators_v016.store.outdir import CONFIG, SHARD_DIR, is_ours, unsharded_run_files
+from speculators_v016.store.run_config import file_sha256
 from speculators_v016.store.sample_format import (
     FORMATS,
     header_metadata,
@@ -82,6 +83,7 @@ class FolderSettings:
     storage: str = "auto"  # hidden_states_dtype: "auto" (the engine's dtype) or "fp8_e4m3"
     regenerated: bool = False  # a --regenerate run's folder: its text is checked against its samples
     zero_ids: frozenset[int] = frozenset()  # tokens whose input embedding row is zero (the run recorded them)
+    model: dict | None = None  # the fingerprint's target: its folder and tokenizer files' sha256
 
 
 def _field(config: dict, path: str, kind):
@@ -137,9 +139,42 @@ def folder_settings(folder: Path) -> FolderSettings | None:
             storage=storage,
             regenerated=bool(config["speculators_v016"].get("regenerate")),
             zero_ids=frozenset(zero_ids),
+            model=_model_of(config),
         )
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+
+
+def _model_of(config: dict) -> dict | None:
+    fingerprint = config["speculators_v016"].get("fingerprint")
+    model = fingerprint.get("model") if isinstance(fingerprint, dict) else None
+    return model if isinstance(model, dict) else None
+
+
+def _tokenizer_of(folder: Path, settings: FolderSettings, report: Report):
+    """The target's tokenizer, where the folder names the target's folder and it is here with the tokenizer files
+    the run used (sha256 as recorded); else None, and a note says why the text is not checked."""
+    model = settings.model or {}
+    where, recorded = model.get("path"), model.get("tokenizer_sha256")
+    unchecked = f"{folder}: regenerated text not checked against the sampled ids"
+    if not isinstance(where, str) or not isinstance(recorded, dict) or not recorded:
+        report.notes.append(f"{unchecked}: data_config.json names no target folder with tokenizer files")
+        return None
+    path = Path(where)
+    if not path.is_dir():
+        report.notes.append(f"{unchecked}: the target {where} is not here")
+        return None
+    changed = sorted(n for n, d in recorded.items() if not (path / n).is_file() or file_sha256(path / n) != d)
+    if changed:
+        report.notes.append(f"{unchecked}: {', '.join(changed)} in {where} differ from the run's")
+        return None
+    from transformers import AutoTokenizer  # noqa: PLC0415 - slow to import; only a regenerated folder needs it
+
+    try:
+        return AutoTokenizer.from_pretrained(where)
+    except Exception as exc:  # noqa: BLE001 - a tokenizer that does not load is a note, not a crash
+        report.notes.append(f"{unchecked}: the tokenizer at {where} does not load ({type(exc).__name__})")
+        return None
 
 
 def _skipped(last_run) -> int:
@@ -295,7 +330,8 @@ def _verify_folder(
         for line, index, first in manifest.duplicates()
     ]
     listed = {e.file for e in entries.values()}
-    journal = regenerated.read_journal(folder) if settings.regenerated else {}
+    journal = regenerated.read_journal(folder, report.problems) if settings.regenerated else {}
+    tokenizer = _tokenizer_of(folder, settings, report) if settings.regenerated and deep else None
     if settings.regenerated:
         report.problems += regenerated.folder_problems(folder, set(entries), journal, complete=not partial)
     for name in names:
@@ -333,7 +369,10 @@ def _verify_folder(
         length, problems = _check_sample(path, settings.layer_ids, hidden, dtype, settings.storage, settings.zero_ids)
         report.problems += problems
         if settings.regenerated and not problems:
-            report.problems += regenerated.sample_problems(path, journal.get(index))
+            found = regenerated.sample_problems(path, journal.get(index))
+            if not found and tokenizer is not None:
+                found = regenerated.text_problems(path, journal[index], tokenizer)
+            report.problems += found
         if length != entry.tokens and not problems:
             report.problems.append(f"{path}: {length} tokens, the manifest says {entry.tokens}")
         report.samples += 1

@@ -235,3 +235,111 @@ def test_a_regenerating_run_under_tensor_parallel_2_checks_and_verifies(tmp_path
     assert "verify:     ok (6 samples" in result.output and "regenerated: 6 turns" in result.output
     rows = [json.loads(line) for line in (tmp_path / "out" / "regenerated.jsonl").read_text().splitlines()]
     assert sum(len([t for t in r["turns"] if t.get("finish_reason")]) for r in rows) == 6
+
+
+def test_a_finished_run_with_turns_cut_runs_again_as_a_no_op(tmp_path, model_dir):
+    """A finished --regenerate run whose turns without room were cut, run again: exit 0 without starting the engine,
+    the cut turns still counted in data_config.json, and the folder verifies (before: the engine ran, exit 1, and
+    last_run.skipped was reset, after which verify failed for good)."""
+    long_text = " ".join(corpus_lines() * 20)[:4000]  # a first prompt longer than --seq-length: both turns cut
+    rows = [
+        *chats(3),
+        {"conversations": [{"from": "human", "value": long_text}, {"from": "gpt", "value": "x"}] * 2},
+    ]
+    chats_file, out = write_jsonl(tmp_path / "c.jsonl", rows), tmp_path / "out"
+    first = invoke(*args(model_dir, chats_file, out))
+    assert first.exit_code == 0, first.output
+    assert "skipped:    2 turn not generated" in first.output and "verify:     ok (4 samples" in first.output
+    config = (out / "data_config.json").read_text()
+    again = invoke(*args(model_dir, chats_file, out))
+    assert again.exit_code == 0, again.output
+    assert "nothing to generate: the 2 turns not written have no room under --seq-length 256" in again.output
+    assert "samples to write" not in again.output, again.output  # the engine never started
+    assert "skipped:    2 turn not generated" in again.output and "verify:     ok (4 samples" in again.output
+    assert (
+        json.loads((out / "data_config.json").read_text())["speculators_v016"]["last_run"]["skipped"]
+        == (json.loads(config)["speculators_v016"]["last_run"]["skipped"])
+    )
+    assert invoke("verify", out).exit_code == 0
+
+
+def edited_copy(reference_run, where, edit_journal=None, edit_conversations=None):
+    """A copy of the reference folder with its journal lines (a list of raw lines) and conversations edited."""
+    shutil.copytree(reference_run, where)
+    if edit_journal:
+        lines = (where / "regenerated.journal.jsonl").read_text().splitlines()
+        (where / "regenerated.journal.jsonl").write_text("".join(x + "\n" for x in edit_journal(lines)))
+    if edit_conversations:
+        lines = (where / "regenerated.jsonl").read_text().splitlines()
+        (where / "regenerated.jsonl").write_text("".join(x + "\n" for x in edit_conversations(lines)))
+    return where
+
+
+def test_verify_checks_the_journal_text_against_the_sampled_ids(tmp_path, reference_run):
+    """A turn's text edited the same way in the journal and regenerated.jsonl: verify decodes the sampled ids with
+    the target's tokenizer and names the sample; without the target here it says the text is not checked."""
+
+    def edit(lines):
+        records = [json.loads(x) for x in lines]
+        for record in records:
+            if record.get("index") == 0:
+                record["text"] += " (edited)"
+            if "turns" in record:
+                for turn in record["turns"]:
+                    if turn.get("sample") == 0:
+                        turn["content"] += " (edited)"
+        return [json.dumps(r, ensure_ascii=False) for r in records]
+
+    edited = edited_copy(reference_run, tmp_path / "edited", edit, edit)
+    result = invoke("verify", edited)
+    assert result.exit_code == 1, result.output
+    assert (
+        f"FAIL {edited}/data_0.safetensors: its text in regenerated.journal.jsonl is not what its sampled ids decode to"
+        in result.output
+    ), result.output
+    config = json.loads((edited / "data_config.json").read_text())
+    config["speculators_v016"]["fingerprint"]["model"]["path"] = str(tmp_path / "gone")
+    (edited / "data_config.json").write_text(json.dumps(config))
+    result = invoke("verify", edited)
+    assert result.exit_code == 0, result.output
+    assert f"regenerated text not checked against the sampled ids: the target {tmp_path / 'gone'} is not here" in (
+        result.output
+    )
+
+
+@pytest.mark.parametrize(
+    ("edit", "finding", "rerun"),
+    [
+        (
+            lambda lines: [
+                lines[0],
+                json.dumps({k: v for k, v in json.loads(lines[1]).items() if k != "index"}),
+                *lines[2:],
+            ],  # fmt: skip
+            "regenerated.journal.jsonl:2: not a record this tool writes (index is None, not a sample index)",
+            "regenerated.journal.jsonl:2: not a record this tool writes",
+        ),
+        (
+            lambda lines: [lines[0], "[1, 2]", *lines[1:]],
+            "regenerated.journal.jsonl:2: not a record this tool writes (a JSON list, not an object)",
+            "regenerated.journal.jsonl:2: not a record this tool writes",
+        ),
+        (
+            lambda lines: lines[:-1],
+            "listed, but regenerated.journal.jsonl has no record of it",
+            "are listed in manifest.jsonl but regenerated.journal.jsonl has no record of them",
+        ),
+    ],
+    ids=["no-index", "a-list", "last-line-removed"],
+)
+def test_a_damaged_journal_is_a_finding_and_refuses_a_rerun(tmp_path, reference_run, model_dir, data_file, edit,
+                                                            finding, rerun):  # fmt: skip
+    """A journal line without an index, a JSON list, or the last line removed: verify names it (exit 1, never
+    "cannot be verified"); running the command again refuses the folder as damaged (exit 4), naming it."""
+    out = edited_copy(reference_run, tmp_path / "out", edit)
+    result = invoke("verify", out)
+    assert result.exit_code == 1 and finding in result.output, result.output
+    assert "cannot be verified" not in result.output
+    again = invoke(*args(model_dir, data_file, out))
+    assert again.exit_code == 4, again.output
+    assert rerun in again.output and "Traceback" not in again.output, again.output
