@@ -108,9 +108,9 @@ def through(backend, reader, samples: list[dict], compute: float = 0.0) -> tuple
         waited += time.perf_counter() - t0
         if isinstance(handle, BaseException):
             raise handle
-        path = reader.fetch(handle)
-        load_sample(path, dequantize_to=None)
-        path.unlink()
+        taken = reader.fetch(handle)  # checked as OnlineSampleDataset checks it: name, size, frame, digest
+        load_sample(taken.path, dequantize_to=None)
+        taken.release()
         if compute:
             time.sleep(compute)
     producer.join()
