@@ -156,9 +156,13 @@ class FolderReader:
         try:
             os.replace(taken.path, kept)
         except OSError:  # another filesystem: copy what was checked, then the served file is taken
-            fd = os.open(taken.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            with os.fdopen(fd, "rb") as src, open(kept.with_suffix(".part"), "wb") as dst:
-                shutil.copyfileobj(src, dst, _BLOCK)
+            fd = os.open(taken.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            with os.fdopen(fd, "rb") as src:
+                info = os.fstat(fd)
+                if (info.st_dev, info.st_ino) != taken.identity:
+                    raise StaleFile(f"{taken.path} was replaced after it was checked: not kept") from None
+                with open(kept.with_suffix(".part"), "wb") as dst:
+                    shutil.copyfileobj(src, dst, _BLOCK)
             os.replace(kept.with_suffix(".part"), kept)
             taken.release()
         return kept

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -188,3 +190,21 @@ def test_a_file_whose_tensors_do_not_reach_its_end_is_refused(producer):
         assert_refused(producer, dataset(producer), "a safetensors file whose tensors end at")
     finally:
         served.unlink()
+
+
+def test_hybrid_keeps_a_served_file_across_filesystems_and_then_removes_it(producer):
+    """A cache on another filesystem than the serve folder: the checked file is copied into it, then removed from
+    the folder; the next epoch reads the cache and asks nothing."""
+    data = sample_bytes(5)
+    served = producer.serve_dir / "online_5.safetensors"
+    served.write_bytes(data)
+    cache = Path(tempfile.mkdtemp(prefix="speculators-test-cache-", dir="/dev/shm"))
+    try:
+        assert os.stat(cache).st_dev != os.stat(producer.serve_dir).st_dev, "the test needs two filesystems"
+        producer.answer(handle_of(served.name, data))
+        ds = dataset(producer, "hybrid", cache)
+        first = ds[0]
+        assert not served.exists() and (cache / "data_0.safetensors").read_bytes() == data
+        assert torch.equal(ds[0]["hidden_states"], first["hidden_states"]) and producer.asked == 1
+    finally:
+        shutil.rmtree(cache)
