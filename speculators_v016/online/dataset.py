@@ -120,7 +120,14 @@ class OnlineSampleDataset(Eagle3SampleFileDataset):
         except TypeError:
             raise IndexError(f"sample index {index!r} is not an integer") from None
         try:
-            return super().__getitem__(index)  # upstream's: load_sample(self.data[index]), then its steps
+            item = super().__getitem__(index)  # upstream's: load_sample(self.data[index]), then its steps
+            served = self._served.get((threading.get_ident(), index))
+            if served is not None and not served.unchanged():
+                raise ProducerError(
+                    f"sample {index}: the file the producer {self.client.url} published ({served.path}) was replaced "
+                    "while it was read: the item is not used"
+                )
+            return item
         finally:
             served = self._served.pop((threading.get_ident(), index), None)
             if served is not None:

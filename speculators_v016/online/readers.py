@@ -12,7 +12,8 @@ folder in it. A served file is opened without following a link (``O_NOFOLLOW``),
 file of the handle's size and digest (the digest the service computed as it wrote it, BLAKE3 or
 sha256 as the handle names it) and a safetensors file whose header and data end where the file
 ends; only then is it read, and it is deleted (or moved into the cache) only while its name still
-holds that very file (same device and inode). Anything else is a :class:`ProducerError` naming the
+holds that very file (same device and inode); an item whose file was replaced while upstream's
+reader read it (by someone who can write the folder itself) is not used. Anything else is a :class:`ProducerError` naming the
 sample, the service and what is wrong; a short or altered file is asked for again once (a retry can
 help there), a handle that names something outside the folder is not.
 """
@@ -93,6 +94,16 @@ class Taken:
 
     path: Path
     identity: tuple[int, int] | None = None  # (device, inode) of a served file; None: a private copy of ours
+
+    def unchanged(self) -> bool:
+        """Does the name still hold the file that was checked (a private copy: always)?"""
+        if self.identity is None:
+            return True
+        try:
+            info = os.lstat(self.path)
+        except FileNotFoundError:
+            return False
+        return stat.S_ISREG(info.st_mode) and (info.st_dev, info.st_ino) == self.identity
 
     def release(self) -> None:
         """Taken: the served file deleted (only while its name still holds the file that was checked)."""

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from speculators.train.data import Eagle3SampleFileDataset
 
 from speculators_v016.online import OnlineSampleDataset, ProducerError
 from speculators_v016.store.checksum import of_bytes
@@ -208,3 +209,27 @@ def test_hybrid_keeps_a_served_file_across_filesystems_and_then_removes_it(produ
         assert torch.equal(ds[0]["hidden_states"], first["hidden_states"]) and producer.asked == 1
     finally:
         shutil.rmtree(cache)
+
+
+def test_a_file_replaced_while_it_is_read_is_not_used(producer, monkeypatch):
+    """The served name made to hold another file while upstream's reader reads it: a ProducerError, the item not
+    used, and the file now under the name left (it is not the one that was checked)."""
+    data = sample_bytes(6)
+    served = producer.serve_dir / "online_6.safetensors"
+    served.write_bytes(data)
+    other = producer.serve_dir / ".other"
+    other.write_bytes(sample_bytes(8))
+    read = Eagle3SampleFileDataset.__getitem__
+
+    def read_then_replace(self, index):
+        item = read(self, index)
+        os.replace(other, served)
+        return item
+
+    monkeypatch.setattr(Eagle3SampleFileDataset, "__getitem__", read_then_replace)
+    producer.answer(handle_of(served.name, data))
+    try:
+        assert_refused(producer, dataset(producer), "was replaced while it was read: the item is not used")
+        assert served.read_bytes() == sample_bytes(8)
+    finally:
+        served.unlink()
