@@ -18,6 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "build" / "test-results" / "architectures.json"
+#: The GPU tier's results (tools/gpu/tier_page.py writes it from the runs on a lent GPU): the GPU column.
+GPU_RESULTS = ROOT / "docs" / "benchmarks" / "gpu_tier.json"
 PAGE = ROOT / "docs" / "architectures.md"
 BEGIN, END = "<!-- architectures:begin -->", "<!-- architectures:end -->"
 
@@ -87,29 +89,42 @@ NOTES_BF16_ONLY = {
 }
 
 
-def rows(results: dict) -> list[str]:
-    """One row per family: its float32 result, and beside it its bfloat16 result (``name@bfloat16``)."""
+def gpu_cells(results: dict) -> dict[str, str]:
+    """Per family, its GPU results (``device`` cuda-MODE), one clause per mode: what the GPU column says."""
+    cells: dict[str, list[str]] = {}
+    for r in sorted(results.values(), key=lambda r: r.get("device", "")):
+        if r.get("device", "cpu").startswith("cuda"):
+            cells.setdefault(r["name"], []).append(f"{r['device'].partition('-')[2] or 'run'}: {r['note']}")
+    return {name: "; ".join(parts) for name, parts in cells.items()}
+
+
+def rows(results: dict, gpu: dict | None = None) -> list[str]:
+    """One row per family: its float32 result, beside it its bfloat16 result (``name@bfloat16``) and its results on
+    a GPU (H200, vLLM's own GPU code: ``name@bfloat16@cuda-MODE``, from the GPU tier's runs)."""
     lines = [
         "| architecture | vLLM class | aux source | run | max abs error vs transformers (fp32) | tolerance "
-        "| bf16: row error vs transformers fp32 | note |",
-        "|---|---|---|---|---|---|---|---|",
+        "| bf16: row error vs transformers fp32 | GPU (H200, bf16): row error vs transformers fp32 | note |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+    on_gpu = gpu_cells({**(gpu or {}), **results})
+    results = {k: r for k, r in results.items() if r.get("device", "cpu") == "cpu"}
     bf16 = {r["name"]: r for r in results.values() if r.get("dtype") == "bfloat16"}
     fp32 = {key: r for key, r in results.items() if r.get("dtype", "float32") == "float32"}
     for name in sorted(set(fp32) | set(bf16), key=str.lower):
         r = fp32.get(name)
         low = bf16.get(name)
         low_cell = low["note"] if low else "-"
+        gpu_cell = on_gpu.get(name, "-")
         if r is None:  # run in bf16 only
             lines.append(_row(name, f"`{low['model_class']}`", low["aux_source"], low["tested"], "-", "-", low_cell,
-                              NOTES_BF16_ONLY.get(name, "")))  # fmt: skip
+                              gpu_cell, NOTES_BF16_ONLY.get(name, "")))  # fmt: skip
             continue
         err = f"{r['max_abs_error']:.1e}" if r["max_abs_error"] is not None else "-"
         tol = f"{r['tolerance']:.0e}" if r["tolerance"] is not None else "-"
         run = r["tested"] + (" and bf16" if low else "")
-        lines.append(_row(name, f"`{r['model_class']}`", r["aux_source"], run, err, tol, low_cell, r["note"]))
+        lines.append(_row(name, f"`{r['model_class']}`", r["aux_source"], run, err, tol, low_cell, gpu_cell, r["note"]))
     for name, (cls, source, how, why) in sorted(NOT_RUN.items()):
-        lines.append(_row(name, f"`{cls}`", source, how, "-", "-", "-", why))
+        lines.append(_row(name, f"`{cls}`", source, how, "-", "-", "-", "-", why))
     return lines
 
 
@@ -124,7 +139,8 @@ def main() -> int:
     if not RESULTS.exists():
         print(f"no test results at {RESULTS}: run the tests first", file=sys.stderr)
         return 2
-    table = "\n".join([BEGIN, *rows(json.loads(RESULTS.read_text())), END])
+    gpu = json.loads(GPU_RESULTS.read_text())["architectures"] if GPU_RESULTS.exists() else {}
+    table = "\n".join([BEGIN, *rows(json.loads(RESULTS.read_text()), gpu), END])
     text = PAGE.read_text()
     if BEGIN not in text or END not in text:
         print(f"{PAGE} has no {BEGIN} ... {END} markers", file=sys.stderr)
