@@ -65,12 +65,6 @@ FAMILIES = {
         "bias zero (vLLM 0.16's CPU routing drops it; its GPU routing applies it)",
     ),
     "deepseek_v3": ("taps", 1e-5, "VLLM_MLA_DISABLE=1; q rotary made exact on CPU (speculators_v016.worker.cpu_rope)"),
-    "deepseek_v3_mla": (
-        "taps",
-        1e-5,
-        "MLA's real geometry (kv_lora_rank 512, rope 64, nope 128, v 128: TRITON_MLA's 576), 16 experts in 4 "
-        "groups, top-4; VLLM_MLA_DISABLE=1; q rotary made exact on CPU",
-    ),
     "deepseek_v2": ("taps", 1e-5, "V2-Lite-like (no q LoRA); VLLM_MLA_DISABLE=1; q rotary made exact on CPU"),
     "qwen2_moe": ("taps", 1e-5, ""),
     "glm4_moe": ("taps", 1e-5, ""),
