@@ -36,13 +36,13 @@ import os
 import pytest
 import torch
 
+from helpers.families import vllm_layer_outputs
 from helpers.gpu import vllm_on_cuda
 from helpers.reference import hf_layer_outputs, random_prompts
 from speculators_v016.checks.fidelity import FLIPPED_ROWS, ROW_BOUNDS, row_errors
 from speculators_v016.checks.logit_check import LogitChecker
 from speculators_v016.generator import VllmHiddenStatesGenerator
 from speculators_v016.testing import mla_ops, moe_ops
-from speculators_v016.worker import aux_outputs
 from speculators_v016.worker.stream_proof import DIFFERENT_FACTOR
 
 SKIP = vllm_on_cuda()
@@ -88,29 +88,6 @@ def stand_ins():
     report = {"moe": moe_ops.install(), "mla": mla_ops.install()}
     print(f"\nstand-ins: {report}")
     return report
-
-
-def vllm_layer_outputs(gen, prompt: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Our states of one prompt, and vLLM's own stream after each decoder layer, read with hooks (eager only)."""
-    model = gen.engine.executor.driver_worker.worker.model_runner.get_model()
-    layers = aux_outputs.find_decoder_stack(model).decoder.layers
-    seen: dict[int, torch.Tensor] = {}
-
-    def hook(index):
-        def keep(module, args, out):
-            hidden, residual = out if isinstance(out, tuple) else (out, None)
-            stream = hidden if residual is None else hidden + residual
-            seen.setdefault(index, stream[: len(prompt)].detach().to("cpu", copy=True))
-
-        return keep
-
-    handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
-    try:
-        [result] = gen.generate([prompt])
-    finally:
-        for handle in handles:
-            handle.remove()
-    return [s.cpu() for s in result["hidden_states"]], [seen[i] for i in range(len(layers))]
 
 
 @pytest.fixture(scope="module")
