@@ -1,19 +1,21 @@
-"""How vLLM's worker processes start: spawned wherever they use a GPU, forked on CPU.
+"""How vLLM's worker processes start: spawned wherever they use a GPU, vLLM's own choice on CPU.
 
 vLLM 0.16 forks its multiprocess workers unless CUDA *is initialised* in the driving process
-(``torch.cuda.is_initialized()``). But torch refuses CUDA in every forked child as soon as the parent
-has merely *counted* devices: ``torch.cuda.is_available()`` and ``device_count()`` poison fork and
-leave ``is_initialized()`` False. Importing ``torch._inductor`` asks ``is_available()``, so does our
-own default tensor-parallel size (``visible_gpus``), and so may any library the driving process
-imports. vLLM then forks, and every worker dies in ``init_device`` ("Cannot re-initialize CUDA in
-forked subprocess"): every tensor-parallel run on GPUs did, before this module.
+(``torch.cuda.is_initialized()``), and a forked child can use CUDA only if the parent's state allows
+it: torch refuses it ("Cannot re-initialize CUDA in forked subprocess") once the parent poisoned
+fork, which ``is_initialized()`` does not always show. Every tensor-parallel run of the GPU issue
+(36) died so in each worker's ``init_device``; its trace blamed ``torch.cuda.is_available()`` run
+while ``torch._inductor`` was imported. On the H200 of 2026-12-02 (torch 2.11) a driving process
+that had called ``is_available()`` forked working workers, so which call poisons depends on the
+build: the hazard is real, its trigger is not ours to know. What the driving process imports
+before the workers start (torch._inductor, transformers, a user's program around the library) is
+not ours to control either.
 
-Keeping the driving process from ever counting GPUs before the workers exist cannot be promised
-(an import anywhere breaks it, silently, until the next TP run), so the rule is structural: the
-workers of an engine on a GPU platform are spawned, as vLLM does itself once CUDA is initialised.
-A spawned worker re-imports the driving program's main module, which therefore needs its
-``if __name__ == "__main__":`` guard (the CLI's module has it). On CPU, vLLM's platform hook
-already chooses spawn for its workers: its choice stands there, as it always did.
+So the rule is structural: the workers of an engine on a GPU platform are spawned, as vLLM does
+itself once CUDA is initialised, and as its documentation recommends with CUDA. A spawned worker
+re-imports the driving program's main module, which therefore needs its ``if __name__ ==
+"__main__":`` guard (the CLI's module has it). On CPU, vLLM's platform hook already chooses spawn
+for its workers: its choice stands there, as it always did.
 """
 
 from __future__ import annotations
