@@ -30,14 +30,13 @@ as JSON. Skips without CUDA or where vLLM's CUDA platform does not load.
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
 
 from helpers.families import vllm_layer_outputs
-from helpers.gpu import vllm_on_cuda
+from helpers.gpu import engine_args, save_figures, vllm_on_cuda
 from helpers.reference import hf_layer_outputs, random_prompts
 from speculators_v016.checks.fidelity import FLIPPED_ROWS, ROW_BOUNDS, row_errors
 from speculators_v016.checks.logit_check import LogitChecker
@@ -66,20 +65,12 @@ MODES = {"eager": True, "compiled": False}  # enforce_eager
 CASES = [(family, mode) for family in FAMILIES for mode in MODES]
 
 
-def engine_args(backend: str | None) -> dict:
+def family_engine_args(backend: str | None) -> dict:
     """The kit's engine arguments, with the family's attention backend where it needs its own."""
-    args = json.loads(os.environ.get("SPECULATORS_GPU_ENGINE_ARGS") or "{}")
+    args = engine_args()
     if backend is not None:
         args["attention_config"] = {**args.get("attention_config", {}), "backend": backend}
     return args
-
-
-def save_figures(name: str, figures: dict) -> None:
-    where = os.environ.get("SPECULATORS_GPU_FIGURES")
-    if where:
-        os.makedirs(where, exist_ok=True)
-        with open(os.path.join(where, f"{name}.json"), "w") as fh:
-            json.dump(figures, fh, indent=1)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +93,7 @@ def run(request, stand_ins, tiny_models):
     model_dir = tiny_models[family]
     prompts = random_prompts(LENGTHS, seed=3)
     with VllmHiddenStatesGenerator(model_dir, enforce_eager=MODES[mode],
-                                   extra_engine_args=engine_args(FAMILIES[family][1]), **ENGINE) as gen:  # fmt: skip
+                                   extra_engine_args=family_engine_args(FAMILIES[family][1]), **ENGINE) as gen:  # fmt: skip
         engine = gen.engine
         info = engine.capture_info[0]
         checker = LogitChecker(model_dir, engine.dtype, LAYERS - 1)
@@ -164,7 +155,7 @@ def test_states_match_transformers_per_row(run, references):
     """Every layer (the last included) within the bf16 bounds of fp32 transformers; flips counted; proof, logits."""
     family, mode, info = run["family"], run["mode"], run["info"]
     reference = references[family]
-    wanted = FAMILIES[family][1] or engine_args(None).get("attention_config", {}).get("backend")
+    wanted = FAMILIES[family][1] or engine_args().get("attention_config", {}).get("backend")
     if wanted:  # the backend vLLM chose is the one asked for (MLA on for DeepSeek)
         assert run["backend"] == wanted, run["backend"]
     figures = {"family": family, "mode": mode, "backend": run["backend"], "model_class": info["model_class"],
