@@ -162,17 +162,32 @@ class Conversation:
 
     number: int  # position in the run's (shuffled, cut) order
     where: str  # file:line of the source row
-    turns: list[dict]  # role/content; the assistant turns' content is the source's (never shown)
+    turns: list[dict]  # role/content; the assistant turns' content is the source's (never shown; None: none)
     first_index: int  # the sample index of its first assistant turn
     answers: int  # assistant turns to generate (one sample each)
+
+
+def answer_slots(turns: list[dict]) -> list[dict]:
+    """``turns`` with an assistant turn to generate (content None: there is no source answer) after each user
+    turn past the source's last assistant turn: a prompt-only row gets each user turn answered in order, a
+    conversation ending on a user turn gets that turn answered. User turns before an assistant turn keep the
+    one answer the source gives them. Derived from the row alone, so sample indices are the same on resume."""
+    last = max((i for i, t in enumerate(turns) if t["role"] == "assistant"), default=-1)
+    out = turns[: last + 1]
+    for turn in turns[last + 1 :]:
+        out.append(turn)
+        if turn["role"] == "user":
+            out.append({"role": "assistant", "content": None})
+    return out
 
 
 def plan(rows: list[tuple[str, list[dict]]], skip_bad_rows: bool) -> tuple[list[Conversation], dict]:
     """The conversations in the run's order with their sample indices; ``(plan, skipped by reason)``.
 
     A turn's role must be one the chat format knows; assistant turns before the first user turn are
-    dropped (nothing asked them); a conversation without a user turn answered by an assistant turn is a
-    bad row (named, or skipped and counted with ``skip_bad_rows``)."""
+    dropped (nothing asked them); user turns no assistant turn answers get an answer to generate
+    (:func:`answer_slots`); a conversation without a user turn is a bad row (named, or skipped and
+    counted with ``skip_bad_rows``)."""
     out, skipped, index = [], {}, 0
     for where, raw in rows:
         try:
@@ -184,9 +199,10 @@ def plan(rows: list[tuple[str, list[dict]]], skip_bad_rows: bool) -> tuple[list[
                 if role == "assistant" and not any(t["role"] == "user" for t in turns):
                     continue
                 turns.append({"role": role, "content": turn["value"]})
+            turns = answer_slots(turns)
             answers = sum(t["role"] == "assistant" for t in turns)
             if answers == 0:
-                raise BadRowError(f"{where}: no user turn followed by an assistant turn: nothing to regenerate")
+                raise BadRowError(f"{where}: no user turn: nothing to regenerate")
         except BadRowError:
             if not skip_bad_rows:
                 raise

@@ -263,6 +263,66 @@ def test_a_finished_run_with_turns_cut_runs_again_as_a_no_op(tmp_path, model_dir
     assert invoke("verify", out).exit_code == 0
 
 
+def test_prompt_only_rows_get_every_user_turn_answered(tmp_path, model_dir):
+    """Rows of user turns only (ShareGPT and messages shapes) and a trailing unanswered user turn: the target
+    answers each user turn in order, one sample per answer, each the history so far + what it sampled."""
+    rng, lines = random.Random(7), corpus_lines()
+    rows = [
+        {
+            "conversations": [
+                {"from": "human", "value": rng.choice(lines)},
+                {"from": "human", "value": rng.choice(lines)},
+            ]
+        },
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": rng.choice(lines)}]},
+        {
+            "messages": [
+                {"role": "user", "content": rng.choice(lines)},
+                {"role": "assistant", "content": "SOURCE ANSWER"},
+                {"role": "user", "content": rng.choice(lines)},
+            ]
+        },
+    ]
+    data, out = write_jsonl(tmp_path / "prompts.jsonl", rows), tmp_path / "out"
+    sampling = ["--regenerate", "--temperature", "0", "--max-new-tokens", "8"]
+    result = invoke(*args(model_dir, data, out)[: -len(SAMPLING)], *sampling)  # greedy, short turns
+    assert result.exit_code == 0, result.output
+    assert "verify:     ok (5 samples" in result.output, result.output
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    samples = load_all(out)
+    journal = {}
+    for raw in (out / "regenerated.journal.jsonl").read_text().splitlines():
+        record = json.loads(raw)
+        journal[record["index"]] = record
+    regenerated_lines = [json.loads(x) for x in (out / "regenerated.jsonl").read_text().splitlines()]
+    assert sorted(samples) == list(range(5)) and len(regenerated_lines) == 3
+    answered = []
+    for line in regenerated_lines:
+        history, users = [], 0
+        for turn in line["turns"]:
+            if turn["role"] != "assistant":
+                users += turn["role"] == "user"
+                history.append({"role": turn["role"], "content": turn["content"]})
+                continue
+            assert "SOURCE" not in turn["content"] and turn["finish_reason"] in ("stop", "length")
+            sample, record = samples[turn["sample"]], journal[turn["sample"]]
+            prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True)
+            ids, mask = sample["input_ids"].tolist(), sample["loss_mask"].tolist()
+            assert ids == prompt + record["token_ids"] and record["token_ids"]
+            assert mask == [0] * len(prompt) + [1] * len(record["token_ids"])
+            assert record["text"] == turn["content"]
+            history.append({"role": "assistant", "content": turn["content"]})
+            answered.append(turn["sample"])
+        assert [t["role"] for t in line["turns"]][-1] == "assistant" and users >= 1
+    assert sorted(answered) == list(range(5))
+    roles = {line["source"].rsplit(":", 1)[1]: [t["role"] for t in line["turns"]] for line in regenerated_lines}
+    assert roles == {
+        "1": ["user", "assistant"] * 2,
+        "2": ["system", "user", "assistant"],
+        "3": ["user", "assistant"] * 2,
+    }
+
+
 def edited_copy(reference_run, where, edit_journal=None, edit_conversations=None):
     """A copy of the reference folder with its journal lines (a list of raw lines) and conversations edited."""
     shutil.copytree(reference_run, where)

@@ -15,6 +15,7 @@ from speculators_v016.run.dataset import BadRowError
 from speculators_v016.run.regenerate import (
     Regeneration,
     Sampling,
+    answer_slots,
     check_generation_prompt,
     end_of_turn_ids,
     plan,
@@ -128,6 +129,36 @@ def test_plan_numbers_samples_per_answered_turn(tokenizer):
     assert skipped == {"nothing to regenerate (no user turn answered)": 1}
     with pytest.raises(BadRowError, match="role 'tool'"):
         plan([("b:1", [{"from": "tool", "value": "t"}])], skip_bad_rows=False)
+
+
+def test_user_turns_without_an_answer_each_get_one(tokenizer):
+    """Prompt-only rows and a trailing user turn: one answer slot after each user turn past the last assistant."""
+    u = lambda c: {"role": "user", "content": c}  # noqa: E731
+    a = {"role": "assistant", "content": None}
+    system = {"role": "system", "content": "s"}
+    assert answer_slots([system, u("q1"), u("q2")]) == [system, u("q1"), a, u("q2"), a]
+    sourced = [u("q1"), u("q2"), {"role": "assistant", "content": "x"}, u("q3")]
+    assert answer_slots(sourced) == [*sourced, a]  # consecutive user turns before an answer: one answer, as before
+    answered = [u("q"), {"role": "assistant", "content": "x"}]
+    assert answer_slots(answered) == answered
+    rows_ = [
+        ("p:1", [{"from": "system", "value": "s"}, {"from": "human", "value": "q1"}, {"from": "human", "value": "q2"}]),
+        ("p:2", [{"from": "user", "value": "q"}]),
+        ("p:3", [{"from": "user", "value": "q"}, {"from": "gpt", "value": "x"}, {"from": "user", "value": "more"}]),
+    ]
+    convs, skipped = plan(rows_, skip_bad_rows=False)
+    assert [(c.where, c.first_index, c.answers) for c in convs] == [("p:1", 0, 2), ("p:2", 2, 1), ("p:3", 3, 2)]
+    assert skipped == {} and plan(rows_, False)[0] == convs  # derived from the row alone: stable on resume
+    regen = Regeneration(tokenizer, convs[:1], sampling(), frozenset({1}), 200, {})
+    feed = regen.feed()
+    index, prompt, _ = next(feed)
+    history = [{"role": "system", "content": "s"}, {"role": "user", "content": "q1"}]
+    assert index == 0 and prompt == tokenizer.apply_chat_template(history, add_generation_prompt=True)
+    answer = tokenizer("fine", add_special_tokens=False)["input_ids"]
+    regen.complete(0, Generated(len(prompt), answer, "length"))
+    index, prompt2, _ = next(feed)
+    history += [{"role": "assistant", "content": "fine"}, {"role": "user", "content": "q2"}]
+    assert index == 1 and prompt2 == tokenizer.apply_chat_template(history, add_generation_prompt=True)
 
 
 def sampling(**kw):
