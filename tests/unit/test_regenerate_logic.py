@@ -159,6 +159,10 @@ def test_user_turns_without_an_answer_each_get_one(tokenizer):
     index, prompt2, _ = next(feed)
     history += [{"role": "assistant", "content": "fine"}, {"role": "user", "content": "q2"}]
     assert index == 1 and prompt2 == tokenizer.apply_chat_template(history, add_generation_prompt=True)
+    resumed = Regeneration(tokenizer, convs[:1], sampling(), frozenset(), 200, {0: {"text": "from the journal"}})
+    index, prompt3, _ = next(resumed.feed())  # a resume: turn 0 written, turn 1 asked after its recorded text
+    history[2] = {"role": "assistant", "content": "from the journal"}
+    assert index == 1 and prompt3 == tokenizer.apply_chat_template(history, add_generation_prompt=True)
 
 
 def sampling(**kw):
