@@ -409,14 +409,20 @@ class RegenerationWork:
         return cls(tokenizer, conversations, sampling, stop_ids, opts.seq_length, sources, skipped, opts.start_idx)
 
     def describe(self) -> dict:
-        """What data_config.json and the fingerprint record of the regeneration."""
-        return {
+        """What data_config.json and the fingerprint record of the regeneration. ``unanswered_user_turns``
+        only where the dataset has user turns no source answer follows: earlier releases planned no sample for
+        them, so the sample indices of such a dataset differ and a folder of theirs must not be resumed (the
+        fingerprint differs, naming it); the plan of every other dataset, and its folders, are as before."""
+        described = {
             "on_policy": True,
             "sampling": self.sampling.as_dict(),
             "stop_token_ids": sorted(self.stop_ids),
             "samples": "one per generated turn (prompt: the history as regenerated, by the chat template)",
             "conversations_file": "regenerated.jsonl",
         }
+        if any(t["role"] == "assistant" and t["content"] is None for c in self.conversations for t in c.turns):
+            described["unanswered_user_turns"] = "answered, in order (one sample each)"
+        return described
 
     def shard(self, num_shards: int, shard_index: int) -> list[int]:
         """This shard's sample indices: whole conversations (a turn needs the one before it)."""

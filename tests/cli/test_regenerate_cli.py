@@ -96,6 +96,7 @@ def test_samples_are_the_prompts_the_target_saw_and_what_it_sampled(reference_ru
     config = json.loads((reference_run / "data_config.json").read_text())
     regen = config["speculators_v016"]["regenerate"]
     assert regen["on_policy"] is True and regen["sampling"]["temperature"] == 0.7
+    assert "unanswered_user_turns" not in regen  # every user turn answered by the source: folders as before
     assert regen["sampling"]["max_new_tokens"] == 20 and regen["stop_token_ids"]
     assert lines[0]["sampling"]["seed"] == 3
     assert torch.load(reference_run.parent / "tf.pt")  # token frequencies of the generated tokens
@@ -321,6 +322,9 @@ def test_prompt_only_rows_get_every_user_turn_answered(tmp_path, model_dir):
         "2": ["system", "user", "assistant"],
         "3": ["user", "assistant"] * 2,
     }
+    # earlier releases planned no sample for those turns: their folders of this dataset must not resume into it
+    regen = json.loads((out / "data_config.json").read_text())["speculators_v016"]["fingerprint"]["generation"]
+    assert regen["regenerate"]["unanswered_user_turns"] == "answered, in order (one sample each)"
 
 
 def edited_copy(reference_run, where, edit_journal=None, edit_conversations=None):
