@@ -64,6 +64,8 @@ ServeBackend = Literal["folder", "mooncake"]
 SampleFormat = Literal["safetensors", "pt"]
 #: The digest of each sample file that the manifest records (speculators_v016.store.checksum).
 Checksum = Literal["blake3", "sha256"]
+#: --regenerate's samples: whole conversations where the chat template allows it exactly, or one per turn
+RegenerateSamples = Literal["auto", "turn"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 
 EXECUTORS: tuple[str, ...] = typing.get_args(Executor)
@@ -482,7 +484,14 @@ class RunConfig:
     regenerate: bool = setting(
         False,
         "The target writes every assistant turn (conditioned on the history regenerated so far) and the same "
-        "pass captures it: on-policy data, one sample per generated turn (docs/regenerate.md).",
+        "pass captures it: on-policy data (docs/regenerate.md).",
+        section=REGENERATION,
+    )
+    regenerate_samples: RegenerateSamples = setting(
+        "auto",
+        "auto: a conversation's generated turns share one sample where the chat template renders each turn's "
+        "prompt + sampled ids as the start of the next prompt, token for token (else one sample per turn); "
+        "turn: one sample per generated turn.",
         section=REGENERATION,
     )
     temperature: float | None = setting(
@@ -572,6 +581,11 @@ class RunConfig:
                 if getattr(self, name) is not None:
                     flag = "--" + name.replace("_", "-")
                     raise ConfigError(f"{flag} samples the target's responses: it needs --regenerate", flag)
+            if self.regenerate_samples != "auto":
+                raise ConfigError(
+                    "--regenerate-samples shapes the samples of generated turns: it needs --regenerate",
+                    "--regenerate-samples",
+                )
         else:
             for name, value in (("--turn-dropout", self.turn_dropout), ("--assistant-pattern", self.assistant_pattern)):
                 if value:

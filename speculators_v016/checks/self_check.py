@@ -118,6 +118,13 @@ class HoldBack:
             self.checker.release()
             self.finish()
 
+    def hand_over(self, index, to) -> None:
+        """Checked sample ``index`` will not be written (a --regenerate turn folded into the sample of turn ``to``):
+        sample ``to`` is checked in its place."""
+        if index in self.awaiting:
+            self.awaiting.discard(index)
+            self.awaiting.add(to)
+
     def finish(self) -> None:
         """Write what is still held: judged and passed (a checked sample vLLM gave no logprobs for)."""
         for held in self.held:

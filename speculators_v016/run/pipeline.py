@@ -74,6 +74,7 @@ class RunSummary:
     generation_seconds: float = 0.0
     logit_check: dict = field(default_factory=dict)
     regenerated: dict = field(default_factory=dict)  # --regenerate: turns by finish reason
+    conversations: dict = field(default_factory=dict)  # --regenerate: conversations by how they went into samples
 
     def lines(self) -> list[str]:
         rate = self.tokens / self.generation_seconds if self.generation_seconds else 0.0
@@ -89,6 +90,9 @@ class RunSummary:
         if self.regenerated:
             reasons = ", ".join(f"{n} {FINISHED.get(r, r)}" for r, n in sorted(self.regenerated.items()))
             out.append(f"regenerated: {sum(self.regenerated.values())} turns ({reasons})")
+        if self.conversations:
+            shapes = ", ".join(f"{n} {shape}" for shape, n in sorted(self.conversations.items()))
+            out.append(f"conversations: {sum(self.conversations.values())} finished ({shapes})")
         if self.logit_check:
             out.append(f"logit check: {self.logit_check['line']}")
         return out
@@ -194,7 +198,8 @@ def run(opts: RunConfig, progress_to=None) -> RunSummary:
         done = Manifest(directory).reconcile()
         algorithm = checksum_of_run(directory, existing, done, opts.checksum)
         mine = work.shard(opts.num_shards, opts.shard_index)
-        pending = [i for i in mine if i + opts.start_idx not in done]
+        settled = work.settled(directory, done) if opts.regenerate else set()  # folded into listed samples
+        pending = [i for i in mine if i + opts.start_idx not in done and i + opts.start_idx not in settled]
         summary.already_done = len(mine) - len(pending)
         if opts.token_freq_path and not opts.regenerate:  # a regenerating run's: from what it generated, after it
             _save_token_frequencies(work.samples, opts.token_freq_path)
@@ -345,6 +350,10 @@ def _generate(
             name = index + opts.start_idx
             input_ids = torch.tensor(ids, dtype=torch.long)
             mask, record, sampled_logprobs = work.finish(index, ids, engine)
+            if mask is None:  # a turn folded into its conversation's next sample: journaled, its states not kept
+                _fold(index, record, work, hold, checked, states, pool)
+                bar.update(1)
+                continue
             if theirs is not None and sampled_logprobs is not None:  # log p of every token after the first
                 theirs = torch.cat([theirs.float(), torch.tensor(sampled_logprobs, dtype=torch.float32)])
             hold.judge(index, name, input_ids, states, theirs)
@@ -368,6 +377,7 @@ def _generate(
             if opts.regenerate:
                 work.end(directory, set(Manifest(directory).entries()))
                 summary.regenerated = dict(work.finish_reasons)
+                summary.conversations = work.shapes
         finally:
             summary.written, summary.bytes = writer.written, writer.bytes
             bar.set_description(f"{writer.written}/{len(pending)} samples")
@@ -408,6 +418,19 @@ def checksum_of_run(directory: Path, existing: dict | None, done: dict, asked: s
             "resuming a folder of {} digests: its new samples are listed with {} too", held, held
         )
     return held
+
+
+def _fold(index: int, record: dict, work, hold: HoldBack, checked: set, states, pool: BufferPool) -> None:
+    """Turn ``index`` is folded into the sample of its conversation's next turn (``--regenerate-samples auto``):
+    its record goes to the journal (a resume takes its tokens from there), its states back to the pool (the next
+    turn's prefill computes them again, for the same prefix), and a logit check it was to pass falls to the next
+    turn, whose prompt holds it."""
+    work.journal.append(record)
+    pool.give_back(fp8.tensors_of(states))
+    if index in checked:
+        checked.discard(index)
+        checked.add(index + 1)  # the same conversation's next turn: a folded turn is never its last
+        hold.hand_over(index, index + 1)
 
 
 def _note_cut(cut: list, summary: RunSummary, opts: RunConfig) -> None:

@@ -5,13 +5,20 @@ history as regenerated so far: the source's assistant turns are never shown to i
 history rendered by the target's chat template with its generation prompt, as a server renders a
 chat request (where the template drops earlier turns' reasoning, so does the prompt).
 
-**One sample per generated turn**, for every template: ``input_ids`` = the prompt's ids + the ids
-the target sampled (never re-tokenized from text), ``loss_mask`` = 1 on the sampled ids. The ids
-before every supervised position are then exactly those the target conditioned on when it sampled
-it, whether or not the template re-renders history. A sample carrying several turns would hold
-re-tokenized text of earlier turns, which may differ from what was sampled; and it would save no
-compute (prefix caching is off, so each turn's history is prefilled to generate it anyway), only
-the disk of the repeated history (masked positions).
+**Samples** (``--regenerate-samples``). With ``turn``, one sample per generated turn, for every
+template: ``input_ids`` = the prompt's ids + the ids the target sampled (never re-tokenized from
+text), ``loss_mask`` = 1 on the sampled ids. With ``auto`` (the default), a generated turn is
+*folded* into the sample of its conversation's next turn where the chat template renders the
+next prompt as this turn's prompt + its sampled ids, token for token (decided by rendering, per
+turn, never by the template's name): the sample of the last turn of such a run of turns holds
+them all, ``loss_mask`` 1 on every turn's sampled ids. Where the template drops earlier
+reasoning, or re-tokenizes the turn's text otherwise than it was sampled, the turn keeps its own
+sample. Either way the ids before every supervised position are exactly those the target
+conditioned on when it sampled it. A folded turn's states are those of the later turn's pass:
+its prompt holds the folded turn, prefilled (prefix caching is off: each turn's history is
+prefilled to generate it), so each position's states are computed for exactly its prefix.
+A folded turn's index has no file; its record in the journal says so, and the record of the
+sample holding it names it (``earlier_turns``).
 
 This module is the plan and the feed (:class:`Regeneration`): which samples exist (their indices
 are fixed before anything runs, so resume and sharding work as for prefill runs), each turn's
@@ -21,6 +28,7 @@ generated (:mod:`speculators_v016.store.regenerated` keeps those records on disk
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import deque
 from collections.abc import Iterator
@@ -220,6 +228,9 @@ class _Open:
     conversation: Conversation
     turn: int  # the assistant turn to generate next (0-based among the conversation's answers)
     history: list[dict] = field(default_factory=list)  # turns as the target's history so far
+    prompt: list[int] | None = None  # the next turn's prompt ids, where already rendered
+    folded: list[int] = field(default_factory=list)  # indices of turns folded into the next sample (not written)
+    samples: int = 0  # samples of this conversation written or on their way
 
 
 class Regeneration:
@@ -241,9 +252,12 @@ class Regeneration:
         done: dict[int, dict],
         start_idx: int = 0,
         logprobs_for=None,
+        per_turn: bool = True,
     ):
         self.tokenizer, self.sampling, self.stop_ids, self.seq_length = tokenizer, sampling, stop_ids, seq_length
         self.start_idx, self.logprobs_for = start_idx, logprobs_for or (lambda index: False)
+        self.per_turn = per_turn
+        self.shapes: dict[str, int] = {}  # finished conversations by how their turns went into samples
         self._ready: deque[_Open] = deque()
         self._out: dict[int, _Open] = {}
         self.cut: list[tuple[int, str]] = []  # (sample index, why) of turns that could not be generated
@@ -256,9 +270,32 @@ class Regeneration:
         for turn in self._turns_until_answer(state):
             state.history.append(turn)
         while state.turn < conv.answers and (conv.first_index + state.turn + self.start_idx) in done:
-            record = done[conv.first_index + state.turn + self.start_idx]
-            self._advance(state, record["text"])
+            index = conv.first_index + state.turn + self.start_idx
+            record = done[index]
+            if record.get("in_later_sample"):  # its tokens are in the journal; its states come with a later turn
+                prompt = self.prompt_ids(state.history)
+                if record.get("prompt_sha256") != prompt_digest(prompt):
+                    break  # generated under a history a killed run's resume has since regenerated: again
+                self._advance(state, record["text"])
+                if not self._folds(state, prompt, record["token_ids"]):
+                    raise regenerated.JournalError(
+                        f"the {regenerated.JOURNAL} record of sample {index} says a later sample holds it, but "
+                        "the chat template does not render the next prompt as its prompt + its sampled ids"
+                    )
+                state.folded.append(index)
+            else:
+                self._advance(state, record["text"])
+                state.prompt, state.folded, state.samples = None, [], state.samples + 1
         return state
+
+    def _folds(self, state: _Open, prompt: list[int], sampled: list[int]) -> bool:
+        """Does the next turn's prompt (rendered here, kept in ``state``) start with ``prompt`` + ``sampled``, and
+        leave room to generate it (a turn is folded only into a turn that will be generated)?"""
+        if self.per_turn or state.turn >= state.conversation.answers:
+            return False
+        state.prompt = self.prompt_ids(state.history)
+        before = list(prompt) + list(sampled)
+        return state.prompt[: len(before)] == before and len(state.prompt) < self.seq_length
 
     def _turns_until_answer(self, state: _Open) -> list[dict]:
         """The source's non-assistant turns before assistant turn ``state.turn`` (after the previous one)."""
@@ -289,7 +326,8 @@ class Regeneration:
             if state.turn >= state.conversation.answers:
                 continue
             index = state.conversation.first_index + state.turn + self.start_idx
-            prompt = self.prompt_ids(state.history)
+            prompt = state.prompt if state.prompt is not None else self.prompt_ids(state.history)
+            state.prompt = prompt
             room = self.seq_length - len(prompt)
             cap = min(room, self.sampling.max_new_tokens or room)
             if cap < 1:  # this turn and the conversation's later ones (they would follow it)
@@ -321,6 +359,7 @@ class Regeneration:
         """Sample ``index`` generated: its record (what the JSONL keeps), and its conversation's next turn queued."""
         state = self._out.pop(index)
         text = self.text_of(generated)
+        prompt = state.prompt
         record = {
             "index": index,
             "source": state.conversation.where,
@@ -333,8 +372,33 @@ class Regeneration:
             "seed": sample_seed(self.sampling.seed, index),
         }
         self._advance(state, text)
+        state.prompt = None
+        if self._folds(state, prompt, generated.token_ids):
+            record["in_later_sample"], record["prompt_sha256"] = True, prompt_digest(prompt)
+            state.folded.append(index)
+        else:
+            if state.folded:
+                record["earlier_turns"] = list(state.folded)
+            self._count_shape(state, len(state.folded) + 1)
+            state.folded = []
         self._ready.append(state)
         return record
+
+    def _count_shape(self, state: _Open, turns_in_sample: int) -> None:
+        """Count a finished conversation by how its generated turns went into samples."""
+        conv = state.conversation
+        state.samples += 1
+        if state.turn < conv.answers:  # not finished
+            return
+        if conv.answers == 1:
+            shape = "one turn"
+        elif state.samples == 1 and turns_in_sample == conv.answers:
+            shape = "one sample"
+        elif state.samples == conv.answers:
+            shape = "one sample per turn"
+        else:
+            shape = "split"
+        self.shapes[shape] = self.shapes.get(shape, 0) + 1
 
 
 def records_by_conversation(
@@ -343,6 +407,7 @@ def records_by_conversation(
     """The regenerated conversations, one JSON object each, in the run's order (only turns written);
     ``records`` by sample name (index + ``start_idx``)."""
     out: list[dict[str, Any]] = []
+    holder = {e: name for name, r in records.items() for e in r.get("earlier_turns", ())}
     for conv in conversations:
         answers = [records.get(conv.first_index + t + start_idx) for t in range(conv.answers)]
         if not any(answers):
@@ -356,16 +421,21 @@ def records_by_conversation(
             answer += 1
             if record is None:
                 break
-            turns.append(
-                {
-                    "role": "assistant",
-                    "content": record["text"],
-                    "finish_reason": record["finish_reason"],
-                    "sample": record["index"],
-                }
-            )
+            turn = {"role": "assistant", "content": record["text"], "finish_reason": record["finish_reason"]}
+            if record.get("in_later_sample"):  # its ids and mask are in the sample of a later turn
+                turn["turn_index"] = record["index"]
+            turn["sample"] = holder.get(record["index"], record["index"])
+            turns.append(turn)
         out.append({"conversation": conv.number, "source": conv.where, "turns": turns, "sampling": sampling.as_dict()})
     return out
+
+
+#: what data_config.json says of the samples (the fingerprint holds it: a folder keeps its way)
+PER_TURN = "one per generated turn (prompt: the history as regenerated, by the chat template)"
+FOLDED = (
+    "one per run of turns the chat template renders as prefixes of the next prompt, token for token (a whole "
+    "conversation where it does), loss_mask 1 on every sampled id; else one per generated turn"
+)
 
 
 class RegenerationWork:
@@ -379,10 +449,13 @@ class RegenerationWork:
 
     kind = "conversations"
 
-    def __init__(self, tokenizer, conversations, sampling, stop_ids, seq_length, sources, skipped, start_idx):
+    def __init__(
+        self, tokenizer, conversations, sampling, stop_ids, seq_length, sources, skipped, start_idx, per_turn=True
+    ):
         self.tokenizer, self.conversations, self.sampling = tokenizer, conversations, sampling
         self.stop_ids, self.seq_length, self.sources, self.skipped = stop_ids, seq_length, sources, skipped
         self.start_idx, self.truncated = start_idx, 0
+        self.per_turn = per_turn
         self.count = sum(c.answers for c in conversations)
         self.regeneration: Regeneration | None = None
         self.journal = None
@@ -406,7 +479,10 @@ class RegenerationWork:
         for reason, n in more_skipped.items():
             skipped[reason] += n
         stop_ids = stop_token_ids(tokenizer, opts.engine.model)
-        return cls(tokenizer, conversations, sampling, stop_ids, opts.seq_length, sources, skipped, opts.start_idx)
+        per_turn = opts.regenerate_samples == "turn"
+        return cls(
+            tokenizer, conversations, sampling, stop_ids, opts.seq_length, sources, skipped, opts.start_idx, per_turn
+        )
 
     def describe(self) -> dict:
         """What data_config.json and the fingerprint record of the regeneration. ``unanswered_user_turns``
@@ -417,7 +493,7 @@ class RegenerationWork:
             "on_policy": True,
             "sampling": self.sampling.as_dict(),
             "stop_token_ids": sorted(self.stop_ids),
-            "samples": "one per generated turn (prompt: the history as regenerated, by the chat template)",
+            "samples": PER_TURN if self.per_turn else FOLDED,
             "conversations_file": "regenerated.jsonl",
         }
         if any(t["role"] == "assistant" and t["content"] is None for c in self.conversations for t in c.turns):
@@ -449,13 +525,26 @@ class RegenerationWork:
                 "this tool wrote as it is"
             )
         self.records = {name: journal[name] for name in names}
+        self.records.update(_folded_records(journal, names))
         by_index = {name - self.start_idx: record for name, record in self.records.items()}
         mine = set(pending)
         convs = [c for c in self.conversations if any(c.first_index + t in mine for t in range(c.answers))]
         self.regeneration = Regeneration(
-            self.tokenizer, convs, self.sampling, self.stop_ids, self.seq_length, by_index, logprobs_for=logprobs_for
+            self.tokenizer,
+            convs,
+            self.sampling,
+            self.stop_ids,
+            self.seq_length,
+            by_index,
+            logprobs_for=logprobs_for,
+            per_turn=self.per_turn,
         )
         self.journal = regenerated.Journal(directory)
+
+    def settled(self, directory: Path, done: dict) -> set[int]:
+        """Sample names with no file of their own that are done: turns folded into a listed sample."""
+        journal = regenerated.read_journal(directory)
+        return {e for name in done if int(name) in journal for e in journal[int(name)].get("earlier_turns", ())}
 
     def cut_without_engine(self, directory: Path, pending: list[int], done: dict) -> list[tuple[int, str]] | None:
         """``pending``'s turns with why, if not one of them can be generated (each prompt, with the written turns'
@@ -466,9 +555,12 @@ class RegenerationWork:
         if names - set(journal) or any(not isinstance(journal[n].get("text"), str) for n in names):
             return None  # begin() names that folder
         by_index = {name - self.start_idx: journal[name] for name in names}
+        by_index.update({name - self.start_idx: r for name, r in _folded_records(journal, names).items()})
         mine = set(pending)
         convs = [c for c in self.conversations if any(c.first_index + t in mine for t in range(c.answers))]
-        trial = Regeneration(self.tokenizer, convs, self.sampling, self.stop_ids, self.seq_length, by_index)
+        trial = Regeneration(
+            self.tokenizer, convs, self.sampling, self.stop_ids, self.seq_length, by_index, per_turn=self.per_turn
+        )
         for _turn in trial.feed():
             return None
         return trial.cut
@@ -479,16 +571,29 @@ class RegenerationWork:
     def tokens(self, pending: list[int]) -> int | None:
         return None  # not known before the target has written them
 
-    def finish(self, index: int, ids: list[int], engine) -> tuple[torch.Tensor, dict, list[float] | None]:
-        """Sample ``index`` generated: its loss mask (1 on the sampled ids), its record, vLLM's logprobs."""
+    def finish(self, index: int, ids: list[int], engine) -> tuple[torch.Tensor | None, dict, list[float] | None]:
+        """Sample ``index`` generated: its loss mask (1 on the sampled ids, its own and those of the turns folded
+        into it), its record, vLLM's logprobs. A turn folded into a later sample: mask None (nothing to write)."""
         generated = engine.generated.pop(index)
         record = self.regeneration.complete(index, generated)
         record["index"] = index + self.start_idx
+        if "earlier_turns" in record:
+            record["earlier_turns"] = [i + self.start_idx for i in record["earlier_turns"]]
         self.records[record["index"]] = record
         self.finish_reasons[generated.finish_reason] = self.finish_reasons.get(generated.finish_reason, 0) + 1
+        if record.get("in_later_sample"):
+            return None, record, None
         mask = torch.zeros(len(ids), dtype=torch.long)
         mask[generated.prompt_len :] = 1
+        for earlier in record.get("earlier_turns", ()):
+            turn = self.records[earlier]
+            mask[turn["prompt_tokens"] : turn["prompt_tokens"] + len(turn["token_ids"])] = 1
         return mask, record, generated.logprobs
+
+    @property
+    def shapes(self) -> dict[str, int]:
+        """This run's finished conversations by how their turns went into samples."""
+        return dict(self.regeneration.shapes) if self.regeneration is not None else {}
 
     def take_cut(self) -> list[tuple[int, str]]:
         """Turns that could not be generated since the last call (their prompt left no room): (index, why)."""
@@ -501,5 +606,27 @@ class RegenerationWork:
         if self.journal is not None:
             self.journal.close()
         records = {name: r for name, r in self.records.items() if name in listed}
+        records.update(_held_records(self.records, listed))
         lines = records_by_conversation(records, self.conversations, self.sampling, self.start_idx)
         regenerated.write_conversations(directory, lines)
+
+
+def _folded_records(records: dict[int, dict], listed) -> dict[int, dict]:
+    """The records of folded turns that are not ``listed`` samples: their tokens are journaled, their states come
+    with a later turn's sample (a resume goes on after them, where their prompts are still the history's)."""
+    return {
+        name: r
+        for name, r in records.items()
+        if name not in listed and r.get("in_later_sample") and isinstance(r.get("text"), str)
+    }
+
+
+def _held_records(records: dict[int, dict], listed) -> dict[int, dict]:
+    """The records of the turns folded into the ``listed`` samples (named by their ``earlier_turns``)."""
+    held = {e for name in listed if name in records for e in records[name].get("earlier_turns", ())}
+    return {name: records[name] for name in held if name in records}
+
+
+def prompt_digest(ids: list[int]) -> str:
+    """A folded turn's prompt, as its record keeps it: a resume takes the turn only under the same prompt."""
+    return hashlib.sha256(json.dumps(list(ids)).encode()).hexdigest()[:32]

@@ -120,8 +120,9 @@ def write_conversations(directory: Path, conversations: list[dict]) -> None:
     write_atomic(directory, CONVERSATIONS, text.encode())
 
 
-def sample_problems(path: Path, record: dict | None) -> list[str]:
-    """A listed sample against its journal line: the sampled ids end it, masked 1 exactly on them."""
+def sample_problems(path: Path, record: dict | None, journal: dict[int, dict] | None = None) -> list[str]:
+    """A listed sample against its journal lines: the sampled ids end it, and the ids of the turns folded into it
+    (its record's ``earlier_turns``) stand where their records say; loss_mask is 1 exactly on all of them."""
     if record is None:
         return [f"{path}: listed, but {JOURNAL} has no record of it"]
     data = load_sample(path, dequantize_to=None)
@@ -129,17 +130,28 @@ def sample_problems(path: Path, record: dict | None) -> list[str]:
     prompt, tokens = record.get("prompt_tokens"), record.get("token_ids")
     if not isinstance(prompt, int) or not isinstance(tokens, list) or prompt + len(tokens) != len(ids):
         return [f"{path}: {len(ids)} tokens, its {JOURNAL} record says {prompt} + {len(tokens or [])}"]
-    problems = []
+    problems, expected = [], [0] * prompt + [1] * len(tokens)
     if ids[prompt:] != tokens:
         problems.append(f"{path}: its generated ids differ from its {JOURNAL} record")
-    if mask != [0] * prompt + [1] * len(tokens):
+    earlier = record.get("earlier_turns", [])
+    for turn in earlier if isinstance(earlier, list) else [earlier]:
+        folded = (journal or {}).get(turn) if isinstance(turn, int) else None
+        start, held = (folded or {}).get("prompt_tokens"), (folded or {}).get("token_ids")
+        if not folded or not folded.get("in_later_sample") or not isinstance(start, int) or not isinstance(held, list):
+            problems.append(f"{path}: holds turn {turn!r} by its {JOURNAL} record, which has no record of it folded")
+            continue
+        if start + len(held) > prompt or ids[start : start + len(held)] != held:
+            problems.append(f"{path}: the ids of turn {turn} folded into it differ from its {JOURNAL} record")
+            continue
+        expected[start : start + len(held)] = [1] * len(held)
+    if mask != expected:
         problems.append(f"{path}: loss_mask is not 1 on exactly the generated ids")
     return problems
 
 
 def folder_problems(directory: Path, listed: set[int], journal: dict[int, dict], complete: bool) -> list[str]:
-    """regenerated.jsonl against the journal: every assistant turn names a listed sample and holds its text;
-    ``complete``: every listed sample is in it once."""
+    """regenerated.jsonl against the journal: every assistant turn names a listed sample (the one holding it) and
+    holds its text; ``complete``: every listed sample's turns are in it once."""
     path = directory / CONVERSATIONS
     if not path.exists():
         return [f"{path}: missing (a --regenerate run writes it at its end)"] if complete else []
@@ -149,15 +161,29 @@ def folder_problems(directory: Path, listed: set[int], journal: dict[int, dict],
             line = json.loads(raw)
             turns = [t for t in line["turns"] if t["role"] == "assistant"]
             for turn in turns:
-                record = journal.get(turn["sample"])
+                own = turn.get("turn_index", turn["sample"])
+                record = journal.get(own)
                 if turn["sample"] not in listed or record is None:
                     problems.append(f"{path}:{number}: names sample {turn['sample']}, which is not listed")
                 elif record["text"] != turn["content"] or record["finish_reason"] != turn["finish_reason"]:
-                    problems.append(f"{path}:{number}: sample {turn['sample']}'s text differs from {JOURNAL}")
-                seen.append(turn["sample"])
-        except (ValueError, KeyError, TypeError) as exc:
+                    problems.append(f"{path}:{number}: turn {own}'s text differs from {JOURNAL}")
+                elif own != turn["sample"] and own not in journal[turn["sample"]].get("earlier_turns", ()):
+                    problems.append(f"{path}:{number}: turn {own} is not held by sample {turn['sample']}")
+                seen.append(own)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             problems.append(f"{path}:{number}: not a conversation this tool writes ({type(exc).__name__}: {exc})")
-    if complete and sorted(seen) != sorted(listed):
-        missing = sorted(listed - set(seen))
-        problems.append(f"{path}: lists {len(seen)} turns for {len(listed)} samples (absent: {missing[:5]})")
+    wanted = set(listed) | folded_into(listed, journal)
+    if complete and sorted(seen) != sorted(wanted):
+        missing = sorted(wanted - set(seen))
+        problems.append(f"{path}: lists {len(seen)} turns for {len(wanted)} written (absent: {missing[:5]})")
     return problems
+
+
+def folded_into(listed, journal: dict[int, dict]) -> set[int]:
+    """The turns folded into the ``listed`` samples, by their records' ``earlier_turns``."""
+    out = set()
+    for name in listed:
+        earlier = journal.get(name, {}).get("earlier_turns", [])
+        if isinstance(earlier, list):
+            out.update(e for e in earlier if isinstance(e, int))
+    return out

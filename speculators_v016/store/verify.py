@@ -348,6 +348,10 @@ def _verify_folder(
         if index in seen:
             report.problems.append(f"sample {index} exists twice: {seen[index]} and {path}")
         seen[index] = path
+        for turn in sorted(regenerated.folded_into([index], journal)):  # a folded turn is in the sample holding it
+            if turn in seen or turn in entries:
+                report.problems.append(f"turn {turn} is written twice: in {path} and in {seen.get(turn, turn)}")
+            seen[turn] = path
         try:
             kind = _file_kind(path)
             if kind:
@@ -369,9 +373,11 @@ def _verify_folder(
         length, problems = _check_sample(path, settings.layer_ids, hidden, dtype, settings.storage, settings.zero_ids)
         report.problems += problems
         if settings.regenerated and not problems:
-            found = regenerated.sample_problems(path, journal.get(index))
+            found = regenerated.sample_problems(path, journal.get(index), journal)
+            held = sorted(regenerated.folded_into([index], journal))
             if not found and tokenizer is not None:
-                found = regenerated.text_problems(path, journal[index], tokenizer)
+                for turn in [index, *held]:
+                    found += regenerated.text_problems(path, journal[turn], tokenizer)
             report.problems += found
         if length != entry.tokens and not problems:
             report.problems.append(f"{path}: {length} tokens, the manifest says {entry.tokens}")

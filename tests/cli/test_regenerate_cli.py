@@ -7,7 +7,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -19,8 +18,12 @@ from speculators_v016 import fp8
 from speculators_v016.run.demo import corpus_lines
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.sample_format import load_sample
+from speculators_v016.testing.faults import VARIABLE as FAULT
 
-SAMPLING = ["--regenerate", "--temperature", "0.7", "--top-p", "0.95", "--max-new-tokens", "20", "--seed", "3"]
+# one sample per turn, always (the default folds a turn into the next one's sample where the template renders it
+# as the next prompt's start: tests/cli/test_regenerate_conversations.py)
+SAMPLING = ["--regenerate", "--temperature", "0.7", "--top-p", "0.95", "--max-new-tokens", "20", "--seed", "3",
+            "--regenerate-samples", "turn"]  # fmt: skip
 
 
 def chats(count: int) -> list[dict]:
@@ -115,23 +118,10 @@ def test_captured_states_equal_transformers_on_the_final_sequences(reference_run
 def test_a_killed_regenerating_run_resumes_to_the_same_tokens_and_text(tmp_path, reference_run, model_dir, data_file):
     """SIGKILL mid-run at temperature 0.7, then resume: the same ids, masks and regenerated.jsonl, byte for byte."""
     out = tmp_path / "killed"
-    cmd = [
-        sys.executable,
-        "-m",
-        "speculators_v016.run.cli",
-        *map(str, args(model_dir, data_file, out, "--write-workers", 1)),
-    ]
-    proc = subprocess.Popen(cmd, env={**os.environ, **CPU}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        if len(Manifest(out).entries()) >= 4:
-            break
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    killed = run_with_fault(args(model_dir, data_file, out, "--write-workers", 1), "kill-mid-write:5")
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:]
     partial = len(Manifest(out).entries())
-    assert 4 <= partial < 16
+    assert partial == 4  # the fault waits for the 4 files before its own (a kill from outside raced the run)
     result = invoke(*args(model_dir, data_file, out))
     assert result.exit_code == 0, result.output
     assert f"({partial} already done before this run)" in result.output
@@ -143,6 +133,13 @@ def test_a_killed_regenerating_run_resumes_to_the_same_tokens_and_text(tmp_path,
         for a, b in zip(resumed[i]["hidden_states"], reference[i]["hidden_states"]):
             assert (a - b).abs().max().item() < TOLERANCE
     assert (out / "regenerated.jsonl").read_bytes() == (reference_run / "regenerated.jsonl").read_bytes()
+
+
+def run_with_fault(arguments, fault: str) -> subprocess.CompletedProcess:
+    """The real command with ``fault`` armed (speculators_v016.testing.faults)."""
+    cmd = [sys.executable, "-m", "speculators_v016.testing.faults", *map(str, arguments)]
+    env = {**os.environ, **CPU, FAULT: fault}
+    return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
 
 
 def test_regeneration_options_need_regenerate(tmp_path, model_dir, data_file):
@@ -285,7 +282,7 @@ def test_prompt_only_rows_get_every_user_turn_answered(tmp_path, model_dir):
         },
     ]
     data, out = write_jsonl(tmp_path / "prompts.jsonl", rows), tmp_path / "out"
-    sampling = ["--regenerate", "--temperature", "0", "--max-new-tokens", "8"]
+    sampling = ["--regenerate", "--temperature", "0", "--max-new-tokens", "8", "--regenerate-samples", "turn"]
     result = invoke(*args(model_dir, data, out)[: -len(SAMPLING)], *sampling)  # greedy, short turns
     assert result.exit_code == 0, result.output
     assert "verify:     ok (5 samples" in result.output, result.output

@@ -1,5 +1,6 @@
 """--regenerate's pure logic: stops, growing requests, the turn plan and feed, sampling, the journal."""
 
+import copy
 import json
 from types import SimpleNamespace
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 from test_assembly import capture, rows
 
+from speculators_v016.checks.self_check import HoldBack
 from speculators_v016.engine.assembly import Assembler, AttributionError
 from speculators_v016.engine.generation import Decoding, Generated, Generation
 from speculators_v016.protocol import StepCapture
@@ -19,6 +21,7 @@ from speculators_v016.run.regenerate import (
     check_generation_prompt,
     end_of_turn_ids,
     plan,
+    prompt_digest,
     records_by_conversation,
     resolve_sampling,
     sample_seed,
@@ -276,3 +279,118 @@ def test_a_discarded_rows_generator_draws_nothing_and_the_batch_keeps_its_seeds(
         gens[1].set_offset(gens[1].get_offset() - 4)  # what vLLM then does: nothing
     assert runner.input_batch.generators == {0: own[0], 1: own[1]}
     assert torch.equal(own[1].get_state(), before)
+
+
+def exchange(count: int) -> list[tuple[str, list[dict]]]:
+    """One conversation of ``count`` exchanges (the source's answers never shown)."""
+    turns = []
+    for i in range(count):
+        turns += [{"from": "human", "value": f"hello there {i}"}, {"from": "gpt", "value": "SOURCE"}]
+    return [("m:1", turns)]
+
+
+def canonical(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def run_turns(regen: Regeneration, answers: list[list[int]]) -> list[dict]:
+    """Feed and complete each turn in order with the given sampled ids; the records."""
+    records, feed = [], regen.feed()
+    for answer in answers:
+        index, prompt, _ = next(feed)
+        records.append(regen.complete(index, Generated(len(prompt), answer, "stop")))
+    assert next(feed, "end") == "end"
+    return records
+
+
+def test_turns_the_template_renders_as_the_next_prompts_start_fold_into_one_sample(tokenizer):
+    """ChatML keeps every turn as sampled (canonical ids + <|im_end|>): turns 0 and 1 fold into turn 2's sample,
+    whose prompt holds each of them where it was sampled; the conversation counts as one sample."""
+    convs, _ = plan(exchange(3), False)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    answers = [canonical(tokenizer, "fine thanks") + [end], canonical(tokenizer, "and you") + [end], [end]]
+    regen = Regeneration(tokenizer, convs, sampling(), frozenset({end}), 200, {}, per_turn=False)
+    records = run_turns(regen, answers)
+    assert [r.get("in_later_sample", False) for r in records] == [True, True, False]
+    assert records[2]["earlier_turns"] == [0, 1] and "earlier_turns" not in records[0]
+    last = records[2]
+    history = [{"role": "user", "content": "hello there 0"}, {"role": "assistant", "content": "fine thanks"}]
+    history += [{"role": "user", "content": "hello there 1"}, {"role": "assistant", "content": "and you"}]
+    history += [{"role": "user", "content": "hello there 2"}]
+    final_prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True)
+    assert last["prompt_tokens"] == len(final_prompt)
+    for record in records[:2]:  # each folded turn's prompt + ids stand at the start of the final prompt
+        start, ids = record["prompt_tokens"], record["token_ids"]
+        assert final_prompt[start : start + len(ids)] == ids
+        assert record["prompt_sha256"] == prompt_digest(final_prompt[:start])
+    assert regen.shapes == {"one sample": 1}
+    per_turn = Regeneration(tokenizer, convs, sampling(), frozenset({end}), 200, {})
+    assert not any(r.get("in_later_sample") for r in run_turns(per_turn, answers))
+    assert per_turn.shapes == {"one sample per turn": 1}
+
+
+def test_ids_the_text_does_not_tokenize_back_to_keep_their_own_sample(tokenizer):
+    """A turn sampled as pieces its text re-tokenizes otherwise (a merge across the pieces) is not folded: the
+    next prompt would hold other ids than those sampled; the turn after it folds again."""
+    convs, _ = plan(exchange(3), False)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    whole = canonical(tokenizer, "thanks")
+    pieces = [tokenizer.convert_tokens_to_ids(c) for c in "thanks"]
+    assert len(whole) < len(pieces) and tokenizer.decode(pieces) == "thanks"
+    regen = Regeneration(tokenizer, convs, sampling(), frozenset({end}), 200, {}, per_turn=False)
+    records = run_turns(regen, [pieces + [end], canonical(tokenizer, "fine") + [end], [end]])
+    assert [r.get("in_later_sample", False) for r in records] == [False, True, False]
+    assert records[2]["earlier_turns"] == [1] and regen.shapes == {"split": 1}
+
+
+def test_a_template_that_drops_earlier_reasoning_keeps_one_sample_per_turn(tokenizer):
+    """A template that renders earlier assistant turns without their <think> part: no turn folds; one that keeps
+    the reasoning folds them."""
+    convs, _ = plan(exchange(2), False)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    answer = canonical(tokenizer, "<think>how are you</think>fine") + [end]
+    assert tokenizer.decode(answer, skip_special_tokens=True) == "<think>how are you</think>fine"
+    dropping = copy.deepcopy(tokenizer)
+    dropping.chat_template = tokenizer.chat_template.replace(
+        "{{ message['content'] }}",
+        "{% if message['role'] == 'assistant' and not loop.last %}"
+        "{{ message['content'].split('</think>')[-1] }}{% else %}{{ message['content'] }}{% endif %}",
+    )
+    for tok, folds in ((dropping, False), (tokenizer, True)):
+        regen = Regeneration(tok, convs, sampling(), frozenset({end}), 200, {}, per_turn=False)
+        records = run_turns(regen, [answer, [end]])
+        assert bool(records[0].get("in_later_sample")) is folds
+
+
+def test_a_turn_is_folded_only_into_a_turn_with_room_and_a_resume_takes_folded_turns(tokenizer):
+    """A next prompt that reaches --seq-length: the turn keeps its sample (the next is cut). A resume takes a
+    folded turn's recorded text under the same prompt, and generates it again under another."""
+    convs, _ = plan(exchange(3), False)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    answer = canonical(tokenizer, "fine thanks") + [end]
+    first = tokenizer.apply_chat_template([{"role": "user", "content": "hello there 0"}], add_generation_prompt=True)
+    regen = Regeneration(tokenizer, convs, sampling(), frozenset({end}), len(first) + len(answer) + 3, {},
+                         per_turn=False)  # fmt: skip
+    feed = regen.feed()
+    index, prompt, _ = next(feed)
+    record = regen.complete(index, Generated(len(prompt), answer, "stop"))
+    assert "in_later_sample" not in record and list(feed) == [] and [i for i, _ in regen.cut] == [1, 2]
+    regen = Regeneration(tokenizer, convs, sampling(), frozenset({end}), 200, {}, per_turn=False)
+    folded = run_turns(regen, [answer, answer, [end]])[0]
+    resumed = Regeneration(tokenizer, convs, sampling(), frozenset({end}), 200, {0: folded}, per_turn=False)
+    index, prompt, _ = next(resumed.feed())
+    assert index == 1 and resumed.complete(1, Generated(len(prompt), answer, "stop"))["in_later_sample"]
+    stale = {**folded, "prompt_sha256": "0" * 32}  # generated under a history since regenerated
+    again = Regeneration(tokenizer, convs, sampling(), frozenset({end}), 200, {0: stale}, per_turn=False)
+    assert next(again.feed())[0] == 0
+
+
+def test_a_folded_checked_sample_hands_its_check_to_the_turn_holding_it():
+    """HoldBack: a checked turn folded into the next one's sample waits for that sample instead."""
+    put = []
+    hold = HoldBack({3}, SimpleNamespace(release=lambda: None), [0], lambda *a: put.append(a))
+    hold.hand_over(3, 4)
+    hold.admit(9, 9, {"x": 1})
+    assert hold.awaiting == {4} and put == []
+    hold.forget([4])
+    assert put == [(9, {"x": 1})]
