@@ -12,5 +12,9 @@ py=${PYTHON:-.venv/bin/python}
 workers=${TEST_WORKERS:-2}
 "$py" -m ruff check --quiet .
 "$py" -m ruff format --check --quiet .
-"$py" -m pytest -q -n "$workers" --dist loadfile -m "not alone" "$@" tests
+# Two rounds of workers, the real command's tests and then the in-process ones: a pytest worker keeps what
+# the engines it ran left in its memory (13-14 GiB by the end of the whole suite, seen here: the kernel's
+# OOM killer took one on a 24 GiB machine), and a fresh round starts from nothing.
+"$py" -m pytest -q -n "$workers" --dist loadfile -m "not alone" "$@" tests/cli
+"$py" -m pytest -q -n "$workers" --dist loadfile -m "not alone" "$@" tests/engine tests/unit tests/distribution tests/gpu
 "$py" -m pytest -q -m alone "$@" tests
