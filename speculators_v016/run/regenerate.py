@@ -543,8 +543,7 @@ class RegenerationWork:
 
     def settled(self, directory: Path, done: dict) -> set[int]:
         """Sample names with no file of their own that are done: turns folded into a listed sample."""
-        journal = regenerated.read_journal(directory)
-        return {e for name in done if int(name) in journal for e in journal[int(name)].get("earlier_turns", ())}
+        return regenerated.folded_into({int(name) for name in done}, regenerated.read_journal(directory))
 
     def cut_without_engine(self, directory: Path, pending: list[int], done: dict) -> list[tuple[int, str]] | None:
         """``pending``'s turns with why, if not one of them can be generated (each prompt, with the written turns'
@@ -606,7 +605,8 @@ class RegenerationWork:
         if self.journal is not None:
             self.journal.close()
         records = {name: r for name, r in self.records.items() if name in listed}
-        records.update(_held_records(self.records, listed))
+        held = regenerated.folded_into(listed, self.records)
+        records.update({name: self.records[name] for name in held if name in self.records})
         lines = records_by_conversation(records, self.conversations, self.sampling, self.start_idx)
         regenerated.write_conversations(directory, lines)
 
@@ -619,12 +619,6 @@ def _folded_records(records: dict[int, dict], listed) -> dict[int, dict]:
         for name, r in records.items()
         if name not in listed and r.get("in_later_sample") and isinstance(r.get("text"), str)
     }
-
-
-def _held_records(records: dict[int, dict], listed) -> dict[int, dict]:
-    """The records of the turns folded into the ``listed`` samples (named by their ``earlier_turns``)."""
-    held = {e for name in listed if name in records for e in records[name].get("earlier_turns", ())}
-    return {name: records[name] for name in held if name in records}
 
 
 def prompt_digest(ids: list[int]) -> str:

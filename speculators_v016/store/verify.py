@@ -348,7 +348,8 @@ def _verify_folder(
         if index in seen:
             report.problems.append(f"sample {index} exists twice: {seen[index]} and {path}")
         seen[index] = path
-        for turn in sorted(regenerated.folded_into([index], journal)):  # a folded turn is in the sample holding it
+        held = sorted(regenerated.folded_into([index], journal))
+        for turn in held:  # a folded turn is written in the sample holding it
             if turn in seen or turn in entries:
                 report.problems.append(f"turn {turn} is written twice: in {path} and in {seen.get(turn, turn)}")
             seen[turn] = path
@@ -374,7 +375,6 @@ def _verify_folder(
         report.problems += problems
         if settings.regenerated and not problems:
             found = regenerated.sample_problems(path, journal.get(index), journal)
-            held = sorted(regenerated.folded_into([index], journal))
             if not found and tokenizer is not None:
                 for turn in [index, *held]:
                     found += regenerated.text_problems(path, journal[turn], tokenizer)
