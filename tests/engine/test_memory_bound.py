@@ -52,3 +52,24 @@ def test_peak_rss_after_4n_more_prompts_stays_within_10_percent(tiny_model):
         f"({streamed_mib:,.0f} MiB of states streamed through)"
     )
     assert peak["n4"] <= 1.1 * peak["n"]
+
+
+def test_a_shut_down_moe_engine_lets_go_of_its_kv_cache(tiny_model):
+    """An in-process MoE engine's KV cache is freed at shutdown, though vLLM's CPU fused-MoE layer outlives it."""
+    import gc  # noqa: PLC0415 - this test only
+    import weakref  # noqa: PLC0415 - this test only
+
+    from speculators_v016.generator import VllmHiddenStatesGenerator  # noqa: PLC0415 - starts vLLM: this test only
+
+    gen = VllmHiddenStatesGenerator(tiny_model("mixtral", 4), layer_ids=[1, 2], max_model_len=256, dtype="float32",
+                                    enforce_eager=True, max_num_seqs=2, max_num_batched_tokens=256)  # fmt: skip
+    gen.generate([[5, 6, 7, 8] * 10])
+    layers = gen.engine.core.vllm_config.compilation_config.static_forward_context
+    caches = [weakref.ref(t) for layer in layers.values() for t in getattr(layer, "kv_cache", []) if t.numel()]
+    moe = [weakref.ref(layer) for layer in layers.values() if type(layer).__name__ == "FusedMoE"]
+    assert caches and moe
+    del layers
+    gen.shutdown()
+    del gen
+    gc.collect()
+    assert [r() is None for r in caches] == [True] * len(caches)

@@ -1,11 +1,16 @@
 """Helpers of the CLI and fault tests: data files, running the real command, reading results."""
 
+import atexit
 import json
 import os
 import random
 import re
+import select
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from speculators_v016.run.demo import corpus_lines
@@ -51,12 +56,89 @@ class Result:
 
 
 def invoke(*args, env=None, timeout=600) -> Result:
-    """Run the real command in a fresh process, as a user would (``timeout``: seconds, then TimeoutExpired)."""
+    """Run the real command in a fresh process, as a user would (``timeout``: seconds, then TimeoutExpired).
+
+    The process is forked from a warm interpreter (helpers/warm_start.py) where its environment differs
+    from the tests' only in the command's own variables; otherwise it starts cold.
+    """
     module = "speculators_v016.testing.faults" if FAULT in (env or {}) else "speculators_v016.run.cli"
-    cmd = [sys.executable, "-m", module, *map(str, args)]
-    return Result(
-        subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **CPU, **(env or {})}, timeout=timeout)
-    )
+    args, full_env = [str(a) for a in args], {**os.environ, **CPU, **(env or {})}
+    warm = _warm()
+    if warm is not None and warm.takes(full_env):
+        return warm.run(module, args, full_env, timeout)
+    cmd = [sys.executable, "-m", module, *args]
+    return Result(subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout))
+
+
+# The variables a warm run may set apart from the warm interpreter's: read by the command as it runs, never
+# by the imports the interpreter made (torch reads TORCHDYNAMO_DISABLE on import, vLLM some of its own).
+WARM_VARIABLES = ("SPECULATORS_DATA_GEN_", FAULT)
+
+
+class _WarmInterpreter:
+    """One warm interpreter per pytest process, started on first use (helpers/warm_start.py)."""
+
+    def __init__(self):
+        self.env = {**os.environ, **CPU}
+        script = Path(__file__).with_name("warm_start.py")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            bufsize=0,
+            env=self.env,
+            cwd="/",
+        )
+        if "ready" not in self._answer(600):
+            raise RuntimeError(f"the warm interpreter did not start (exit {self.proc.poll()})")
+
+    def takes(self, env: dict) -> bool:
+        """Would a run in ``env`` see what a cold start would? Only the command's own variables may differ."""
+        keys = set(env) | set(self.env)
+        return all(env.get(k) == self.env.get(k) for k in keys if not k.startswith(WARM_VARIABLES))
+
+    def run(self, module: str, args: list[str], env: dict, timeout: float) -> Result:
+        with tempfile.TemporaryDirectory(prefix="warm-run-") as where:
+            out, err = Path(where, "stdout"), Path(where, "stderr")
+            request = dict(module=module, args=args, env=env, cwd=os.getcwd(), stdout=str(out), stderr=str(err))
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            pid = self._answer(60)["pid"]
+            answer = self._answer(timeout)
+            if not answer:  # past its time: killed, as subprocess.run kills
+                os.kill(pid, signal.SIGKILL)
+                self._answer(60)
+            text = [p.read_text(errors="replace") if p.exists() else "" for p in (out, err)]
+            if not answer:
+                raise subprocess.TimeoutExpired([module, *args], timeout, output=text[0], stderr=text[1])
+            return Result(subprocess.CompletedProcess(args, answer["status"], text[0], text[1]))
+
+    def _answer(self, timeout: float) -> dict:
+        """The next line from the interpreter ({} when none came within ``timeout`` seconds). Unbuffered: one
+        read never takes the next answer along, so select() sees it."""
+        line = b""
+        deadline = time.monotonic() + timeout
+        while not line.endswith(b"\n"):
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return {}
+            byte = self.proc.stdout.read(1)
+            if not byte:
+                raise RuntimeError(f"the warm interpreter ended (exit {self.proc.wait()})")
+            line += byte
+        return json.loads(line)
+
+
+_WARM: list[_WarmInterpreter] = []
+
+
+def _warm() -> _WarmInterpreter | None:
+    """The pytest process's warm interpreter (none with SPECULATORS_TESTS_COLD_START=1: every run cold)."""
+    if os.environ.get("SPECULATORS_TESTS_COLD_START") == "1":
+        return None
+    if not _WARM or _WARM[0].proc.poll() is not None:
+        _WARM[:] = [_WarmInterpreter()]
+        atexit.register(_WARM[0].proc.stdin.close)
+    return _WARM[0]
 
 
 def generate(model_dir, data, out, *extra, env=None, timeout=600) -> Result:
