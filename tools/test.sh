@@ -12,9 +12,10 @@ py=${PYTHON:-.venv/bin/python}
 workers=${TEST_WORKERS:-2}
 "$py" -m ruff check --quiet .
 "$py" -m ruff format --check --quiet .
-# Two rounds of workers, the real command's tests and then the in-process ones: a pytest worker keeps what
-# the engines it ran left in its memory (13-14 GiB by the end of the whole suite, seen here: the kernel's
-# OOM killer took one on a 24 GiB machine), and a fresh round starts from nothing.
+# Two rounds of workers, the real command's tests and then the in-process ones, so whatever an engine leaves
+# behind in a worker ends with its round. Before engine shutdown let go of the forward context, vLLM 0.16's
+# CPU MoE layer (which outlives its engine) kept a KV cache per MoE engine: workers reached 11-14 GiB and
+# the kernel's OOM killer took one on a 24 GiB machine. Now they peak at 2-4 GiB; the rounds stay a guard.
 "$py" -m pytest -q -n "$workers" --dist loadfile -m "not alone" "$@" tests/cli
 "$py" -m pytest -q -n "$workers" --dist loadfile -m "not alone" "$@" tests/engine tests/unit tests/distribution tests/gpu
 "$py" -m pytest -q -m alone "$@" tests
