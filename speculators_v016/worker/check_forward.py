@@ -11,6 +11,15 @@ vLLM's ``AttentionLayerBase``) has its output set to zero during the check,
 which keeps the check's forwards deterministic. What the check establishes
 (how the residual stream is wired through the layers) does not depend on
 attention's values.
+
+On GPUs vLLM 0.16 hands its fused-MoE op the layer to run by call order
+(``fast_moe_cold_start``, on by default: the forward context counts MoE calls
+and the n-th call runs ``all_moe_layers[n]``), which holds only for one pass
+through the whole model. The check calls single layers, and some more than
+once, so during the check each MoE layer sets the count to its own place
+before it runs and confirms after that no other layer's experts ran (else the
+check stops, naming the layer): a replayed layer never computes with another
+layer's experts.
 """
 
 from __future__ import annotations
@@ -31,6 +40,52 @@ def _silence(module: nn.Module, args, kwargs, output):
             if isinstance(buffer, torch.Tensor) and buffer.is_floating_point() and not isinstance(buffer, nn.Parameter):
                 buffer.zero_()
     return None
+
+
+class MoeCallOrderError(RuntimeError):
+    """A MoE layer of the check ran other experts than its own (vLLM's call-order lookup)."""
+
+
+def _moe_pre(order: dict[str, int]):
+    def hook(module: nn.Module, args, kwargs):
+        from vllm.forward_context import get_forward_context  # noqa: PLC0415 - vLLM: tests/gpu run without it
+
+        context = get_forward_context()
+        if context.all_moe_layers is not None:
+            context.moe_layer_index = order[module.layer_name]
+
+    return hook
+
+
+def _moe_post(order: dict[str, int]):
+    def hook(module: nn.Module, args, kwargs, output):
+        from vllm.forward_context import get_forward_context  # noqa: PLC0415 - vLLM: tests/gpu run without it
+
+        context = get_forward_context()
+        own = order[module.layer_name]
+        # own + 1: the op looked its layer up (GPUs); own: the layer ran itself, no lookup (vLLM's CPU path)
+        if context.all_moe_layers is not None and context.moe_layer_index not in (own, own + 1):
+            raise MoeCallOrderError(
+                f"the stream check's call of MoE layer {module.layer_name} ran "
+                f"{context.moe_layer_index - own} MoE lookups instead of its own one"
+            )
+
+    return hook
+
+
+@contextlib.contextmanager
+def _moe_layers_run_their_own_experts(model: nn.Module, all_moe_layers: list[str]):
+    from vllm.model_executor.layers.fused_moe import FusedMoE  # noqa: PLC0415 - vLLM: tests/gpu run without it
+
+    order = {name: i for i, name in enumerate(all_moe_layers)}
+    moe = [m for m in model.modules() if isinstance(m, FusedMoE) and getattr(m, "layer_name", None) in order]
+    handles = [m.register_forward_pre_hook(_moe_pre(order), with_kwargs=True) for m in moe]
+    handles += [m.register_forward_hook(_moe_post(order), with_kwargs=True) for m in moe]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @contextlib.contextmanager
@@ -70,6 +125,7 @@ def engine_check_forward(runner) -> CheckForward:
         with (
             set_forward_context(None, runner.vllm_config, num_tokens=tokens, skip_compiled=True),
             _silent_kv_layers(model),
+            _moe_layers_run_their_own_experts(model, runner.vllm_config.compilation_config.static_all_moe_layers),
         ):
             yield
 

@@ -20,6 +20,12 @@ Per (family, mode), one engine (module-scoped, shut down before the next):
 * the start-up stream proof's margins, the logit check (vLLM's own prompt logprobs),
   and in eager mode our taps against vLLM's own decoder-layer outputs, bit for bit.
 
+Then, compiled (MLA's decode kernel and CUDA graphs): greedy generation through our loop
+samples vLLM's own loop's tokens (``LLMEngine``, its core in a process of its own with the
+same stand-ins), and the states captured while decoding sit within the bounds of a prefill
+capture of the final sequences and of transformers; and eager, a DeepSeek tap planted one
+layer off (L+1 for L, the last one on the final norm's input) lands far outside the bounds.
+
 Engine arguments: ``SPECULATORS_GPU_ENGINE_ARGS`` (JSON, set by the kit's install.sh)
 merged into the engine's ``extra_engine_args``; DeepSeek's attention backend becomes
 ``TRITON_MLA`` (MLA needs the latent size 576: ``deepseek_v3_mla``). Every prompt fits
@@ -36,12 +42,14 @@ import pytest
 import torch
 
 from helpers.families import vllm_layer_outputs
-from helpers.gpu import engine_args, save_figures, vllm_on_cuda
+from helpers.gpu import engine_args, save_figures, vllm_loop, vllm_on_cuda
 from helpers.reference import hf_layer_outputs, random_prompts
 from speculators_v016.checks.fidelity import FLIPPED_ROWS, ROW_BOUNDS, row_errors
 from speculators_v016.checks.logit_check import LogitChecker
+from speculators_v016.engine.generation import Generation
 from speculators_v016.generator import VllmHiddenStatesGenerator
 from speculators_v016.testing import mla_ops, moe_ops
+from speculators_v016.worker import capture as worker_capture
 from speculators_v016.worker.stream_proof import DIFFERENT_FACTOR
 
 SKIP = vllm_on_cuda()
@@ -62,6 +70,8 @@ ENGINE = dict(layer_ids=list(range(LAYERS)), max_model_len=512, dtype="bfloat16"
 FAMILIES = {"deepseek_v3_mla": ("deepseek_v3_mla", "TRITON_MLA"), "mixtral": ("mixtral", None),
             "qwen3_moe": ("qwen3_moe", None)}  # fmt: skip
 MODES = {"eager": True, "compiled": False}  # enforce_eager
+NEW = 24  # tokens generated per prompt: 333 + 4 x 24 tokens, the final sequences' prefill still one step
+GREEDY = ["deepseek_v3_mla", "mixtral"]
 CASES = [(family, mode) for family in FAMILIES for mode in MODES]
 
 
@@ -92,6 +102,8 @@ def run(request, stand_ins, tiny_models):
     family, mode = request.param
     model_dir = tiny_models[family]
     prompts = random_prompts(LENGTHS, seed=3)
+    torch.cuda.empty_cache()
+    free_before = torch.cuda.mem_get_info()[0]
     with VllmHiddenStatesGenerator(model_dir, enforce_eager=MODES[mode],
                                    extra_engine_args=family_engine_args(FAMILIES[family][1]), **ENGINE) as gen:  # fmt: skip
         engine = gen.engine
@@ -103,10 +115,13 @@ def run(request, stand_ins, tiny_models):
             if checker.active:
                 checker.add(index, torch.tensor(ids), states, engine.prompt_logprobs.pop(index))
         independent = vllm_layer_outputs(gen, prompts[1][:100]) if MODES[mode] else None
-        runner = gen.engine.executor.driver_worker.worker.model_runner
-        backend = ",".join(sorted({g.backend.get_name() for groups in runner.attn_groups for g in groups}))
+        groups = gen.engine.executor.driver_worker.worker.model_runner.attn_groups
+        backend = ",".join(sorted({g.backend.get_name() for by_spec in groups for g in by_spec}))
+        del groups
         dtype = engine.dtype
-    return dict(family=family, mode=mode, model_dir=model_dir, prompts=prompts, info=info, results=results,
+    torch.cuda.empty_cache()
+    held_after = free_before - torch.cuda.mem_get_info()[0]
+    return dict(held_after=held_after, family=family, mode=mode, model_dir=model_dir, prompts=prompts, info=info, results=results,
                 logit=checker.result, independent=independent, backend=backend, dtype=dtype)  # fmt: skip
 
 
@@ -151,7 +166,7 @@ def test_kernels_behind_the_stand_ins_match_torch(stand_ins):
     assert attn_rows.max() <= 1e-2
 
 
-def test_states_match_transformers_per_row(run, references):
+def test_states_match_transformers_per_row(run, references, record_architecture):
     """Every layer (the last included) within the bf16 bounds of fp32 transformers; flips counted; proof, logits."""
     family, mode, info = run["family"], run["mode"], run["info"]
     reference = references[family]
@@ -195,6 +210,18 @@ def test_states_match_transformers_per_row(run, references):
         assert f["past_row_bound"] <= FLIPPED_ROWS, f
         assert f["row_one_off_median"] >= SEPARATION * MEDIAN_BOUND, f
         assert f["layer_one_off_median"] >= SEPARATION * MEDIAN_BOUND, f
+    layers = figures["layers"]
+    mla = ", MLA on (TRITON_MLA)" if run["backend"] == "TRITON_MLA" else ""
+    record_architecture(
+        family.removesuffix("_mla"),
+        info["model_class"],
+        figures["aux_source"],
+        f"H200, {mode}",
+        note=f"rows: median {max(f['median_row'] for f in layers):.1e}, worst {max(f['worst_row'] for f in layers):.1e}, "
+        f"{max(f['past_row_bound'] for f in layers):.1%} past {ROW_BOUND:g} (routing flips){mla}",
+        dtype="bfloat16",
+        device=f"cuda-{mode}",
+    )
 
 
 def test_taps_equal_vllms_own_layers(run):
@@ -206,8 +233,74 @@ def test_taps_equal_vllms_own_layers(run):
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), run["family"]
 
 
+def test_a_shut_down_engine_gives_its_gpu_memory_back(run):
+    """After shutdown the process holds at most 1 GiB more GPU memory than before (KV cache: 35 GiB an engine)."""
+    print(f"\n{run['family']} ({run['mode']}): {run['held_after'] / 2**20:,.0f} MiB still held after shutdown")
+    assert run["held_after"] <= 2**30
+
+
 def test_bf16_states_and_cases(run):
     """States come back in bf16, one per prompt and layer, of the prompt's length."""
     assert run["dtype"] == torch.bfloat16
     for states, ids in zip(run["results"], run["prompts"]):
         assert len(states) == LAYERS and all(s.dtype == torch.bfloat16 and s.shape[0] == len(ids) for s in states)
+
+
+def judged(states: list[list[torch.Tensor]], reference: list[list[torch.Tensor]], layer: int) -> dict:
+    """One layer's rows against a reference: the median, the worst and the share past the row bound."""
+    rows = torch.cat([row_errors(s[layer], ref[layer]) for s, ref in zip(states, reference)])
+    return dict(median_row=rows.median().item(), worst_row=rows.max().item(),
+                past_row_bound=(rows > ROW_BOUND).float().mean().item())  # fmt: skip
+
+
+@pytest.mark.parametrize("family", GREEDY)
+def test_greedy_is_vllms_loop_and_decode_states_equal_a_prefill(family, stand_ins, tiny_models, tmp_path):
+    """Compiled: greedy tokens are LLMEngine's; states captured while decoding within the bounds of a prefill."""
+    model_dir, args = tiny_models[family], family_engine_args(FAMILIES[family][1])
+    prompts = random_prompts(LENGTHS, seed=3)
+    with VllmHiddenStatesGenerator(model_dir, enforce_eager=False, extra_engine_args=args, **ENGINE) as gen:
+        engine = gen.engine
+        feed = ((i, p, Generation(NEW)) for i, p in enumerate(prompts))
+        ours = {key: (list(ids), [s.cpu() for s in states], engine.generated.pop(key))
+                for key, ids, states in engine.stream(feed)}  # fmt: skip
+        finals = [ours[i][0] for i in range(len(prompts))]
+        prefill = [[s.cpu() for s in r["hidden_states"]] for r in gen.generate(finals)]
+    loop_engine = dict(dtype="bfloat16", max_model_len=ENGINE["max_model_len"], enforce_eager=False,
+                       max_num_batched_tokens=ENGINE["max_num_batched_tokens"], max_num_seqs=ENGINE["max_num_seqs"],
+                       gpu_memory_utilization=ENGINE["gpu_memory_utilization"], **args)  # fmt: skip
+    sampling = {"max_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
+    theirs = vllm_loop(tmp_path, model_dir, prompts, loop_engine, sampling, stand_ins=True)["tokens"]
+    decoded = [ours[i][1] for i in range(len(prompts))]
+    reference = hf_layer_outputs(model_dir, finals)
+    figures = {"family": family, "prompts": len(prompts), "new_tokens": NEW, "layers": []}
+    for layer in range(LAYERS):
+        vs_prefill, vs_hf = judged(decoded, prefill, layer), judged(decoded, reference, layer)
+        figures["layers"].append({"layer": layer, "vs_prefill": vs_prefill, "vs_transformers": vs_hf})
+    figures["tokens_equal"] = [ours[i][2].token_ids == tokens for i, tokens in enumerate(theirs)]
+    save_figures(f"moe-mla-greedy-{family}", figures)
+    for i, tokens in enumerate(theirs):
+        assert ours[i][2].token_ids == tokens, f"prompt {i}: ours {ours[i][2].token_ids} vLLM's {tokens}"
+    for f in figures["layers"]:
+        for judgement in (f["vs_prefill"], f["vs_transformers"]):
+            assert judgement["median_row"] <= MEDIAN_BOUND and judgement["past_row_bound"] <= FLIPPED_ROWS, f
+
+
+def test_a_deepseek_tap_planted_one_layer_off_lands_outside_the_bounds(stand_ins, tiny_models, references, monkeypatch):
+    """Planted fault, eager: each tap one layer late (the last on the final norm's input) fails the row judgement."""
+    real = worker_capture.install_aux_outputs
+
+    def one_layer_late(model, vllm_ids, mode="auto", *, check):
+        return real(model, [k + 1 for k in vllm_ids], mode, check=check)
+
+    monkeypatch.setattr(worker_capture, "install_aux_outputs", one_layer_late)
+    planted = [0, 1, 2]  # vLLM aux ids 1..3 become 2..4: layer L+1's input for L, the last the final norm's
+    engine = dict(ENGINE, layer_ids=planted)
+    args = family_engine_args(FAMILIES["deepseek_v3_mla"][1])
+    with VllmHiddenStatesGenerator(tiny_models["deepseek_v3_mla"], enforce_eager=True, extra_engine_args=args,
+                                   **engine) as gen:  # fmt: skip
+        assert gen.engine.capture_info[0]["tap_ids"] == [2, 3, 4]  # the fault is in place
+        states = [[s.cpu() for s in r["hidden_states"]] for r in gen.generate(random_prompts(LENGTHS, seed=3))]
+    figures = [judged(states, references["deepseek_v3_mla"], layer) for layer in planted]
+    save_figures("moe-mla-planted-tap-one-layer-late", {"layers": figures})
+    for f in figures:
+        assert f["median_row"] >= SEPARATION * MEDIAN_BOUND, f

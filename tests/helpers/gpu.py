@@ -68,9 +68,12 @@ def invoke_gpu(*args, env=None, fault: str | None = None, timeout=600) -> Result
     return Result(proc)
 
 
-def vllm_loop(where: Path, model: str, prompts: list[list[int]], engine: dict, sampling: dict) -> dict:
-    """vLLM's own loop (``LLMEngine``: add_request, step) on ``prompts`` in a process of its own: its tokens."""
-    args = {"model": model, "prompts": prompts, "engine": engine, "sampling": sampling}
+def vllm_loop(
+    where: Path, model: str, prompts: list[list[int]], engine: dict, sampling: dict, stand_ins: bool = False
+) -> dict:
+    """vLLM's own loop (``LLMEngine``: add_request, step) on ``prompts`` in a process of its own: its tokens
+    (``stand_ins``: with the GPU kit's fused-MoE and MLA stand-ins registered there, its core in that process)."""
+    args = {"model": model, "prompts": prompts, "engine": engine, "sampling": sampling, "stand_ins": stand_ins}
     (where / "loop-args.json").write_text(json.dumps(args))
     proc = subprocess.run(
         [sys.executable, str(VLLM_LOOP), str(where / "loop-args.json"), str(where / "loop-out.json")],
