@@ -165,7 +165,22 @@ class Side:
         self.proc.wait(timeout=120)
 
 
-def cli_rate(model: str, data: Path, out: Path, args: dict) -> float:
+def write_rate(folder: Path, gib: int = 4) -> float:
+    """GiB/s of one thread writing ``gib`` GiB into ``folder`` in 64 MiB pieces, fsync'd: what the disk takes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    piece, path = os.urandom(64 << 20), folder / "write-rate.bin"
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(gib * 16):
+            f.write(piece)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return gib / seconds
+
+
+def cli_rate(model: str, data: Path, out: Path, args: dict, workers: int | None = None) -> float:
     """speculators-data-gen writing every sample (default options, the GPU build's engine arguments): its
     tokens/s of generation, from the summary."""
     settings = engine_settings(args)
@@ -175,8 +190,10 @@ def cli_rate(model: str, data: Path, out: Path, args: dict) -> float:
            ",".join(map(str, layer_ids(args["layers"]))), "--engine-args", json.dumps(extra),
            "--gpu-memory-utilization", str(args["memory"]), "--max-num-seqs", str(args["max_num_seqs"]),
            "--max-num-batched-tokens", str(args["batched_tokens"]), "--token-freq-path", "", "--logit-check-samples",
-           "0", "--no-progress", *(["--enforce-eager"] if args["eager"] else [])]  # fmt: skip
+           "0", "--no-progress", *(["--enforce-eager"] if args["eager"] else []),
+           *(["--write-workers", str(workers)] if workers else [])]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    print(f"CLI, {workers or 'default'} write workers, under {out.parent}:\n{proc.stdout[-2500:]}", file=sys.stderr)
     subprocess.run(["rm", "-rf", str(out)], check=False)
     found = re.search(r"\(([\d,]+) tokens/s", proc.stdout + proc.stderr)
     if proc.returncode != 0 or not found:
@@ -197,6 +214,10 @@ def main() -> None:
     ap.add_argument("--memory", type=float, default=0.25, help="each side's gpu_memory_utilization")
     ap.add_argument("--cli", action="store_true", help="also the CLI writing files (first shape), against uni")
     ap.add_argument("--cli-runs", type=int, default=2, help="runs of the CLI (--cli)")
+    ap.add_argument("--cli-out", nargs="+", type=Path, help="folders the CLI writes under, each in turn "
+                    "(--cli; default: under --where), with the rate one thread writes there")  # fmt: skip
+    ap.add_argument("--cli-write-workers", type=int, nargs="+", help="the CLI's --write-workers, each in turn "
+                    "(--cli; default: the CLI's default)")  # fmt: skip
     ap.add_argument("--profile", action="store_true", help="GPU time in our copies (torch profiler, uni side)")
     ap.add_argument("--eager", action="store_true", help="eager engines (a trial; measurements are compiled)")
     ap.add_argument("--where", default="/tmp/speculators-v016-gpu-bench")
@@ -222,7 +243,11 @@ def main() -> None:
             data = Path(opts.where) / f"prompts-{hidden}.jsonl"
             batch = prompts(opts.prompts, opts.low, opts.high, s["vocab"])
             data.write_text("".join(json.dumps({"input_ids": p, "loss_mask": [1] * len(p)}) + "\n" for p in batch))
-            cli = [cli_rate(model, data, Path(opts.where) / "cli-out", args) for _ in range(opts.cli_runs)]
+            for parent in opts.cli_out or [Path(opts.where)]:
+                disk = write_rate(parent)
+                for workers in opts.cli_write_workers or [None]:
+                    runs = [cli_rate(model, data, parent / "cli-out", args, workers) for _ in range(opts.cli_runs)]
+                    cli.append((parent, disk, workers, runs))
         lines.append((hidden, s, rates, cli, prof))
     with recording(__file__):
         print(f"{opts.prompts} prompts of {opts.low}-{opts.high} tokens, bf16, "
@@ -240,9 +265,11 @@ def main() -> None:
                     per_round = [a / b for a, b in zip(rates[name], rates["vllm"])]
                     print(f"  ratio {name} / vllm: {med[name] / med['vllm']:.3f}x (per round: "
                           f"{', '.join(f'{r:.3f}' for r in per_round)})")  # fmt: skip
-            if cli and "uni" in med:
-                print(f"  CLI writing files: {statistics.median(cli):,.0f} tokens/s of generation (runs: "
-                      f"{', '.join(f'{v:,.0f}' for v in cli)}); ratio CLI / uni: {statistics.median(cli) / med['uni']:.3f}x")  # fmt: skip
+            for parent, disk, workers, runs in cli if "uni" in med else []:
+                print(f"  CLI writing files under {parent} (one thread writes {disk:.2f} GiB/s there), "
+                      f"{workers or 'default'} write workers: {statistics.median(runs):,.0f} tokens/s of generation "
+                      f"(runs: {', '.join(f'{v:,.0f}' for v in runs)}); ratio CLI / uni: "
+                      f"{statistics.median(runs) / med['uni']:.3f}x")  # fmt: skip
             if prof:
                 share = ", ".join(f"{k} {v:.2%}" for k, v in sorted(prof["share"].items()))
                 print(f"  GPU time of one uni pass by kind (torch profiler): {share}")
