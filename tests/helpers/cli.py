@@ -72,7 +72,10 @@ def invoke(*args, env=None, timeout=600) -> Result:
 
 # The variables a warm run may set apart from the warm interpreter's: read by the command as it runs, never
 # by the imports the interpreter made (torch reads TORCHDYNAMO_DISABLE on import, vLLM some of its own).
-WARM_VARIABLES = ("SPECULATORS_DATA_GEN_", FAULT)
+# PYTEST_CURRENT_TEST is pytest's name of the test under way, new in every test (the interpreter keeps the
+# one of the test that started it): none of those imports reads it, and the run gets the current one.
+# Without it, every run after the first test of a pytest process started cold.
+WARM_VARIABLES = ("SPECULATORS_DATA_GEN_", FAULT, "PYTEST_CURRENT_TEST")
 
 
 class _WarmInterpreter:
