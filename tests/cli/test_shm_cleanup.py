@@ -24,7 +24,8 @@ SPAWN = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 pytestmark = pytest.mark.alone
 
 
-def command(model, data, out, *extra):
+def arguments(model, data, out, *extra) -> list[str]:
+    """The command's arguments of a run of these tests (for ``invoke`` or ``command``)."""
     args = [
         "--target-model-path",
         model,
@@ -38,7 +39,13 @@ def command(model, data, out, *extra):
         "",
         *extra,
     ]
-    return [sys.executable, "-m", "speculators_v016.run.cli", *map(str, args)]
+    return list(map(str, args))
+
+
+def command(model, data, out, *extra) -> list[str]:
+    """A cold start of the real command: for runs that set what the warm interpreter's imports read, or
+    that must be a process group of their own."""
+    return [sys.executable, "-m", "speculators_v016.run.cli", *arguments(model, data, out, *extra)]
 
 
 def run_segments() -> set[str]:
@@ -153,19 +160,15 @@ def test_a_resume_with_nothing_to_do_still_reclaims(tmp_path, model_dir):
     """A run that finds every sample written starts no engine, and still reclaims a dead run's segments."""
     data = write_jsonl(tmp_path / "chats.jsonl", conversations(4, seed=9))
     out = tmp_path / "out"
-    first = subprocess.run(
-        command(model_dir, data, out), env={**os.environ, **CPU}, capture_output=True, text=True, timeout=600
-    )
-    assert first.returncode == 0, first.stdout + first.stderr
+    first = invoke(*arguments(model_dir, data, out))
+    assert first.exit_code == 0, first.output
     tag = f"t{os.getpid()}"
     dead, _ = start(RUN.replace("run0001", tag), SHM_DIR)  # a killed run's record, in the real /dev/shm
     kill(dead)
     planted = {n.replace("run0001", tag) for n in RECORDED}
     assert planted <= set(os.listdir(SHM_DIR))
-    again = subprocess.run(
-        command(model_dir, data, out), env={**os.environ, **CPU}, capture_output=True, text=True, timeout=600
-    )
-    assert again.returncode == 0, again.stdout + again.stderr
+    again = invoke(*arguments(model_dir, data, out))
+    assert again.exit_code == 0, again.output
     log = sorted((out / "logs").iterdir())[-1].read_text()
     assert "already written" in log and "reclaimed 3 shared-memory segments" in log
     assert not planted & set(os.listdir(SHM_DIR))
