@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 from speculators.train.data import Eagle3SampleFileDataset
 
-from helpers import ZERO_TOKEN
+from helpers import ZERO_TOKEN, peer_venv
 from helpers.cli import CPU, conversations, generate, write_jsonl
 from speculators_v016.online import OnlineSampleDataset, ProducerClient, ProducerError
 from speculators_v016.online.client import API_KEY_VARIABLE
@@ -35,9 +35,6 @@ from speculators_v016.store.sample_format import load_sample
 from speculators_v016.testing.faults import VARIABLE as FAULT
 
 COUNT = 12
-PEER = ("speculators==0.9.0", "hs-connectors==0.9.0", "torch==2.13.0")  # torch: the CPU build this machine kind has
-PEER_ENV = {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}, "HF_HUB_OFFLINE": "1"}
-PEER_VENV = Path(__file__).resolve().parents[2] / "build" / "peer-venvs" / "speculators-0.9.0"
 SERVE_ENV = {**CPU, "SPECULATORS_DATA_GEN_NO_PROGRESS": "1"}
 API_KEY = "test-key-of-the-mooncake-service"
 CAP = 1 << 20  # --max-published-bytes: about two of the largest samples (fp32, 4 layers of 128, 256 tokens)
@@ -455,16 +452,9 @@ def test_two_ranks_train_online_as_offline(service, offline, model_dir, tmp_path
 
 @pytest.fixture(scope="module")
 def peer_python():
-    """Upstream's released 0.9.0 data path in a venv of its own, made here (kept in build/ between local runs)."""
-    python, done = PEER_VENV / "bin" / "python", PEER_VENV / ".installed"
-    if not done.exists() or done.read_text() != " ".join(PEER):
-        subprocess.run([sys.executable, "-m", "venv", "--clear", PEER_VENV], check=True)
-        pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-        subprocess.run([*pip, *PEER], check=True, timeout=1800)
-        # its torchvision and torchaudio from the index do not load beside that torch, and it imports neither
-        subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio"], check=True)
-        done.write_text(" ".join(PEER))
-    return python
+    """Upstream's released 0.9.0 data path in a venv of its own (helpers/peer_venv.py: tools/test.sh starts its
+    build in the background; here it is waited for, or made, and kept in build/ between local runs)."""
+    return peer_venv.ensure()
 
 
 def test_upstream_090_client_gets_the_offline_states(service, offline, peer_python, model_dir, tmp_path):
@@ -475,7 +465,7 @@ def test_upstream_090_client_gets_the_offline_states(service, offline, peer_pyth
     requests.write_text(json.dumps([{k: f[k].tolist() for k in ("input_ids", "loss_mask")} for f in files]))
     script = Path(__file__).parents[1] / "helpers" / "peer_client_090.py"
     proc = subprocess.run([peer_python, script, service["url"], model_dir, requests, tmp_path],
-                          capture_output=True, text=True, timeout=600, env=PEER_ENV)  # fmt: skip
+                          capture_output=True, text=True, timeout=600, env=peer_venv.ENV)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"approx_lengths": [len(f["input_ids"]) for f in files],
                                                                 "len": 2}  # fmt: skip
