@@ -246,8 +246,9 @@ def _pretokenized(where: str, row) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
-def load_rows(paths: list[str], skip_bad_rows: bool, hf_cache_dir: str | None):
-    """(kind, rows, sources, skipped) from every input, in order."""
+def load_rows(paths: list[str], skip_bad_rows: bool, hf_cache_dir: str | None, reader=_conversation):
+    """(kind, rows, sources, skipped) from every input, in order; ``reader(where, row)`` reads a conversation row
+    (--regenerate's also reads tool definitions and tool turns: :func:`speculators_v016.run.tool_turns.read_chat`)."""
     rows, sources, skipped, kinds = [], [], Counter(), set()
     for given in paths:
         path = Path(given)
@@ -272,7 +273,7 @@ def load_rows(paths: list[str], skip_bad_rows: bool, hf_cache_dir: str | None):
             data = load_raw_dataset(given, cache_dir=hf_cache_dir)
             sources.append({"name": given})
             kinds.add("conversations")
-            rows.extend((f"{given} row {i}", _conversation(f"{given} row {i}", r)) for i, r in enumerate(data))
+            rows.extend((f"{given} row {i}", reader(f"{given} row {i}", r)) for i, r in enumerate(data))
             continue
         if not path.is_file():
             raise BadRowError(f"--train-data-path {given}: no such file")
@@ -290,8 +291,8 @@ def load_rows(paths: list[str], skip_bad_rows: bool, hf_cache_dir: str | None):
                     rows.append((where, ids_mask))
                 else:
                     kinds.add("conversations")
-                    turns = _conversation(where, row)
-                    if not turns:
+                    turns = reader(where, row)
+                    if not getattr(turns, "turns", turns):
                         skipped["empty conversation"] += 1
                         continue
                     rows.append((where, turns))

@@ -52,7 +52,7 @@ from speculators_v016.store import run_config
 from speculators_v016.store.atomic_files import WriteError
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.outdir import OutputDir, ShardedRoot, shard_dir
-from speculators_v016.store.regenerated import NOT_GENERATED
+from speculators_v016.store.regenerated import NOT_GENERATED, STOPPED, not_generated
 from speculators_v016.store.sample_format import parse_sample_name
 from speculators_v016.store.writer import SampleWriter
 from speculators_v016.target import PromptError, TargetInfo, check_token_ids
@@ -75,6 +75,7 @@ class RunSummary:
     logit_check: dict = field(default_factory=dict)
     regenerated: dict = field(default_factory=dict)  # --regenerate: turns by finish reason
     conversations: dict = field(default_factory=dict)  # --regenerate: conversations by how they went into samples
+    stopped: dict = field(default_factory=dict)  # --regenerate: conversations stopped at a tool call, by why
 
     def lines(self) -> list[str]:
         rate = self.tokens / self.generation_seconds if self.generation_seconds else 0.0
@@ -93,6 +94,9 @@ class RunSummary:
         if self.conversations:
             shapes = ", ".join(f"{n} {shape}" for shape, n in sorted(self.conversations.items()))
             out.append(f"conversations: {sum(self.conversations.values())} finished ({shapes})")
+        if self.stopped:
+            why = ", ".join(f"{n} {reason}" for reason, n in sorted(self.stopped.items()))
+            out.append(f"stopped:    {sum(self.stopped.values())} conversations at a tool call ({why})")
         if self.logit_check:
             out.append(f"logit check: {self.logit_check['line']}")
         return out
@@ -213,11 +217,12 @@ def run(opts: RunConfig, progress_to=None) -> RunSummary:
         cut = work.cut_without_engine(directory, pending, done) if opts.regenerate and existing else None
         if cut is not None:  # every turn left has no room (a finished run, run again): nothing for the engine
             logger.bind(terminal=True).info(
-                "nothing to generate: the {} turns not written have no room under --seq-length {}",
+                "nothing to generate: the {} turns not written {}",
                 len(cut),
-                opts.seq_length,
+                _cut_why(cut, opts),
             )
             _note_cut(cut, summary, opts)
+            summary.stopped = work.stops
             work.begin(directory, [], done, None)
             work.end(directory, set(done))
             summary.seconds = time.monotonic() - started
@@ -378,6 +383,7 @@ def _generate(
                 work.end(directory, set(Manifest(directory).entries()))
                 summary.regenerated = dict(work.finish_reasons)
                 summary.conversations = work.shapes
+                summary.stopped = work.stops
         finally:
             summary.written, summary.bytes = writer.written, writer.bytes
             bar.set_description(f"{writer.written}/{len(pending)} samples")
@@ -437,7 +443,16 @@ def _note_cut(cut: list, summary: RunSummary, opts: RunConfig) -> None:
     """Turns --regenerate had no room for: named in the log, counted in the summary (verify counts them)."""
     for cut_index, why in cut:
         logger.warning("sample {}: not generated: {}", cut_index + opts.start_idx, why)
-        summary.skipped[NOT_GENERATED] = summary.skipped.get(NOT_GENERATED, 0) + 1
+        reason = not_generated(why)
+        summary.skipped[reason] = summary.skipped.get(reason, 0) + 1
+
+
+def _cut_why(cut: list, opts: RunConfig) -> str:
+    """Why the turns not written cannot be generated (a finished run run again)."""
+    reasons = {not_generated(why) for _, why in cut}
+    whys = ["follow a tool call other than the source's (their conversation stopped there)"] * (STOPPED in reasons)
+    whys += [f"have no room under --seq-length {opts.seq_length}"] * (NOT_GENERATED in reasons)
+    return " or ".join(whys)
 
 
 def _note_rejected(rejected: list, summary: RunSummary, opts: RunConfig) -> None:

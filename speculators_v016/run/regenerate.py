@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from speculators_v016.engine.generation import Generated, Generation, sample_seed
+from speculators_v016.run import tool_turns
 from speculators_v016.run.dataset import BadRowError, load_rows, run_order
 from speculators_v016.store import regenerated
 from speculators_v016.target import GenerationSetupError
@@ -54,6 +55,8 @@ ROLES = {
     "bing": "assistant",
     "bard": "assistant",
     "system": "system",
+    tool_turns.CALL_ROLE: "assistant",
+    **dict.fromkeys(tool_turns.RESULT_ROLES, "tool"),
 }
 
 
@@ -173,54 +176,82 @@ class Conversation:
     turns: list[dict]  # role/content; the assistant turns' content is the source's (never shown; None: none)
     first_index: int  # the sample index of its first assistant turn
     answers: int  # assistant turns to generate (one sample each)
+    tools: list[dict] | None = None  # the tool definitions, passed to the chat template (None: none)
+
+    @property
+    def uses_tools(self) -> bool:
+        return tool_turns.uses_tools(self.turns, self.tools)
 
 
 def answer_slots(turns: list[dict]) -> list[dict]:
     """``turns`` with an assistant turn to generate (content None: there is no source answer) after each user
     turn past the source's last assistant turn: a prompt-only row gets each user turn answered in order, a
-    conversation ending on a user turn gets that turn answered. User turns before an assistant turn keep the
-    one answer the source gives them. Derived from the row alone, so sample indices are the same on resume."""
+    conversation ending on a user turn gets that turn answered (and one ending on tool results gets them
+    answered once). User turns before an assistant turn keep the one answer the source gives them. Derived from
+    the row alone, so sample indices are the same on resume."""
     last = max((i for i, t in enumerate(turns) if t["role"] == "assistant"), default=-1)
     out = turns[: last + 1]
-    for turn in turns[last + 1 :]:
+    for i, turn in enumerate(turns[last + 1 :], last + 1):
         out.append(turn)
-        if turn["role"] == "user":
+        after = turns[i + 1]["role"] if i + 1 < len(turns) else None
+        if turn["role"] == "user" or (turn["role"] == "tool" and after != "tool"):
             out.append({"role": "assistant", "content": None})
     return out
 
 
-def plan(rows: list[tuple[str, list[dict]]], skip_bad_rows: bool) -> tuple[list[Conversation], dict]:
+#: the skip reason of a row whose tools or tool turns the chat template cannot render (--skip-bad-rows)
+TOOLS_REFUSED = "the chat template cannot render its tools or tool turns"
+
+
+def plan(rows: list[tuple[str, Any]], skip_bad_rows: bool, tokenizer=None) -> tuple[list[Conversation], dict]:
     """The conversations in the run's order with their sample indices; ``(plan, skipped by reason)``.
 
-    A turn's role must be one the chat format knows; assistant turns before the first user turn are
-    dropped (nothing asked them); user turns no assistant turn answers get an answer to generate
-    (:func:`answer_slots`); a conversation without a user turn is a bad row (named, or skipped and
-    counted with ``skip_bad_rows``)."""
+    ``rows``: ``(where, turns)`` or ``(where, ChatRow)`` (turns and tool definitions). A turn's role must be one
+    the chat format knows; assistant turns before the first user turn are dropped (nothing asked them); user
+    turns no assistant turn answers get an answer to generate (:func:`answer_slots`); a conversation without a
+    user turn is a bad row (named, or skipped and counted with ``skip_bad_rows``), and so is one with tools or tool
+    turns that ``tokenizer``'s chat template cannot render (:func:`tool_turns.template_refusal`)."""
     out, skipped, index = [], {}, 0
     for where, raw in rows:
+        chat = raw if isinstance(raw, tool_turns.ChatRow) else tool_turns.ChatRow(raw)
+        reason = "nothing to regenerate (no user turn answered)"
         try:
-            turns = []
-            for i, turn in enumerate(raw):
-                role = ROLES.get(turn["from"].lower())
-                if role is None:
-                    raise BadRowError(f"{where}: turn {i} has role {turn['from']!r}, which --regenerate cannot use")
-                if role == "assistant" and not any(t["role"] == "user" for t in turns):
-                    continue
-                turns.append({"role": role, "content": turn["value"]})
-            turns = answer_slots(turns)
+            turns = _turns_of(where, chat.turns)
             answers = sum(t["role"] == "assistant" for t in turns)
             if answers == 0:
                 raise BadRowError(f"{where}: no user turn: nothing to regenerate")
+            refusal = (
+                tool_turns.template_refusal(tokenizer, turns, chat.tools)
+                if tokenizer is not None and tool_turns.uses_tools(turns, chat.tools)
+                else None
+            )
+            if refusal:
+                reason = TOOLS_REFUSED
+                raise BadRowError(f"{where}: {refusal}; --skip-bad-rows skips and counts such rows")
         except BadRowError:
             if not skip_bad_rows:
                 raise
-            skipped["nothing to regenerate (no user turn answered)"] = (
-                skipped.get("nothing to regenerate (no user turn answered)", 0) + 1
-            )
+            skipped[reason] = skipped.get(reason, 0) + 1
             continue
-        out.append(Conversation(len(out), where, turns, index, answers))
+        out.append(Conversation(len(out), where, turns, index, answers, chat.tools))
         index += answers
     return out, skipped
+
+
+def _turns_of(where: str, raw: list[dict]) -> list[dict]:
+    """A row's turns as the chat template takes them, with the answers to generate (:func:`answer_slots`)."""
+    turns = []
+    for i, turn in enumerate(raw):
+        role = ROLES.get(turn["from"].lower())
+        if role is None:
+            raise BadRowError(f"{where}: turn {i} has role {turn['from']!r}, which --regenerate cannot use")
+        if role == "assistant" and not any(t["role"] == "user" for t in turns):
+            continue
+        read = {"role": role, "content": turn["value"]}
+        keys = ("tool_calls",) if role == "assistant" else ("tool_call_id", "name") if role == "tool" else ()
+        read.update({k: turn[k] for k in keys if k in turn})
+        turns.append(read)
+    return answer_slots(turns)
 
 
 @dataclass
@@ -231,6 +262,11 @@ class _Open:
     prompt: list[int] | None = None  # the next turn's prompt ids, where already rendered
     folded: list[int] = field(default_factory=list)  # indices of turns folded into the next sample (not written)
     samples: int = 0  # samples of this conversation written or on their way
+    end: int = -1  # the turns it has to generate: all its answers, fewer where it stopped at a tool call
+
+    def __post_init__(self):
+        if self.end < 0:
+            self.end = self.conversation.answers
 
 
 class Regeneration:
@@ -258,6 +294,7 @@ class Regeneration:
         self.start_idx, self.logprobs_for = start_idx, logprobs_for or (lambda index: False)
         self.per_turn = per_turn
         self.shapes: dict[str, int] = {}  # finished conversations by how their turns went into samples
+        self.stops: dict[str, int] = {}  # conversations stopped at a tool call, by why
         self._ready: deque[_Open] = deque()
         self._out: dict[int, _Open] = {}
         self.cut: list[tuple[int, str]] = []  # (sample index, why) of turns that could not be generated
@@ -269,11 +306,11 @@ class Regeneration:
         state = _Open(conv, 0)
         for turn in self._turns_until_answer(state):
             state.history.append(turn)
-        while state.turn < conv.answers and (conv.first_index + state.turn + self.start_idx) in done:
+        while state.turn < state.end and (conv.first_index + state.turn + self.start_idx) in done:
             index = conv.first_index + state.turn + self.start_idx
             record = done[index]
             if record.get("in_later_sample"):  # its tokens are in the journal; its states come with a later turn
-                prompt = self.prompt_ids(state.history)
+                prompt = self._prompt(state)
                 if record.get("prompt_sha256") != prompt_digest(prompt):
                     break  # generated under a history a killed run's resume has since regenerated: again
                 self._advance(state, record["text"])
@@ -284,16 +321,41 @@ class Regeneration:
                     )
                 state.folded.append(index)
             else:
+                if conv.uses_tools:  # the journal keeps every turn's sampled ids
+                    self._check_call(state, index, record["token_ids"])
                 self._advance(state, record["text"])
                 state.prompt, state.folded, state.samples = None, [], state.samples + 1
         return state
 
+    def _check_call(self, state: _Open, index: int, sampled: list[int]) -> dict | None:
+        """Where turn ``state.turn`` (sample ``index``) calls other tools than its source turn did: the
+        conversation stops after it (its later turns are cut, counted) and the stop, for its record."""
+        conv = state.conversation
+        if not conv.uses_tools:
+            return None
+        source = [t for t in conv.turns if t["role"] == "assistant"][state.turn]
+        if source["content"] is None:  # no source answer to compare with
+            return None
+        text = self.tokenizer.decode(list(sampled), skip_special_tokens=False)
+        stop = tool_turns.mismatch(tool_turns.expected_names(source), tool_turns.called_names(text))
+        if stop is None:
+            return None
+        stop["turn"] = state.turn
+        state.end = state.turn + 1
+        self.stops[stop["reason"]] = self.stops.get(stop["reason"], 0) + 1
+        why = (
+            f"{regenerated.TOOL_STOP}: turn {state.turn} of {conv.where} calls {stop['got']}, "
+            f"the source's {stop['expected']}"
+        )
+        self.cut.extend((i, why) for i in range(index + 1, conv.first_index + conv.answers + self.start_idx))
+        return stop
+
     def _folds(self, state: _Open, prompt: list[int], sampled: list[int]) -> bool:
         """Does the next turn's prompt (rendered here, kept in ``state``) start with ``prompt`` + ``sampled``, and
         leave room to generate it (a turn is folded only into a turn that will be generated)?"""
-        if self.per_turn or state.turn >= state.conversation.answers:
+        if self.per_turn or state.turn >= state.end:
             return False
-        state.prompt = self.prompt_ids(state.history)
+        state.prompt = self._prompt(state)
         before = list(prompt) + list(sampled)
         return state.prompt[: len(before)] == before and len(state.prompt) < self.seq_length
 
@@ -314,7 +376,7 @@ class Regeneration:
         """Turn ``state.turn`` answered with ``text``: into the history, then the next turn's source turns."""
         state.history.append({"role": "assistant", "content": text})
         state.turn += 1
-        if state.turn < state.conversation.answers:
+        if state.turn < state.end:  # a stopped conversation's source turns after it are not its history
             state.history.extend(self._turns_until_answer(state))
 
     def feed(self) -> Iterator[tuple[int, list[int], Generation] | None]:
@@ -323,10 +385,10 @@ class Regeneration:
                 yield None
                 continue
             state = self._ready.popleft()
-            if state.turn >= state.conversation.answers:
+            if state.turn >= state.end:
                 continue
             index = state.conversation.first_index + state.turn + self.start_idx
-            prompt = state.prompt if state.prompt is not None else self.prompt_ids(state.history)
+            prompt = state.prompt if state.prompt is not None else self._prompt(state)
             state.prompt = prompt
             room = self.seq_length - len(prompt)
             cap = min(room, self.sampling.max_new_tokens or room)
@@ -347,9 +409,13 @@ class Regeneration:
             )
             yield index, prompt, generation
 
-    def prompt_ids(self, history: list[dict]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(history, tokenize=True, add_generation_prompt=True)
+    def prompt_ids(self, history: list[dict], tools: list[dict] | None = None) -> list[int]:
+        extra = {"tools": tools} if tools else {}  # a conversation without tools renders as it always did
+        ids = self.tokenizer.apply_chat_template(history, tokenize=True, add_generation_prompt=True, **extra)
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+    def _prompt(self, state: _Open) -> list[int]:
+        return self.prompt_ids(state.history, state.conversation.tools)
 
     def text_of(self, generated: Generated) -> str:
         """The turn's text as a server returns it: special tokens (the stop among them) left out."""
@@ -371,6 +437,9 @@ class Regeneration:
             "finish_reason": generated.finish_reason,
             "seed": sample_seed(self.sampling.seed, index),
         }
+        stop = self._check_call(state, index, generated.token_ids)
+        if stop is not None:
+            record["stop"] = stop
         self._advance(state, text)
         state.prompt = None
         if self._folds(state, prompt, generated.token_ids):
@@ -386,15 +455,14 @@ class Regeneration:
 
     def _count_shape(self, state: _Open, turns_in_sample: int) -> None:
         """Count a finished conversation by how its generated turns went into samples."""
-        conv = state.conversation
         state.samples += 1
-        if state.turn < conv.answers:  # not finished
+        if state.turn < state.end:  # not finished
             return
-        if conv.answers == 1:
+        if state.end == 1:
             shape = "one turn"
-        elif state.samples == 1 and turns_in_sample == conv.answers:
+        elif state.samples == 1 and turns_in_sample == state.end:
             shape = "one sample"
-        elif state.samples == conv.answers:
+        elif state.samples == state.end:
             shape = "one sample per turn"
         else:
             shape = "split"
@@ -412,10 +480,10 @@ def records_by_conversation(
         answers = [records.get(conv.first_index + t + start_idx) for t in range(conv.answers)]
         if not any(answers):
             continue
-        turns, answer = [], 0
+        turns, answer, stop = [], 0, None
         for turn in conv.turns:
             if turn["role"] != "assistant":
-                turns.append({"role": turn["role"], "content": turn["content"]})
+                turns.append({k: v for k, v in turn.items() if k in ("role", "content", "tool_call_id", "name")})
                 continue
             record = answers[answer]
             answer += 1
@@ -426,9 +494,23 @@ def records_by_conversation(
                 turn["turn_index"] = record["index"]
             turn["sample"] = holder.get(record["index"], record["index"])
             turns.append(turn)
-        out.append({"conversation": conv.number, "source": conv.where, "turns": turns, "sampling": sampling.as_dict()})
+            stop = record.get("stop")
+            if stop is not None:  # the source's turns after it (its tool results among them) are not kept
+                break
+        line = {"conversation": conv.number, "source": conv.where, "turns": turns, "sampling": sampling.as_dict()}
+        if conv.tools:
+            line["tools"] = conv.tools
+        if stop is not None:
+            line["stopped"] = {**stop, "kept_turns": len(turns), "source_turns": len(conv.turns)}
+        out.append(line)
     return out
 
+
+#: what data_config.json says of conversations with tools (the fingerprint holds it)
+TOOL_TURNS = (
+    "tool definitions passed to the chat template (tools=), tool results kept; a conversation stops after a turn "
+    "whose calls differ from the source's (its tool results and later turns not generated, counted)"
+)
 
 #: what data_config.json says of the samples (the fingerprint holds it: a folder keeps its way)
 PER_TURN = "one per generated turn (prompt: the history as regenerated, by the chat template)"
@@ -462,10 +544,13 @@ class RegenerationWork:
         self.records: dict[int, dict] = {}  # by sample name: this folder's, read at begin, then this run's
         self.finish_reasons: dict[str, int] = {}
         self._cut_seen = 0
+        self._stops_found: dict[str, int] = {}  # by cut_without_engine (no engine: no regeneration)
 
     @classmethod
     def prepare(cls, opts, tokenizer) -> RegenerationWork:
-        kind, rows, sources, skipped = load_rows(list(opts.train_data_path), opts.skip_bad_rows, opts.hf_cache_dir)
+        kind, rows, sources, skipped = load_rows(
+            list(opts.train_data_path), opts.skip_bad_rows, opts.hf_cache_dir, reader=tool_turns.read_chat
+        )
         if kind != "conversations":
             raise BadRowError(
                 "--regenerate needs conversations: pre-tokenized rows (input_ids) have no turns to answer"
@@ -475,7 +560,7 @@ class RegenerationWork:
             opts.engine.model, opts.temperature, opts.top_p, opts.top_k, opts.max_new_tokens, opts.seed
         )
         picked = [rows[i] for i in run_order(len(rows), opts.seed, opts.max_samples)]
-        conversations, more_skipped = plan(picked, opts.skip_bad_rows)
+        conversations, more_skipped = plan(picked, opts.skip_bad_rows, tokenizer)
         for reason, n in more_skipped.items():
             skipped[reason] += n
         stop_ids = stop_token_ids(tokenizer, opts.engine.model)
@@ -498,6 +583,8 @@ class RegenerationWork:
         }
         if any(t["role"] == "assistant" and t["content"] is None for c in self.conversations for t in c.turns):
             described["unanswered_user_turns"] = "answered, in order (one sample each)"
+        if any(c.uses_tools for c in self.conversations):  # earlier releases refused or skipped such rows
+            described["tool_turns"] = TOOL_TURNS
         return described
 
     def shard(self, num_shards: int, shard_index: int) -> list[int]:
@@ -562,6 +649,7 @@ class RegenerationWork:
         )
         for _turn in trial.feed():
             return None
+        self._stops_found = dict(trial.stops)
         return trial.cut
 
     def feed(self, pending: list[int]):
@@ -588,6 +676,11 @@ class RegenerationWork:
             turn = self.records[earlier]
             mask[turn["prompt_tokens"] : turn["prompt_tokens"] + len(turn["token_ids"])] = 1
         return mask, record, generated.logprobs
+
+    @property
+    def stops(self) -> dict[str, int]:
+        """This run's conversations stopped at a tool call, by why (a resume counts those it took up again)."""
+        return dict(self.regeneration.stops) if self.regeneration is not None else dict(self._stops_found)
 
     @property
     def shapes(self) -> dict[str, int]:

@@ -25,6 +25,15 @@ JOURNAL = "regenerated.journal.jsonl"
 CONVERSATIONS = "regenerated.jsonl"
 #: the run summary's reason for turns without room under --seq-length (verify counts them as skipped)
 NOT_GENERATED = "turn not generated (prompt reaches --seq-length)"
+#: the run summary's reason for turns after a regenerated tool call that differs from the source's (verify counts
+#: them as skipped); the log line of each such turn starts with TOOL_STOP
+STOPPED = "turn not generated (conversation stopped at a tool call other than the source's)"
+TOOL_STOP = "tool_call_mismatch"
+
+
+def not_generated(why: str) -> str:
+    """The run summary's skip reason of a turn not generated, by the log line's ``why``."""
+    return STOPPED if why.startswith(TOOL_STOP) else NOT_GENERATED
 
 
 class JournalError(ValueError):

@@ -182,8 +182,8 @@ def _skipped(last_run) -> int:
     if not isinstance(last_run, dict):
         return 0
     reasons = last_run.get("skipped") if isinstance(last_run.get("skipped"), dict) else {}
-    cut = reasons.get(regenerated.NOT_GENERATED, 0)
-    return len(last_run.get("non_finite", [])) + (cut if isinstance(cut, int) else 0)
+    cut = [reasons.get(r, 0) for r in (regenerated.NOT_GENERATED, regenerated.STOPPED)]
+    return len(last_run.get("non_finite", [])) + sum(n for n in cut if isinstance(n, int))
 
 
 def _folders(root: Path, report: Report) -> list[Path]:

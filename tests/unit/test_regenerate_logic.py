@@ -130,8 +130,8 @@ def test_plan_numbers_samples_per_answered_turn(tokenizer):
     ]
     assert convs[1].turns[0] == {"role": "user", "content": "q"}  # the leading assistant turn is gone
     assert skipped == {"nothing to regenerate (no user turn answered)": 1}
-    with pytest.raises(BadRowError, match="role 'tool'"):
-        plan([("b:1", [{"from": "tool", "value": "t"}])], skip_bad_rows=False)
+    with pytest.raises(BadRowError, match="role 'narrator'"):  # tool turns are known: tests/unit/test_tool_turns.py
+        plan([("b:1", [{"from": "user", "value": "q"}, {"from": "narrator", "value": "t"}])], skip_bad_rows=False)
 
 
 def test_user_turns_without_an_answer_each_get_one(tokenizer):
