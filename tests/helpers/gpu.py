@@ -87,7 +87,7 @@ def vllm_loop(
 
 def save_figures(name: str, figures: dict) -> None:
     """Print a test's figures (``-s``) and, where ``SPECULATORS_GPU_FIGURES`` names a folder, keep them there as
-    ``NAME.json`` (tools/gpu_tier_page.py makes docs/benchmarks/gpu_tier.md of that folder)."""
+    ``NAME.json`` (tools/gpu/tier_page.py makes docs/benchmarks/gpu_tier.md of that folder)."""
     print(f"\n{name}: {json.dumps(figures, sort_keys=True)}")
     where = os.environ.get("SPECULATORS_GPU_FIGURES")
     if where:
