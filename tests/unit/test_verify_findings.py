@@ -266,6 +266,25 @@ def test_the_run_screen_sees_single_rows_and_agrees_with_verify():
     ]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_run_screen_reads_each_dtype_by_its_bits(dtype):
+    """Every float dtype: a row of -0.0 is a zero row (as ``== 0`` says), a copied row is found among 2560."""
+    ids = torch.arange(2560)
+    h = torch.randn(2560, 4096, generator=torch.Generator().manual_seed(5)).to(dtype)
+    assert not may_be_degenerate(ids, [h]) and degenerate_layers(ids, [h]) == []
+    h[1000] = -0.0
+    h[2559] = h[17]
+    assert may_be_degenerate(ids, [h])
+    assert degenerate_layers(ids, [h]) == [
+        (
+            0,
+            "rows [1000] (1 of 2560) are all 0; rows [17, 2559] (2 of 2560) hold the same row, though their tokens differ",
+        )
+    ]
+    ids[2559] = ids[17]  # the same token: the copy is the model's own; the zero row is not
+    assert degenerate_layers(ids, [h]) == [(0, "rows [1000] (1 of 2560) are all 0")]
+
+
 def test_the_run_screen_sees_fp8_rows():
     """FP8 layers: a zero-code row or a copied row (codes and scale) is flagged and named."""
     ids = torch.arange(8)
