@@ -218,8 +218,9 @@ def _read_rows(path: Path):
             yield from _line_rows(path, fh)
 
 
-def _conversation(where: str, row) -> list[dict]:
-    """The row's turns as role/content dicts, or BadRowError."""
+def raw_turns(where: str, row) -> list[tuple[dict, str, object]]:
+    """(turn, role, content as given) of each of the row's turns (ShareGPT's or OpenAI's keys), or BadRowError
+    naming the row and turn; the content is the caller's to judge."""
     if not isinstance(row, dict):
         raise BadRowError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
     turns = row.get("conversations", row.get("messages"))
@@ -230,8 +231,17 @@ def _conversation(where: str, row) -> list[dict]:
         if not isinstance(turn, dict):
             raise BadRowError(f"{where}: turn {i} is not an object")
         role = turn.get("from", turn.get("role"))
-        content = turn.get("value", turn.get("content"))
-        if not isinstance(role, str) or not isinstance(content, str):
+        if not isinstance(role, str):
+            raise BadRowError(f"{where}: turn {i} needs string 'from'/'role' and 'value'/'content'")
+        out.append((turn, role, turn.get("value", turn.get("content"))))
+    return out
+
+
+def _conversation(where: str, row) -> list[dict]:
+    """The row's turns as role/content dicts, or BadRowError."""
+    out = []
+    for i, (_, role, content) in enumerate(raw_turns(where, row)):
+        if not isinstance(content, str):
             raise BadRowError(f"{where}: turn {i} needs string 'from'/'role' and 'value'/'content'")
         out.append({"from": role, "value": content})
     return out

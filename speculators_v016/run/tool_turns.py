@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from speculators_v016.run.dataset import BadRowError
+from speculators_v016.run.dataset import BadRowError, raw_turns
 
 #: turn roles (ShareGPT's ``from`` or the chat format's ``role``) that hold a tool's result
 RESULT_ROLES = frozenset({"tool", "observation", "function", "function_response"})
@@ -89,19 +89,8 @@ def _calls(where: str, i: int, turn: dict, role: str, content) -> list[dict] | N
 
 def read_chat(where: str, row) -> ChatRow:
     """The row's turns and tool definitions, or BadRowError naming the row and turn."""
-    if not isinstance(row, dict):
-        raise BadRowError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
-    turns = row.get("conversations", row.get("messages"))
-    if not isinstance(turns, list):
-        raise BadRowError(f"{where}: no 'conversations' or 'messages' list")
     out = []
-    for i, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            raise BadRowError(f"{where}: turn {i} is not an object")
-        role = turn.get("from", turn.get("role"))
-        content = turn.get("value", turn.get("content"))
-        if not isinstance(role, str):
-            raise BadRowError(f"{where}: turn {i} needs string 'from'/'role' and 'value'/'content'")
+    for i, (turn, role, content) in enumerate(raw_turns(where, row)):
         calls = _calls(where, i, turn, role.lower(), content)
         if role.lower() == CALL_ROLE:
             content = ""  # the call is its tool_calls
