@@ -12,8 +12,9 @@ BASE = dict(layer_ids=LAYERS, max_model_len=1024, dtype="float32", max_num_seqs=
 
 
 def run(model_dir, prompts, **options):
+    """(states, the shut-down engine, the class name of the executor it ran on: a shut-down engine drops it)."""
     with VllmHiddenStatesGenerator(model_dir, **{**BASE, **options}) as gen:
-        return gen.generate(prompts), gen.engine
+        return gen.generate(prompts), gen.engine, type(gen.engine.executor).__name__
 
 
 def largest_difference(a, b) -> float:
@@ -34,7 +35,7 @@ def chunked_async(model_dir, prompts):
 
 def test_async_on_and_off_are_bit_identical(model_dir, prompts, chunked_async):
     """Async scheduling on vs off, same batches: bit-identical states."""
-    sync, engine = run(model_dir, prompts, enforce_eager=True, max_num_batched_tokens=128, async_scheduling=False)
+    sync, engine, _ = run(model_dir, prompts, enforce_eager=True, max_num_batched_tokens=128, async_scheduling=False)
     assert not engine.async_scheduling and engine.depth == 1
     for a, b in zip(chunked_async, sync):
         assert all(torch.equal(x, y) for x, y in zip(a["hidden_states"], b["hidden_states"]))
@@ -42,13 +43,13 @@ def test_async_on_and_off_are_bit_identical(model_dir, prompts, chunked_async):
 
 def test_multiprocess_unchunked_equals_uniprocess_chunked(model_dir, prompts, chunked_async):
     """Multiprocess executor without chunking agrees with uniprocess chunked within 1e-5."""
-    unchunked, engine = run(model_dir, prompts, enforce_eager=True, max_num_batched_tokens=4096, executor="mp")
-    assert type(engine.executor).__name__ == "CaptureMultiprocExecutor"
+    unchunked, _, executor = run(model_dir, prompts, enforce_eager=True, max_num_batched_tokens=4096, executor="mp")
+    assert executor == "CaptureMultiprocExecutor"
     assert largest_difference(chunked_async, unchunked) < TOLERANCE
 
 
 def test_compiled_equals_eager_and_transformers(model_dir, prompts, chunked_async):
     """The compiled (torch.compile) path gives the eager states within 1e-5, and transformers'."""
-    compiled, engine = run(model_dir, prompts, enforce_eager=False, max_num_batched_tokens=128)
+    compiled, _, _ = run(model_dir, prompts, enforce_eager=False, max_num_batched_tokens=128)
     assert largest_difference(chunked_async, compiled) < TOLERANCE
     assert max_abs_error(compiled, hf_layer_outputs(model_dir, prompts), LAYERS) < TOLERANCE
