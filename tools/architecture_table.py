@@ -128,6 +128,21 @@ def rows(results: dict, gpu: dict | None = None) -> list[str]:
     return lines
 
 
+def _name(line: str) -> str:
+    return line.split("|")[1].strip()
+
+
+def keep_unmeasured(lines: list[str], page: str) -> list[str]:
+    """``lines`` (header, measured rows, then ``NOT_RUN``'s) with the page's rows of families this run did not
+    measure kept as they were (a test that runs only on other machines: the AWQ row needs an AVX512 build)."""
+    old = page[page.index(BEGIN) + len(BEGIN) : page.index(END)].strip().splitlines()[2:]
+    header, body = lines[:2], lines[2:]
+    named = {_name(line) for line in body} | set(NOT_RUN)
+    kept = [line for line in old if _name(line) not in named]
+    measured = [line for line in body if _name(line) not in NOT_RUN] + kept
+    return header + sorted(measured, key=lambda line: _name(line).lower()) + body[len(body) - len(NOT_RUN) :]
+
+
 def _row(*cells: str) -> str:
     return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
@@ -140,11 +155,11 @@ def main() -> int:
         print(f"no test results at {RESULTS}: run the tests first", file=sys.stderr)
         return 2
     gpu = json.loads(GPU_RESULTS.read_text())["architectures"] if GPU_RESULTS.exists() else {}
-    table = "\n".join([BEGIN, *rows(json.loads(RESULTS.read_text()), gpu), END])
     text = PAGE.read_text()
     if BEGIN not in text or END not in text:
         print(f"{PAGE} has no {BEGIN} ... {END} markers", file=sys.stderr)
         return 2
+    table = "\n".join([BEGIN, *keep_unmeasured(rows(json.loads(RESULTS.read_text()), gpu), text), END])
     new = text[: text.index(BEGIN)] + table + text[text.index(END) + len(END) :]
     if args.check:
         return 0 if new == text else 1

@@ -1,0 +1,30 @@
+"""The architecture table is rendered from the tests' results; rows no test of this run measured stay as they were."""
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _table():
+    spec = importlib.util.spec_from_file_location("architecture_table", ROOT / "tools" / "architecture_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def result(name: str, note: str) -> dict:
+    return dict(device="cpu", name=name, model_class="X", aux_source="taps", tested="engine", max_abs_error=1e-6,
+                tolerance=1e-5, note=note, dtype="float32")  # fmt: skip
+
+
+def test_a_row_this_run_did_not_measure_is_kept_and_a_measured_one_replaced():
+    """An AVX512-only row survives an AVX2 run; a family measured again gets its new figures; order by name."""
+    table = _table()
+    old = table.rows({"llama": result("llama", "old"), "zeta awq": result("zeta awq", "avx512 only")})
+    page = "\n".join(["intro", table.BEGIN, *old, table.END, "outro"])
+    new = table.keep_unmeasured(table.rows({"llama": result("llama", "new"), "alpha": result("alpha", "a")}), page)
+    names = [table._name(line) for line in new[2:]]
+    assert names[:3] == ["alpha", "llama", "zeta awq"] and names[3:] == sorted(table.NOT_RUN)
+    assert "| new |" in new[3] and "avx512 only" in new[4]
+    assert table.keep_unmeasured(new, "\n".join([table.BEGIN, *new, table.END])) == new
