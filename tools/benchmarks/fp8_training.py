@@ -206,7 +206,7 @@ def train_draft(args: dict) -> dict:
     model_dir, folder = args["model"], Path(args["folder"])
     target = AutoConfig.from_pretrained(model_dir)
     layers = json.loads((folder / "data_config.json").read_text())["speculators_v016"]["layers"]
-    freq = torch.load(folder.parent / "token_freq.pt", weights_only=True)
+    freq = torch.load(args.get("freq") or folder.parent / "token_freq.pt", weights_only=True)
     d2t, t2d = build_vocab_mappings_from_distribution(freq, args["draft_vocab"], target.vocab_size)
     torch.manual_seed(args["seed"])
     config = Eagle3SpeculatorConfig(
@@ -229,17 +229,29 @@ def train_draft(args: dict) -> dict:
         ),
     )
     model = Eagle3DraftModel(config, t2d=t2d, d2t=d2t)
-    train_files, _ = split(folder)
     max_len = args["max_len"]
-    loader = DataLoader(
-        Eagle3SampleFileDataset(max_len=max_len, file_list=train_files),
-        batch_size=args["batch"],
-        shuffle=True,
-        generator=torch.Generator().manual_seed(args["seed"]),
-        collate_fn=create_collate_fn(max_len),
-    )
+    if "train_batches" in args:  # packed: {"files": [...], "batches": [[index, ...], ...]}, made by the caller
+        loader = DataLoader(
+            Eagle3SampleFileDataset(max_len=max_len, file_list=args["train_batches"]["files"]),
+            batch_sampler=args["train_batches"]["batches"],
+            collate_fn=create_collate_fn(max_len),
+        )
+    else:
+        loader = DataLoader(
+            Eagle3SampleFileDataset(max_len=max_len, file_list=split(folder)[0]),
+            batch_size=args["batch"],
+            shuffle=True,
+            generator=torch.Generator().manual_seed(args["seed"]),
+            collate_fn=create_collate_fn(max_len),
+        )
     evals = {
         name: DataLoader(
+            Eagle3SampleFileDataset(max_len=max_len, file_list=f["files"]),
+            batch_sampler=f["batches"],
+            collate_fn=create_collate_fn(max_len),
+        )
+        if isinstance(f, dict)
+        else DataLoader(
             Eagle3SampleFileDataset(max_len=max_len, file_list=split(Path(f))[1]),
             batch_size=1,
             collate_fn=create_collate_fn(max_len),
@@ -261,6 +273,9 @@ def train_draft(args: dict) -> dict:
     tail = train[-len(loader) :]  # the last epoch
     out["train_loss_last_epoch"] = statistics.mean(m["loss"] for m in tail)
     out["train_loss_first_epoch"] = statistics.mean(m["loss"] for m in train[: len(loader)])
+    tenth = max(1, len(train) // 10)
+    out["train_loss_first_tenth"] = statistics.mean(m["loss"] for m in train[:tenth])
+    out["train_loss_last_tenth"] = statistics.mean(m["loss"] for m in train[-tenth:])
     for name, loader_ in evals.items():
         trainer.val_loader = loader_
         metrics.clear()

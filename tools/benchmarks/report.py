@@ -6,6 +6,10 @@ the page's latest measurement (script, command, date, machine, code, figures). T
 replaces moves to the top of "Earlier measurements", so a page keeps every measurement made and a
 new one is a regenerated file, not an edited paragraph.
 
+A script with a second, separately run measurement names its own page for it (``page=``): the
+page of ``on_policy.py --multi-turn`` is ``on_policy_multi_turn.md``, so neither run's latest
+measurement displaces the other's.
+
 ``SPECULATORS_BENCH_PAGES`` names another folder for the pages (a trial run, a test);
 ``SPECULATORS_BENCH_MACHINE`` adds a description of the machine that the script cannot see (a
 disk, a VM, "through the device tool").
@@ -128,9 +132,10 @@ def page(script: str, summary: str, latest: str, earlier: str) -> str:
     )
 
 
-def write_page(script: str, summary: str, argv: list[str], figures: str) -> Path:
-    """Record a new measurement of ``script`` on its page; the previous latest goes first among the earlier ones."""
-    path = pages_dir() / f"{script}.md"
+def write_page(script: str, summary: str, argv: list[str], figures: str, name: str | None = None) -> Path:
+    """Record a new measurement of ``script`` on its page (``name``.md, default ``script``.md); the previous
+    latest goes first among the earlier ones."""
+    path = pages_dir() / f"{name or script}.md"
     old = path.read_text() if path.exists() else ""
     previous, earlier = _between(old, LATEST), _between(old, EARLIER)
     if earlier == "(none)":
@@ -156,8 +161,9 @@ class _Tee(io.TextIOBase):
 
 
 @contextlib.contextmanager
-def recording(script_file: str, summary: str | None = None) -> Iterator[None]:
-    """Print the figures inside this block; on success they become ``script_file``'s latest measurement."""
+def recording(script_file: str, summary: str | None = None, page: str | None = None) -> Iterator[None]:
+    """Print the figures inside this block; on success they become ``script_file``'s latest measurement
+    (on the page ``page``.md if given, else the script's own)."""
     script = Path(script_file).stem
     if summary is None:
         doc = sys.modules["__main__"].__doc__ or ""
@@ -165,5 +171,5 @@ def recording(script_file: str, summary: str | None = None) -> Iterator[None]:
     tee = _Tee(sys.stdout)
     with contextlib.redirect_stdout(tee):
         yield
-    path = write_page(script, summary, sys.argv[1:], tee.copy.getvalue())
+    path = write_page(script, summary, sys.argv[1:], tee.copy.getvalue(), page)
     print(f"(recorded in {path})", file=sys.stderr)
