@@ -63,3 +63,15 @@ def test_every_benchmark_script_records_its_page_and_has_one():
         assert page.exists(), f"no page {page.relative_to(ROOT)}"
         assert "<!-- measurement:begin -->" in page.read_text()
         assert f"[{script.stem}]({script.stem}.md)" in (ROOT / "docs" / "benchmarks" / "README.md").read_text()
+
+
+def test_a_second_measurement_of_a_script_goes_to_its_own_page(tmp_path, monkeypatch):
+    """``name=``: the page is ``name``.md, its command still the script's; the script's own page is untouched."""
+    report = _report()
+    monkeypatch.setenv("SPECULATORS_BENCH_PAGES", str(tmp_path))
+    report.write_page("demo_bench", "What it measures.", [], "single: 1.00x\n")
+    path = report.write_page("demo_bench", "The other mode.", ["--other"], "other: 2.00x\n", "demo_bench_other")
+    assert path == tmp_path / "demo_bench_other.md"
+    assert "`python tools/benchmarks/demo_bench.py --other`" in path.read_text()
+    own = (tmp_path / "demo_bench.md").read_text()
+    assert "single: 1.00x" in own and "other: 2.00x" not in own
