@@ -21,8 +21,8 @@ size of the effect on a real target and a real dataset (their outputs overlap fa
 the published figures in the issue are for those).
 
 ``--multi-turn`` measures instead (its own run, its own page: docs/benchmarks/on_policy_multi_turn.md)
-what folding a conversation's regenerated turns into one
-sample buys (``--regenerate-samples auto``) against one sample per turn (``turn``):
+what folding a conversation's regenerated turns into one sample buys (``--regenerate-samples auto``)
+against one sample per turn (``turn``):
 
 5. **Target**: another tiny Llama of the same size taught the same language in conversations of 1
    to 6 exchanges (regenerate.py's ``taught_chats``), so that its turns fold.
