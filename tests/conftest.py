@@ -95,8 +95,20 @@ def record_architecture():
             note=note,
             dtype=dtype,
         )
+        _save_architectures({key: ARCHITECTURE_RESULTS[key]})  # at once: a run stopped at its limit keeps it
 
     return record
+
+
+def _save_architectures(results: dict[str, dict]) -> None:
+    """Merge ``results`` into build/test-results/architectures.json (tools/architecture_table.py reads it)."""
+    out = Path(__file__).resolve().parents[1] / "build" / "test-results"
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "architectures.json"
+    with open(out / ".architectures.lock", "w") as lock:  # xdist workers write at about the same time
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        old = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps({**old, **results}, indent=2, sort_keys=True) + "\n")
 
 
 _SHM_BEFORE: set[str] = set()
@@ -131,19 +143,11 @@ def pytest_sessionstart(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Fail the run if it left shared memory behind; write the architecture results in docs/architectures.md."""
+    """Fail the run if it left shared memory behind; the architecture results once more, all together."""
     if not _xdist_worker(session):
         left = sorted(_shm_left() - _SHM_BEFORE)
         if left:
             print(f"\nFAILED: this test run left shared memory in /dev/shm: {left}")
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    if not ARCHITECTURE_RESULTS:
-        return
-
-    out = Path(__file__).resolve().parents[1] / "build" / "test-results"
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "architectures.json"
-    with open(out / ".architectures.lock", "w") as lock:  # xdist workers finish at about the same time
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        old = json.loads(path.read_text()) if path.exists() else {}
-        path.write_text(json.dumps({**old, **ARCHITECTURE_RESULTS}, indent=2, sort_keys=True) + "\n")
+    if ARCHITECTURE_RESULTS:
+        _save_architectures(ARCHITECTURE_RESULTS)
