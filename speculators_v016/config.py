@@ -84,6 +84,11 @@ WRITER_NICE_INCREMENT = 10
 #: torch's 16 threads on an idle host but 128 ms while 4 writers hashed (one busy core stalls the whole
 #: parallel copy), 25 ms with 4 threads either way, 80 ms with the 1 thread vLLM's mp executor leaves.
 DEFAULT_COPY_THREADS = 4
+#: Host memory made and touched ahead for the prompts next in line (GPU engines; speculators_v016.engine.prefault):
+#: about two 8192-token steps at hidden 7168 with 4 layers captured (448 MiB each).
+PREFAULT_BYTES = 1 << 30
+#: Threads touching it: one faults about 2-3 GiB/s, and a Kimi-shaped GPU step wants about 9 GB/s.
+PREFAULT_THREADS = 4
 #: Threads writing sample files (tools/benchmarks/host_path.py: 2 workers leave part of the disk idle, 4 reach it).
 DEFAULT_WRITE_WORKERS = 4
 

@@ -14,7 +14,9 @@ twice: out of each step into a piece, then, once its length is final, into its
 tensors (one row per decode step; a growing buffer would copy as much).
 Those tensors are fresh memory, or come from ``allocate`` (e.g.
 :meth:`~speculators_v016.engine.buffer_pool.BufferPool.take`, whose blocks a
-writer gives back once a sample is on disk). With FP8 storage the step
+writer gives back once a sample is on disk); with a ``prefault``
+(:class:`~speculators_v016.engine.prefault.Prefaulter`) the prompts next in
+line get theirs made and touched ahead, on threads of its own. With FP8 storage the step
 carries e4m3 codes and one scale per row; both are copied alike (one
 allocation holds a request's codes and scales), and callers get one
 :class:`~speculators_v016.fp8.Fp8States` per layer. ``copy_threads`` bounds
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 
 from speculators_v016.config import DEFAULT_COPY_THREADS
+from speculators_v016.engine.prefault import Prefaulter
 from speculators_v016.fp8 import CODE_DTYPE, SCALE_DTYPE, Fp8States
 from speculators_v016.protocol import StepCapture
 
@@ -49,6 +52,7 @@ class _Request:
     rows: int = 0
     out: list[torch.Tensor] | None = None  # one [prompt_len, hidden] per requested layer (FP8: codes)
     scales: list[torch.Tensor] | None = None  # FP8: one [prompt_len] float32 per requested layer
+    offered: bool = False  # its tensors were offered to the prefaulter
     generating: bool = False  # rows kept in pieces until its length is final (then ``growing`` is False)
     growing: bool = False  # a generating request whose length is not final yet
     pieces: list | None = None  # a generating request's rows: (start, [layers, n, hidden], FP8 scales or None)
@@ -57,7 +61,7 @@ class _Request:
 Allocate = Callable[[Sequence[tuple[Sequence[int], torch.dtype]]], list[torch.Tensor]]
 
 
-def _fresh(specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> list[torch.Tensor]:
+def fresh_tensors(specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> list[torch.Tensor]:
     """One new tensor per ``(shape, dtype)``."""
     return [torch.empty(tuple(shape), dtype=dtype) for shape, dtype in specs]
 
@@ -100,9 +104,12 @@ class Assembler:
         allocate: Allocate | None = None,
         fp8: bool = False,
         copy_threads: int | None = None,
+        prefault: Prefaulter | None = None,
     ):
         self.capture_order = capture_order  # requested layer j -> row in the captured stack
-        self.allocate = allocate or _fresh
+        self.allocate = allocate or fresh_tensors
+        self.prefault = prefault  # makes the next prompts' tensors ahead (with this ``allocate``)
+        self._row: tuple[int, torch.dtype, torch.dtype | None] | None = None  # hidden, dtype, FP8 scales' dtype
         self.fp8 = fp8  # captures carry e4m3 codes and scales
         self.copy_threads = copy_threads  # torch threads for the copies (None: as they are)
         self._requests: dict[str, _Request] = {}
@@ -158,6 +165,25 @@ class Assembler:
                 scales = capture.scales[:, offset : offset + count] if self.fp8 else None
                 self._add_rows(req_id, start, capture.states[:, offset : offset + count], scales)
                 offset += count
+        if self.prefault is not None:
+            self._row = (capture.states.shape[2], capture.states.dtype, self.fp8 and capture.scales.dtype or None)
+            self._offer_ahead()
+
+    def _specs(self, prompt_len: int, hidden: int, dtype: torch.dtype, scales_dtype: torch.dtype | None) -> list:
+        """A prompt's tensors: one ``[prompt_len, hidden]`` per requested layer (FP8: codes, then one scale
+        per row each, in one allocation)."""
+        layers = len(self.capture_order)
+        specs = [((prompt_len, hidden), dtype)] * layers
+        return specs if scales_dtype is None else specs + [((prompt_len,), scales_dtype)] * layers
+
+    def _offer_ahead(self) -> None:
+        """Offer the prompts next in line (admission order, the scheduler's) until the prefaulter is full."""
+        for req_id, req in self._requests.items():
+            if req.out is not None or req.pieces is not None or req.offered:
+                continue
+            if not self.prefault.offer(req_id, self._specs(req.prompt_len, *self._row)):
+                return
+            req.offered = True
 
     def _check_storage(self, capture: StepCapture) -> None:
         """The capture holds what this run stores: FP8 codes with one scale per row, or no scales."""
@@ -199,12 +225,10 @@ class Assembler:
             raise AttributionError(f"request {req_id}: positions from {start} captured twice")
         if req.out is None:
             layers = len(self.capture_order)
-            specs = [((req.prompt_len, rows.shape[2]), rows.dtype)] * layers
-            if scales is None:
-                req.out = self.allocate(specs)
-            else:  # one allocation: the codes, then the scales
-                tensors = self.allocate(specs + [((req.prompt_len,), scales.dtype)] * layers)
-                req.out, req.scales = tensors[:layers], tensors[layers:]
+            specs = self._specs(req.prompt_len, rows.shape[2], rows.dtype, None if scales is None else scales.dtype)
+            made = self.prefault.take if req.offered else lambda _, specs: self.allocate(specs)
+            tensors = made(req_id, specs)
+            req.out, req.scales = tensors[:layers], (tensors[layers:] if scales is not None else None)
         for out, j in zip(req.out, self.capture_order):
             out[start : start + keep].copy_(rows[j, :keep])
         if scales is not None:

@@ -29,10 +29,18 @@ import torch
 from loguru import logger
 
 from speculators_v016.config import EngineConfig
-from speculators_v016.engine.assembly import Allocate, Assembler, AttributionError, copy_threads, expected_rows
+from speculators_v016.engine.assembly import (
+    Allocate,
+    Assembler,
+    AttributionError,
+    copy_threads,
+    expected_rows,
+    fresh_tensors,
+)
 from speculators_v016.engine.engine_args import vllm_config
 from speculators_v016.engine.executor import capture_executor, executor_kind
 from speculators_v016.engine.generation import Decoding, Generated, Generation
+from speculators_v016.engine.prefault import prefaulter
 from speculators_v016.engine.vllm_check import require_vllm
 from speculators_v016.engine.worker_start import set_start_method
 from speculators_v016.layers import LayerPlan
@@ -416,7 +424,9 @@ class CaptureEngine:
         """
         if self._broken is not None:
             raise RuntimeError(f"this engine failed earlier and cannot be used again: {self._broken}")
-        assembler = Assembler(self.plan.capture_order, allocate, fp8=self.config.fp8, copy_threads=self.copy_threads)
+        prefault = prefaulter(allocate or fresh_tensors, self.copy_threads)
+        assembler = Assembler(self.plan.capture_order, allocate, fp8=self.config.fp8, copy_threads=self.copy_threads,
+                              prefault=prefault)  # fmt: skip
         feed, waiting, in_flight = iter(prompts), set(), deque()
         self.open_requests = waiting
         window = window or 2 * self.config.max_num_seqs
@@ -452,6 +462,9 @@ class CaptureEngine:
                     f"({type(exc).__name__}: {exc}); finished samples are kept"
                 ) from exc
             raise
+        finally:
+            if prefault is not None:
+                prefault.close()
 
     def _handed_out(self, complete: list) -> list:
         """Complete requests as the caller gets them; a generating one ends in the scheduler (it ran a step
