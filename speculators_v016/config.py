@@ -87,10 +87,19 @@ DEFAULT_COPY_THREADS = 4
 #: Host memory made and touched ahead for the prompts next in line (GPU engines; speculators_v016.engine.prefault):
 #: about two 8192-token steps at hidden 7168 with 4 layers captured (448 MiB each).
 PREFAULT_BYTES = 1 << 30
-#: Threads touching it: one faults about 2-3 GiB/s, and a Kimi-shaped GPU step wants about 9 GB/s.
+#: Threads touching it, at most (a quarter of the cores): one touches 1.6-1.7 GB/s in 4 KiB pages, 8-9 GB/s in huge
+#: pages (AVX2 EPYC host), and a Kimi-shaped GPU step wants about 9 GB/s.
 PREFAULT_THREADS = 4
-#: Threads writing sample files (tools/benchmarks/host_path.py: 2 workers leave part of the disk idle, 4 reach it).
-DEFAULT_WRITE_WORKERS = 4
+
+
+def default_write_workers(cores: int) -> int:
+    """Threads writing sample files: 4 (tools/benchmarks/host_path.py: 2 leave part of a disk idle, 4 reach it),
+    up to 8 with half the cores (a writer hashes and writes about 1 GiB per CPU-second; on an H200 host, files in
+    RAM, the CLI ran at 0.849x of the generator with 4 and 0.958x with 8: tools/benchmarks/gpu_generator.py)."""
+    return max(4, min(8, cores // 2))
+
+
+DEFAULT_WRITE_WORKERS = default_write_workers(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 4)
 
 # -- help sections, in --help's order -----------------------------------------
 INPUT, OUTPUT, ENGINE, CHECKS, TERMINAL = "Input", "Output", "Engine (vLLM)", "Self-check", "Terminal"
@@ -546,7 +555,9 @@ class RunConfig:
         0, "Which shard this run writes (default: RANK).", section=OUTPUT, min=0, cli_default=None
     )
     token_freq_path: str = setting("./token_freq.pt", "Where upstream's token frequency file goes.", section=OUTPUT)
-    write_workers: int = setting(DEFAULT_WRITE_WORKERS, "Threads writing sample files.", section=OUTPUT, min=1)
+    write_workers: int = setting(
+        DEFAULT_WRITE_WORKERS, "Threads writing sample files (half the cores, from 4 to 8).", section=OUTPUT, min=1
+    )
     checksum: Checksum | None = setting(
         None,
         "Digest of each sample file in the manifest (default: blake3 for a new folder, a resumed folder's own; "
@@ -752,7 +763,9 @@ class ServeConfig:
     )
     seed: int = setting(0, "Shuffle seed of --train-data-path, as the run's.", section=INPUT)
     num_preprocessing_workers: int = setting(8, "Processes for tokenization.", section=INPUT, min=1)
-    write_workers: int = setting(DEFAULT_WRITE_WORKERS, "Threads publishing sample files.", section=OUTPUT, min=1)
+    write_workers: int = setting(
+        DEFAULT_WRITE_WORKERS, "Threads publishing sample files (half the cores, from 4 to 8).", section=OUTPUT, min=1
+    )
     logit_check_samples: int = setting(
         4,
         "First requests whose captured last layer, normed and projected, must reproduce vLLM's own prompt "

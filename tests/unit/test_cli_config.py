@@ -317,3 +317,9 @@ def test_the_tokenizer_passed_to_vllm_is_the_one_the_dataset_is_tokenized_with()
     """--engine-args' tokenizer is the run's tokenizer too (ids the engine gets are ids of that tokenizer)."""
     assert EngineConfig(model="m").tokenizer == "m"
     assert EngineConfig(model="m", extra_engine_args={"tokenizer": "t"}).tokenizer == "t"
+
+
+@pytest.mark.parametrize(("cores", "workers"), [(1, 4), (2, 4), (10, 5), (16, 8), (128, 8)])
+def test_write_workers_follow_the_cores(cores, workers):
+    """Writer threads default to half the cores, from 4 (a disk's worth) to 8 (an H200 host's files in RAM)."""
+    assert config.default_write_workers(cores) == workers
