@@ -60,9 +60,6 @@ def zero_embedding_model(tiny_model, tmp_path_factory):
 
 
 # -- the architecture table: each engine test of a model family records its result ------------
-ARCHITECTURE_RESULTS: dict[str, dict] = {}
-
-
 @pytest.fixture
 def record_architecture():
     """record(name, model_class, aux_source, tested, max_abs_error, tolerance, note, dtype, device) for
@@ -84,7 +81,7 @@ def record_architecture():
         device="cpu",
     ):
         key = (name if dtype == "float32" else f"{name}@{dtype}") + ("" if device == "cpu" else f"@{device}")
-        ARCHITECTURE_RESULTS[key] = dict(
+        result = dict(
             device=device,
             name=name,
             model_class=model_class,
@@ -95,7 +92,7 @@ def record_architecture():
             note=note,
             dtype=dtype,
         )
-        _save_architectures({key: ARCHITECTURE_RESULTS[key]})  # at once: a run stopped at its limit keeps it
+        _save_architectures({key: result})  # at once: a run stopped at its limit keeps it
 
     return record
 
@@ -143,11 +140,9 @@ def pytest_sessionstart(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Fail the run if it left shared memory behind; the architecture results once more, all together."""
+    """Fail the run if it left shared memory behind."""
     if not _xdist_worker(session):
         left = sorted(_shm_left() - _SHM_BEFORE)
         if left:
             print(f"\nFAILED: this test run left shared memory in /dev/shm: {left}")
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    if ARCHITECTURE_RESULTS:
-        _save_architectures(ARCHITECTURE_RESULTS)

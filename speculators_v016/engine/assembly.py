@@ -226,8 +226,7 @@ class Assembler:
         if req.out is None:
             layers = len(self.capture_order)
             specs = self._specs(req.prompt_len, rows.shape[2], rows.dtype, None if scales is None else scales.dtype)
-            made = self.prefault.take if req.offered else lambda _, specs: self.allocate(specs)
-            tensors = made(req_id, specs)
+            tensors = self.prefault.take(req_id, specs) if req.offered else self.allocate(specs)
             req.out, req.scales = tensors[:layers], (tensors[layers:] if scales is not None else None)
         for out, j in zip(req.out, self.capture_order):
             out[start : start + keep].copy_(rows[j, :keep])

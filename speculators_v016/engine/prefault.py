@@ -38,7 +38,7 @@ PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def spec_bytes(specs: Sequence[Spec]) -> int:
-    return sum(prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs)
+    return sum(prod(shape) * dtype.itemsize for shape, dtype in specs)
 
 
 HUGE_PAGE = 2 << 20
