@@ -276,6 +276,7 @@ ENGINE_ARGS_OWNED = {
     "max_num_batched_tokens": "--max-num-batched-tokens",
     "max_num_seqs": "--max-num-seqs",
     "tensor_parallel_size": "--tensor-parallel-size",
+    "pipeline_parallel_size": "--pipeline-parallel-size",
     "gpu_memory_utilization": "--gpu-memory-utilization",
     "enforce_eager": "--enforce-eager",
     "distributed_executor_backend": "--executor",
@@ -290,7 +291,6 @@ ENGINE_ARGS_REFUSED = {
         (False, None),
         "a cached prefix is not computed again, so its positions would have no hidden states",
     ),
-    "pipeline_parallel_size": ((1,), "vLLM 0.16 drops the aux hidden states of non-last pipeline stages"),
     "speculative_config": (
         (None, {}),
         "speculative decoding adds draft steps to the target's; the capture reads the target's prompt passes",
@@ -392,6 +392,13 @@ class EngineConfig:
     tensor_parallel_size: int = setting(
         1, "GPUs per model. Default: all visible GPUs, or 1.", section=ENGINE, min=1, cli_default=None
     )
+    pipeline_parallel_size: int = setting(
+        1,
+        "Pipeline stages (across nodes: TP 8 x PP 2 with Ray); each stage captures its own layers "
+        "(docs/pipeline-parallel.md).",
+        section=ENGINE,
+        min=1,
+    )
     gpu_memory_utilization: float = setting(
         0.8, "vLLM's GPU memory fraction.", section=ENGINE, min=0, max=1, min_open=True
     )
@@ -421,7 +428,6 @@ class EngineConfig:
     # not options: set by the library's callers, or derived by RunConfig.build
     max_model_len: int = setting(2048, "vLLM's longest prompt + output (a run: --seq-length + 1).", min=1)
     seed: int = setting(0, "vLLM's seed (a run: --seed).")
-    pipeline_parallel_size: int = setting(1, "Refused unless 1: vLLM 0.16 drops non-last stages' aux states.")
     capture_mode: CaptureMode = setting("auto", "auto: vLLM's built-in aux outputs where it has them; taps: ours.")
     extra_engine_args: dict = setting(
         help="More of vLLM's engine arguments, as a JSON object of EngineArgs fields, passed through and checked "
@@ -800,7 +806,15 @@ MAIN_OPTIONS = ((EngineConfig, None, {}), (RunConfig, None, {}), (ConsoleConfig,
 CHECK_OPTIONS = (
     (
         EngineConfig,
-        ("model", "trust_remote_code", "dtype", "enforce_eager", "tensor_parallel_size", "extra_engine_args"),
+        (
+            "model",
+            "trust_remote_code",
+            "dtype",
+            "enforce_eager",
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "extra_engine_args",
+        ),  # fmt: skip
         {
             "model": {"required": True},
             "dtype": {"help": "The engine's dtype (transformers runs in fp32)."},

@@ -147,9 +147,16 @@ class WorkerSetup:
     """
 
     capture: CaptureConfig
-    output_rank: int  # the rank that holds the ring and replies with captures
+    output_rank: int  # the rank that replies with vLLM's model output (last stage, TP rank 0)
     ring: RingSpec | None = None  # None: the states travel in the reply (Ray)
     staging: str = "auto"
+    #: the ranks that capture and reply with captures: TP rank 0 of every pipeline stage, in stage order
+    #: (empty: the output rank alone, as without pipeline parallelism)
+    capture_ranks: tuple[int, ...] = ()
+
+    @property
+    def capturing_ranks(self) -> tuple[int, ...]:
+        return self.capture_ranks or (self.output_rank,)
 
 
 @dataclass
@@ -161,6 +168,11 @@ class StepCapture:
     of the slot); with no ring it is a host tensor. With FP8 storage
     ``states`` holds the e4m3 codes and ``scales`` (``[num_capture_ids,
     rows]`` float32) one scale per row; otherwise ``scales`` is None.
+
+    Under pipeline parallelism every stage replies with the layers it holds:
+    ``layers`` = ``(first, end)``, the rows ``first .. end - 1`` of the captured
+    stack (of the slot, or of ``states`` without a ring, which then holds only
+    those); ``stage`` is the pipeline rank. Without it, ``layers`` is None: all of them.
     """
 
     step: int
@@ -170,3 +182,5 @@ class StepCapture:
     slot: int | None = None
     states: torch.Tensor | None = None
     scales: torch.Tensor | None = None
+    layers: tuple[int, int] | None = None  # rows of the captured stack this reply filled (None: all)
+    stage: int = 0  # the pipeline stage that captured them

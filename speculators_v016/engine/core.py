@@ -4,7 +4,8 @@ Each step: ``execute_model`` -> the capture on the workers (reads the
 runner's ``execute_model_state.aux_hidden_states``) -> ``sample_tokens``; the
 last two travel as one RPC (``speculators_capture_sample``) where the
 executor allows it. With async scheduling (the default) up to
-``max_concurrent_batches`` (2) steps are in flight, as in vLLM's own
+``max_concurrent_batches`` (2; under pipeline parallelism one per stage)
+steps are in flight, as in vLLM's own
 ``EngineCore.step_with_batch_queue``; every call is non-blocking. Each step
 gets a slot of the engine's :class:`~speculators_v016.shared.slot_ring.SlotRing`,
 which the worker fills and the capture reply names; the slot comes back once
@@ -41,6 +42,7 @@ from speculators_v016.engine.engine_args import vllm_config
 from speculators_v016.engine.executor import capture_executor, executor_kind
 from speculators_v016.engine.generation import Decoding, Generated, Generation
 from speculators_v016.engine.prefault import prefaulter
+from speculators_v016.engine.stages import check_stage_plan
 from speculators_v016.engine.vllm_check import require_vllm
 from speculators_v016.engine.worker_start import set_start_method
 from speculators_v016.layers import LayerPlan
@@ -93,6 +95,12 @@ def port_taken(exc: BaseException) -> bool:
     return False
 
 
+def planned_depth(async_scheduling: bool, pipeline_parallel_size: int) -> int:
+    """Steps in flight, as vLLM 0.16's executors allow them (``max_concurrent_batches``): one per pipeline
+    stage, and 2 with async scheduling (known before the executor exists, to size the ring)."""
+    return max(2 if async_scheduling else 1, pipeline_parallel_size)
+
+
 def release_kv_caches(layers: dict) -> None:
     """A shut-down in-process engine's layers (``static_forward_context``) drop their KV cache, then the dict them."""
     for layer in layers.values():
@@ -107,11 +115,6 @@ class CaptureEngine:
 
     def __init__(self, config: EngineConfig, plan: LayerPlan):
         self.vllm_version = require_vllm()
-        if config.pipeline_parallel_size != 1:
-            raise ValueError(
-                "pipeline parallelism is not supported: vLLM 0.16 drops the aux hidden "
-                "states of non-last stages; use tensor parallelism (across nodes: Ray)"
-            )
         self.config, self.plan = config, plan
         #: what every worker's capture does (sent whole, with the ring and the output rank, at set-up)
         self.capture = CaptureConfig(tuple(plan.capture_ids), config.capture_mode, config.hidden_states_dtype)
@@ -213,12 +216,18 @@ class CaptureEngine:
         self.copy_threads = copy_threads(config.device_config.device_type)
 
     def _check_started(self, config) -> None:
-        """The ring covers the steps in flight, and the loaded model has the planned depth."""
+        """The ring covers the steps in flight, the loaded model has the planned depth, and (pipeline
+        parallelism) the stages' layers tile the plan's."""
         if self.ring is not None and self.ring.spec.slots < self.depth + 1:
             raise RuntimeError(f"{self.depth} steps in flight need {self.depth + 1} capture slots")
         layers = {i["num_layers"] for i in self.capture_info if i}
         if layers != {self.plan.num_layers}:
             raise ValueError(f"the loaded model has {layers} decoder layers, the layer plan {self.plan.num_layers}")
+        self.stage_lines = check_stage_plan(
+            self.capture_info, self.plan.capture_ids, config.parallel_config.tensor_parallel_size
+        )
+        for line in self.stage_lines if config.parallel_config.pipeline_parallel_size > 1 else ():
+            logger.info("pipeline {}", line)
 
     def _reset_run_state(self) -> None:
         from vllm.sampling_params import SamplingParams  # noqa: PLC0415 - vLLM only when an engine starts
@@ -242,7 +251,7 @@ class CaptureEngine:
             return None
         record = self.shm_record
         ring = SlotRing.create(
-            slots=(2 if self.async_scheduling else 1) + 1,
+            slots=planned_depth(self.async_scheduling, config.parallel_config.pipeline_parallel_size) + 1,
             num_ids=len(self.plan.capture_ids),
             max_rows=config.scheduler_config.max_num_batched_tokens,
             hidden=config.model_config.get_hidden_size(),

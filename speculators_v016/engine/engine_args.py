@@ -49,6 +49,7 @@ def engine_args(config: EngineConfig, capture: CaptureConfig | None = None):
         max_num_batched_tokens=config.batched_tokens,
         max_num_seqs=config.max_num_seqs,
         tensor_parallel_size=config.tensor_parallel_size,
+        pipeline_parallel_size=config.pipeline_parallel_size,
         gpu_memory_utilization=config.gpu_memory_utilization,
         enforce_eager=config.enforce_eager,
         trust_remote_code=config.trust_remote_code,

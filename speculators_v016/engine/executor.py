@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 from loguru import logger
 
+from speculators_v016.engine.stages import capture_ranks, join_stages
 from speculators_v016.protocol import CaptureConfig, WorkerSetup
 from speculators_v016.shared.slot_ring import SlotRing
 
@@ -56,16 +59,33 @@ def capture_executor(base: type, capture: CaptureConfig, ring: SlotRing | None) 
 
     class CaptureExecutor(base):
         kind = executor_kind(base)
+        capture_ranks: tuple[int, ...] = ()  # TP rank 0 of each pipeline stage (set up in _init_executor)
 
         def _init_executor(self) -> None:
             super()._init_executor()  # workers exist and hold the loaded model
             par = self.vllm_config.parallel_config
             self.capture_output_rank = getattr(self, "output_rank", par.world_size - par.tensor_parallel_size)
-            setup = WorkerSetup(capture, self.capture_output_rank, ring.spec if ring is not None else None)
+            self.capture_ranks = capture_ranks(par.world_size, par.tensor_parallel_size, par.pipeline_parallel_size)
+            setup = WorkerSetup(
+                capture, self.capture_output_rank, ring.spec if ring is not None else None,
+                capture_ranks=self.capture_ranks,
+            )  # fmt: skip
             self.capture_info = list(self.collective_rpc("speculators_capture_setup", args=(setup,)))
 
-        def capture_rpc(self, method: str, args: tuple = (), non_block: bool = False, timeout: float | None = None):
-            if one_reply and hasattr(self, "output_rank"):
+        def capture_rpc(
+            self,
+            method: str,
+            args: tuple = (),
+            non_block: bool = False,
+            timeout: float | None = None,
+            paired: bool = False,
+        ):
+            """A capture RPC; the reply is the output rank's, or under pipeline parallelism every stage's
+            captures joined (``paired``: replies are ``(model output, capture)``; the output is the output rank's)."""
+            if self.capture_ranks:
+                res = self.collective_rpc(method, args=args, non_block=non_block, timeout=timeout)
+                pick = functools.partial(self._joined, paired)
+            elif one_reply and hasattr(self, "output_rank"):
                 res = self.collective_rpc(
                     method, args=args, non_block=non_block, timeout=timeout, unique_reply_rank=self.output_rank
                 )
@@ -74,6 +94,12 @@ def capture_executor(base: type, capture: CaptureConfig, ring: SlotRing | None) 
                 res = self.collective_rpc(method, args=args, non_block=non_block, timeout=timeout)
                 pick = lambda rs: next((r for r in rs if r is not None), None)  # noqa: E731
             return Single(res, pick) if non_block else pick(res)
+
+        def _joined(self, paired: bool, replies: list):
+            """Every rank's reply -> the stages' captures joined (and the output rank's model output)."""
+            captures = [r[1] if paired else r for r in replies if r is not None]
+            joined = join_stages(captures, len(capture.capture_ids))
+            return (replies[self.capture_output_rank][0], joined) if paired else joined
 
         def capture_and_sample(self, step: int, slot: int | None, grammar_output):
             """Future of ``(model runner output, the previous step's capture)``: step ``step`` captured
@@ -87,6 +113,7 @@ def capture_executor(base: type, capture: CaptureConfig, ring: SlotRing | None) 
                     (step, slot, grammar_output),
                     non_block=True,
                     timeout=envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS,
+                    paired=True,
                 )
             capture = self.capture_rpc("speculators_capture_step", (step, slot), non_block=True)
             return Pair(self.sample_tokens(grammar_output, non_block=True), capture)

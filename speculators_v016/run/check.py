@@ -94,7 +94,8 @@ def check(config: CheckConfig) -> CheckReport:
             if checker.active:
                 checker.add(index, results[index]["input_ids"], states, engine.prompt_logprobs.pop(index))
         engine_dtype = str(engine.dtype).removeprefix("torch.")
-        margins = list(engine.capture_info[0].get("stream_margins", {}).values())
+        stages = {info.get("stage", 0): info for info in reversed(engine.capture_info)}  # TP rank 0 of each stage
+        margins = [m for stage in sorted(stages) for m in stages[stage].get("stream_margins", {}).values()]
     by_layer = [dict(zip(captured.layer_ids, r["hidden_states"])) for r in results]
     logits_ok = checker.result.ok or (bool(checker.result.unavailable) and config.transformers)
     report = CheckReport(len(prompts), engine_dtype, checker.result.line(), logits_ok, stream_margins=margins)

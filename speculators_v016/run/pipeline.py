@@ -274,13 +274,14 @@ def _announce(generator, opts: RunConfig, pending: int, done: int) -> None:
     engine = generator.engine
     s = engine.config
     logger.bind(terminal=True).info(
-        "{}: layers {} (vLLM aux ids {}), {}, TP {}, {} executor, async scheduling {}, {}, "
+        "{}: layers {} (vLLM aux ids {}), {}, TP {}{}, {} executor, async scheduling {}, {}, "
         "max_num_seqs {}, max_num_batched_tokens {}; {} samples to write{}",
         s.model,
         list(generator.plan.layer_ids),
         list(generator.plan.vllm_ids),
         str(engine.dtype).removeprefix("torch.") + (f" (stored as {fp8.NAME})" if s.fp8 else ""),
         s.tensor_parallel_size,
+        f" x PP {s.pipeline_parallel_size}" if s.pipeline_parallel_size > 1 else "",
         engine.executor_kind,
         "on" if engine.async_scheduling else "OFF",
         "eager" if s.enforce_eager else "compiled",

@@ -46,6 +46,20 @@ modules carry no fault points: each fault wraps one of their seams here.
   way; wraps :meth:`CaptureEngine.stream`).
 * ``wrong-layer-check:n``: the ``n``-th logit-checked sample's last layer is
   replaced by the captured layer before it (wraps :meth:`LogitChecker.add`).
+* ``stage-boundary-late`` (a vLLM worker's fault): under pipeline parallelism every
+  stage after the first stores, in the row of its first captured layer, the
+  layer after it (the boundary id one layer late, as when a stage counts its
+  ids from its own first layer), after the start-up proof (wraps the worker's
+  ``Capture._aux``).
+* ``vllm-prompt-rows`` (a vLLM worker's fault): the workaround of vLLM 0.16's
+  lost prompt rows (PP, async scheduling, chunked prefill) is not installed
+  (replaces :func:`speculators_v016.worker.pipeline_stage.keep_prompt_rows`
+  where the capture set-up calls it), so vLLM's own behaviour shows.
+
+A worker's fault reaches vLLM's worker processes because they are spawned: each
+imports the driving program's main module, this one, as ``__mp_main__``, and
+installs the worker faults (:func:`install_worker`) before it builds its worker.
+
 * ``fork-workers``: vLLM chooses its workers' start method alone, as before GPU
   workers were always spawned (:mod:`speculators_v016.engine.worker_start`;
   replaces the engine's ``set_start_method``): on GPUs it forks them.
@@ -272,8 +286,32 @@ def install() -> None:
         SlotRing.create = classmethod(create)
     elif point == "fork-workers":
         engine_core.set_start_method = lambda device_type, executor_kind: None
-    elif point:
+    elif point and point not in WORKER_FAULTS:
         raise SystemExit(f"{VARIABLE}={os.environ[VARIABLE]}: unknown fault point {point!r}")
+
+
+WORKER_FAULTS = ("stage-boundary-late", "vllm-prompt-rows")
+
+
+def install_worker() -> None:
+    """In a vLLM worker process of a faulty run: wrap the worker seams the armed fault needs."""
+    point = os.environ.get(VARIABLE, "").partition(":")[0]
+    if point not in WORKER_FAULTS:
+        return
+    from speculators_v016.worker import capture  # noqa: PLC0415 - worker code only in workers
+
+    if point == "stage-boundary-late":
+        original_aux = capture.Capture._aux
+
+        def late_aux(self, runner, step):
+            aux = list(original_aux(self, runner, step))
+            if self.stage is not None and self.stage.rank > 0 and len(aux) > 1:
+                aux[0] = aux[1]
+            return aux
+
+        capture.Capture._aux = late_aux
+    elif point == "vllm-prompt-rows":
+        capture.keep_prompt_rows = lambda runner: None
 
 
 def main() -> None:
@@ -290,3 +328,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+elif __name__ == "__mp_main__":  # a vLLM worker process spawned by a faulty run (see the module's doc)
+    install_worker()

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from speculators_v016.worker.pipeline_stage import StageLayers, pipeline_capture_mode
 from speculators_v016.worker.stream_proof import (
     CheckForward,
     Location,
@@ -64,10 +65,16 @@ class DecoderStack:
     layers: nn.ModuleList
     norm: nn.Module
     names: tuple[str, str, str]  # attribute names of decoder, layers, norm
+    start: int = 0  # the layers this process holds: start .. end - 1 (all but under pipeline parallelism)
+    end: int | None = None
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def partial(self) -> bool:
+        return (self.start, self.end) != (0, self.num_layers)
 
 
 def _one(owner: nn.Module, names: Sequence[str], kind: type) -> list[tuple[str, nn.Module]]:
@@ -106,12 +113,7 @@ def find_decoder_stack(model: nn.Module) -> DecoderStack:
         )
     d, ln, nm, decoder, layers, norm = found[0]
     start, end = getattr(decoder, "start_layer", 0), getattr(decoder, "end_layer", len(layers))
-    if (start, end) != (0, len(layers)):
-        raise UnsupportedModelError(
-            f"{type(model).__name__} holds only decoder layers {start}..{end - 1} of {len(layers)} "
-            "in this process (pipeline parallelism); capture needs every layer on the last stage"
-        )
-    return DecoderStack(model, lm, decoder, layers, norm, (d, ln, nm))
+    return DecoderStack(model, lm, decoder, layers, norm, (d, ln, nm), start, end)
 
 
 def has_builtin_aux(model: nn.Module) -> bool:
@@ -154,7 +156,14 @@ def _with_aux_outputs(base: type, sink: list, builtin: bool) -> type:
     return type(f"AuxOutputs{base.__name__}", (base,), {"forward": forward, "__module__": __name__})
 
 
-def install_aux_outputs(model: nn.Module, vllm_ids: Sequence[int], mode: str = "auto", *, check: CheckForward) -> dict:
+def install_aux_outputs(
+    model: nn.Module,
+    vllm_ids: Sequence[int],
+    mode: str = "auto",
+    *,
+    check: CheckForward,
+    stage: StageLayers | None = None,
+) -> dict:
     """Prove the stream at ``vllm_ids``, install their capture on ``model``, verify it; return what was done.
 
     ``vllm_ids``: ascending, distinct, in ``1..n``. ``mode`` is ``auto``
@@ -162,7 +171,9 @@ def install_aux_outputs(model: nn.Module, vllm_ids: Sequence[int], mode: str = "
     every id, also on built-in models). ``check`` runs the model's forward on a
     few tokens (:mod:`~speculators_v016.worker.stream_proof`); raises
     :class:`~speculators_v016.worker.stream_proof.StreamProofError` where the
-    stream cannot be established or a recorded aux state is not it.
+    stream cannot be established or a recorded aux state is not it. ``stage``:
+    the pipeline stage this process holds (:mod:`~speculators_v016.worker.pipeline_stage`;
+    None: every layer); only its ids are captured here (``stage_ids`` in the result, maybe none).
     """
     stack = find_decoder_stack(model)
     n = stack.num_layers
@@ -170,7 +181,32 @@ def install_aux_outputs(model: nn.Module, vllm_ids: Sequence[int], mode: str = "
     ids = tuple(vllm_ids)
     if list(ids) != sorted(set(ids)) or not ids or not all(1 <= k <= n for k in ids):
         raise ValueError(f"vLLM aux ids must be distinct, ascending and in 1..{n}, got {list(ids)}")
-    conventions = prove_streams(stack.layers, stack.norm, ids, check)
+    if stage is None and stack.partial:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} holds only decoder layers {stack.start}..{stack.end - 1} of {n} "
+            "in this process (pipeline parallelism), and no pipeline stage was given"
+        )
+    stage = stage or StageLayers.whole(n)
+    if (stage.start, stage.end, stage.num_layers) != (stack.start, stack.end, n):
+        raise UnsupportedModelError(
+            f"{stage.describe()} of {stage.num_layers}, but {type(model).__name__} holds layers "
+            f"{stack.start}..{stack.end - 1} of {n} in this process"
+        )
+    mode = pipeline_capture_mode(mode, stage)
+    info = {
+        "model_class": model_class,
+        "decoder_class": type(stack.decoder).__name__,
+        "decoder": ".".join(stack.names),
+        "num_layers": n,
+        "stage": stage.rank,
+        "stages": stage.size,
+        "stage_layers": [stage.start, stage.end],
+        "stage_rows": list(stage.rows(ids)),
+    }
+    ids = stage.ids(ids)
+    if not ids:  # nothing captured on this stage: the model stays as it is
+        return {**info, "stage_ids": [], "builtin_ids": [], "tap_ids": [], "streams": {}, "stream_margins": {}}
+    conventions = prove_streams(stack.layers, stack.norm, ids, check, stage)
     builtin = mode == "auto" and has_builtin_aux(stack.outer)
     builtin_ids = tuple(k for k in ids if k < n) if builtin else ()
     tap_ids = tuple(k for k in ids if k not in builtin_ids)
@@ -188,10 +224,8 @@ def install_aux_outputs(model: nn.Module, vllm_ids: Sequence[int], mode: str = "
         stack.layers, stack.norm, conventions, check, {k: "built-in" if k in builtin_ids else "tap" for k in ids}
     )
     return {
-        "model_class": model_class,
-        "decoder_class": type(stack.decoder).__name__,
-        "decoder": ".".join(stack.names),
-        "num_layers": n,
+        **info,
+        "stage_ids": list(ids),
         "builtin_ids": list(builtin_ids),
         "tap_ids": list(tap_ids),
         "streams": {k: conventions[k].kind for k in ids},

@@ -63,9 +63,10 @@ from speculators_v016 import fp8
 from speculators_v016.protocol import RingSpec, StepCapture, WorkerSetup
 from speculators_v016.shared.slot_ring import SlotRing
 from speculators_v016.worker import cpu_async, cpu_rope
-from speculators_v016.worker.aux_outputs import install_aux_outputs
+from speculators_v016.worker.aux_outputs import find_decoder_stack, install_aux_outputs
 from speculators_v016.worker.check_forward import engine_check_forward
 from speculators_v016.worker.cpu_seeds import discarded_generators_aside
+from speculators_v016.worker.pipeline_stage import LastForwardAux, StageLayers, keep_prompt_rows, stage_of
 from speculators_v016.worker.staging import Fp8Buffers, StagingCopier, StagingPlan, plan_staging
 
 
@@ -102,6 +103,29 @@ def paired_output(output: Any, pending: _Pending | None) -> Any:
     """``output`` (vLLM's, async or not) and ``pending`` as one async output: vLLM's executors call
     its ``get_output`` (on their output thread with async scheduling) before the reply is sent."""
     return _paired_class()(output, pending)
+
+
+@dataclass
+class StageShare:
+    """A pipeline stage's part of the capture: its rows of the captured stack, and where its aux states come
+    from (a stage before the last: :class:`~speculators_v016.worker.pipeline_stage.LastForwardAux`)."""
+
+    stage: StageLayers
+    rows: tuple[int, int]
+    aux: LastForwardAux | None
+    keeps_prompt_rows: bool
+
+    @property
+    def rank(self) -> int:
+        return self.stage.rank
+
+    @classmethod
+    def set_up(cls, runner: Any, stage: StageLayers, rows: tuple[int, int], ids: list) -> StageShare:
+        aux = LastForwardAux(runner) if ids and not stage.is_last else None
+        fix = bool(runner.use_async_scheduling) and not stage.is_last
+        if fix:  # vLLM 0.16's lost prompt tokens (speculators_v016.worker.pipeline_stage, 3)
+            keep_prompt_rows(runner)
+        return cls(stage, rows, aux, fix)
 
 
 class HostCopy:
@@ -199,8 +223,12 @@ class Capture:
             )
         runner = worker.model_runner
         device = runner.device
-        self.is_output = worker.rank == setup.output_rank
-        self.num_ids = len(capture.capture_ids)
+        stage: StageShare | None = getattr(worker, "_speculators_stage", None)
+        #: the rows of the captured stack this worker fills: all, or its pipeline stage's (maybe none)
+        self.rows = stage.rows if stage is not None else (0, len(capture.capture_ids))
+        self.stage = stage
+        self.is_output = worker.rank in setup.capturing_ranks and self.rows[1] > self.rows[0]
+        self.num_ids = self.rows[1] - self.rows[0]
         self.fp8 = capture.fp8
         self.pin = device.type == "cuda"  # new host tensors (no ring) are pinned for the device's copies
         self.pending: _Pending | None = None
@@ -217,12 +245,12 @@ class Capture:
         if device.type != "cuda":
             return
         self.ring.pin()
-        plan = self._plan_staging(worker, ring, device, setup.staging)
+        plan = self._plan_staging(worker, ring, device, setup.staging, self.num_ids)
         staging = None
         if plan.use:
             try:
                 staging = StagingCopier(
-                    plan, (ring.num_ids, ring.max_rows, ring.hidden), ring.torch_dtype, device, fp8=self.fp8
+                    plan, (self.num_ids, ring.max_rows, ring.hidden), ring.torch_dtype, device, fp8=self.fp8
                 )
             except torch.cuda.OutOfMemoryError as exc:
                 plan = StagingPlan(
@@ -249,11 +277,13 @@ class Capture:
         }
 
     @staticmethod
-    def _plan_staging(worker: Any, ring: RingSpec, device: torch.device, staging: str) -> StagingPlan:
-        """One staging buffer per step in flight (the ring has one slot more), if it fits (see plan_staging)."""
+    def _plan_staging(worker: Any, ring: RingSpec, device: torch.device, staging: str, num_ids: int) -> StagingPlan:
+        """One staging buffer per step in flight (the ring has one slot more), if it fits (see plan_staging);
+        a buffer holds this worker's layers (a pipeline stage's share of a slot)."""
         buffers = max(ring.slots - 1, 1)
+        slot_bytes = -(-ring.slot_bytes * num_ids // ring.num_ids)
         if staging == "off":
-            return StagingPlan(False, buffers, ring.slot_bytes, "staging turned off: direct copies")
+            return StagingPlan(False, buffers, slot_bytes, "staging turned off: direct copies")
         free, total = torch.cuda.mem_get_info(device)
         requested, init = getattr(worker, "requested_memory", None), getattr(worker, "init_snapshot", None)
         budget_left = None
@@ -261,7 +291,7 @@ class Capture:
             # vLLM's budget (total x gpu_memory_utilization) minus what this instance took since its
             # start-up snapshot (weights, NCCL, ...): what the activations and the KV cache will share.
             budget_left = int(requested) - ((total - free) - int(init.cuda_memory))
-        return plan_staging(buffers, ring.slot_bytes, free, budget_left)
+        return plan_staging(buffers, slot_bytes, free, budget_left)
 
     def _account(self, runner: Any, plan: StagingPlan, extra: int = 0) -> bool:
         """Count the staging bytes (and ``extra``: FP8's one-layer buffer of the direct path) as model
@@ -311,26 +341,36 @@ class Capture:
         previous, self.pending = self.pending, None
         return previous.result() if previous is not None else None
 
-    def _take(self, runner: Any, step: int, slot: int | None) -> _Pending:
+    def _aux(self, runner: Any, step: int) -> list:
+        """The step's aux states: kept by the runner (the last stage), or by this stage's forward wrapper."""
+        if self.stage is not None and self.stage.aux is not None:  # a stage before the last
+            return self.stage.aux.take(step)
         state = runner.execute_model_state
         if state is None or state.aux_hidden_states is None:
             raise RuntimeError(
                 f"step {step}: the model runner holds no aux hidden states "
                 "(capture called outside execute_model/sample_tokens?)"
             )
-        aux = state.aux_hidden_states
+        return state.aux_hidden_states
+
+    def _take(self, runner: Any, step: int, slot: int | None) -> _Pending:
+        aux = self._aux(runner, step)
         if len(aux) != self.num_ids:
             raise RuntimeError(f"step {step}: the model returned {len(aux)} aux states, {self.num_ids} were set up")
         batch = runner.input_batch
         num_reqs = batch.num_reqs
         bounds = runner.query_start_loc.np[: num_reqs + 1].tolist()
         total = bounds[-1]
+        if aux[0].shape[0] < total:
+            raise RuntimeError(f"step {step}: {aux[0].shape[0]} rows of aux states for {total} scheduled tokens")
         capture = StepCapture(
             step=step,
             req_ids=list(batch.req_ids[:num_reqs]),
             starts=batch.num_computed_tokens_cpu[:num_reqs].tolist(),
             counts=[b - a for a, b in zip(bounds, bounds[1:])],
             slot=slot,
+            layers=self.rows if self.stage is not None else None,
+            stage=self.stage.rank if self.stage is not None else 0,
         )
         dst, dst_scales = self._destination(step, slot, total, aux[0])
         if slot is None:
@@ -362,7 +402,8 @@ class Capture:
                 f"({spec.max_rows} rows of {spec.hidden} x {spec.dtype})"
             )
         scales = ring.scales(slot)
-        return ring.slot(slot)[:, :total], (scales[:, :total] if scales is not None else None)
+        first, end = self.rows
+        return ring.slot(slot)[first:end, :total], (scales[first:end, :total] if scales is not None else None)
 
 
 class CaptureWorkerExtension:
@@ -370,17 +411,27 @@ class CaptureWorkerExtension:
     attribute on vLLM's worker, ``_speculators_capture`` (a :class:`Capture`, None until set up)."""
 
     _speculators_capture: Capture | None = None
+    _speculators_stage: StageShare | None = None  # under pipeline parallelism: this stage's share
 
     def speculators_capture_setup(self, setup: WorkerSetup) -> dict:
         """Prove the stream, install aux outputs and map the ring; run after model load, before profiling and warm-up."""
         runner = self.model_runner
         capture = setup.capture
         rope_native = cpu_rope.install(runner.get_model(), runner.device)
+        stack = find_decoder_stack(runner.get_model())
+        stage = stage_of(stack.decoder, stack.num_layers)
         info = install_aux_outputs(
-            runner.get_model(), list(capture.capture_ids), capture.capture_mode, check=engine_check_forward(runner)
+            runner.get_model(),
+            list(capture.capture_ids),
+            capture.capture_mode,
+            check=engine_check_forward(runner),
+            stage=stage,
         )
         info["cpu_rope_native"] = rope_native
-        runner.use_aux_hidden_state_outputs = True
+        runner.use_aux_hidden_state_outputs = bool(info["stage_ids"])
+        if stage.size > 1:
+            self._speculators_stage = StageShare.set_up(runner, stage, tuple(info["stage_rows"]), info["stage_ids"])
+            info["stage_fix_prompt_rows"] = self._speculators_stage.keeps_prompt_rows
         info["cpu_async_output"] = runner.use_async_scheduling and cpu_async.install(runner.device)
         info["async_scheduling"] = bool(runner.use_async_scheduling)
         attached = self.speculators_capture_attach(setup)

@@ -2,7 +2,9 @@
 
 It runs at capture set-up, after model load and before vLLM's profiling,
 KV-cache allocation and warm-up, on every rank (tensor-parallel layers
-communicate, so all ranks make the same calls). The decoder is called with
+communicate, so all ranks make the same calls; a pipeline stage after the
+first gets fixed random intermediate tensors in place of what the stage
+before would send, and sends nothing on). The decoder is called with
 ``skip_compiled`` (vLLM's own switch to bypass its compiled graph), so nothing
 is compiled or captured here. There is no KV cache yet, hence no attention
 metadata: vLLM's attention layers then return an unwritten buffer, so every
@@ -129,8 +131,32 @@ def engine_check_forward(runner) -> CheckForward:
         ):
             yield
 
+    received = _received(model, runner, tokens)
+
     def run():
         with torch.inference_mode():
-            return model(input_ids=input_ids, positions=positions, intermediate_tensors=None, inputs_embeds=None)
+            intermediate = None
+            if received is not None:  # fresh copies each run: layers may add into their inputs in place
+                from vllm.sequence import IntermediateTensors  # noqa: PLC0415 - vLLM: tests/gpu run without it
 
-    return CheckForward(run, context, tokens)
+                intermediate = IntermediateTensors({k: t.clone() for k, t in received.items()})
+            return model(
+                input_ids=input_ids, positions=positions, intermediate_tensors=intermediate, inputs_embeds=None
+            )
+
+    return CheckForward(run, context, tokens, tuple(received.values()) if received is not None else None)
+
+
+def _received(model: nn.Module, runner, tokens: int) -> dict[str, torch.Tensor] | None:
+    """A pipeline stage after the first: fixed random intermediate tensors, as if the stage before sent them
+    (the model's own ``make_empty_intermediate_tensors`` gives their names and shapes)."""
+    from vllm.distributed import get_pp_group  # noqa: PLC0415 - vLLM: tests/gpu run without it
+
+    if get_pp_group().is_first_rank:
+        return None
+    empty = model.make_empty_intermediate_tensors(tokens, runner.dtype, runner.device)
+    generator = torch.Generator().manual_seed(1)
+    return {
+        key: torch.randn(tuple(t.shape), generator=generator).to(dtype=t.dtype, device=t.device)
+        for key, t in empty.tensors.items()
+    }

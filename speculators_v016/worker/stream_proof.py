@@ -44,6 +44,14 @@ convention of each consumer from its behaviour:
    second forward, every aux output (ours and vLLM's built-in) equals the
    proven stream of that forward bit for bit.
 
+Under pipeline parallelism each stage proves its own layers (a
+:class:`~speculators_v016.worker.pipeline_stage.StageLayers`): its layers run
+once, in order (then the final norm, on the last stage); its first layer
+receives exactly the intermediate tensors the check forward handed the stage
+(a stage after the first); and what a stage before the last sends on is
+exactly what its last layer returned. So the stream at a stage boundary,
+captured on the next stage, is the stream one stage would have passed on.
+
 Attention (and any other layer holding a KV cache) has no metadata in this
 forward: the caller's :class:`CheckForward` makes its output zero, which keeps
 every run deterministic; the conventions are a property of the residual
@@ -63,6 +71,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from speculators_v016.worker.pipeline_stage import StageLayers
 
 #: The right candidate reproduces the consumer's outputs within this many units in the last place of
 #: their dtype (relative Frobenius distance <= SAME_ULPS x eps): 0 on every kernel met so far, since
@@ -94,6 +104,8 @@ class CheckForward:
     run: Callable[[], Any]  # the outer model's forward (inside ``context``)
     context: Callable[[], contextlib.AbstractContextManager]  # for direct calls of its modules
     tokens: int
+    #: a pipeline stage after the first: the intermediate tensors ``run`` hands it (their values, in order)
+    received: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -326,15 +338,25 @@ class _Findings(list):
 
 
 def prove_streams(
-    layers: Sequence[nn.Module], norm: nn.Module, consumer_ids: Sequence[int], check: CheckForward
+    layers: Sequence[nn.Module],
+    norm: nn.Module,
+    consumer_ids: Sequence[int],
+    check: CheckForward,
+    stage: StageLayers | None = None,
 ) -> dict[int, StreamConvention]:
     """The proven stream convention of each consumer (vLLM aux id -> convention); raises if any is not established.
 
-    ``consumer_ids`` are vLLM aux ids: ``k < n`` is decoder layer ``k``, ``n`` the final norm.
+    ``consumer_ids`` are vLLM aux ids: ``k < n`` is decoder layer ``k``, ``n`` the final norm. ``stage``:
+    the pipeline stage this process holds (None: every layer), whose ids ``consumer_ids`` must be.
     """
     n = len(layers)
-    names = {layer: f"layer {i}" for i, layer in enumerate(layers)}
-    names[norm] = "final norm"
+    stage = stage or StageLayers.whole(n)
+    outside = [k for k in consumer_ids if not stage.owns(k)]
+    if outside:
+        raise StreamProofError(_message([f"ids {outside} are not captured on {stage.describe()}"]))
+    names = {layers[i]: f"layer {i}" for i in range(stage.start, stage.end)}
+    if stage.is_last:
+        names[norm] = "final norm"
     findings = _Findings()
     try:
         with _Recorder(names) as rec, check.context():
@@ -345,7 +367,7 @@ def prove_streams(
         ) from exc
     # 1. structure
     order = [name for name, _ in rec.calls]
-    want = [f"layer {i}" for i in range(n)] + ["final norm"]
+    want = [f"layer {i}" for i in range(stage.start, stage.end)] + (["final norm"] if stage.is_last else [])
     if order != want:
         counts = {name: order.count(name) for name in want if order.count(name) != 1}
         findings.append(
@@ -353,29 +375,17 @@ def prove_streams(
             f"calls {_short(order)}" + (f" (called {counts} times)" if counts else "")
         )
         raise StreamProofError(_message(findings))
-    [norm_call] = rec.of("final norm")
-    normed = _tensors(norm_call.output)[0]
-    if normed is None or normed.dim() != 2 or normed.shape[0] != check.tokens:
-        raise StreamProofError(
-            _message(
-                [
-                    f"final norm ({type(norm).__name__}) returned "
-                    f"{_describe(norm_call.output)}, not [{check.tokens}, hidden]"
-                ]
-            )
-        )
-    shape = (check.tokens, normed.shape[1])
-    model_out = _tensors(output[0] if isinstance(output, tuple) else output)[0]
-    if model_out is None or not torch.equal(model_out, normed):
-        findings.append(
-            f"the model's output is not its final norm's output ({type(norm).__name__}): "
-            "the module taken for the final norm is not the last step"
-        )
-    for k in range(1, n + 1):
+    shape = _stage_output(rec, output, norm, check, stage, findings)
+    consumers = list(range(max(stage.start, 1), stage.end)) + ([n] if stage.is_last else [])
+    for k in consumers:
         consumer, module = (f"layer {k}", layers[k]) if k < n else ("final norm", norm)
         [call] = rec.of(consumer)
-        [before] = rec.of(f"layer {k - 1}")
-        handed = [t for t in _tensors(before.output) if t is None or tuple(t.shape) == shape]
+        if k == stage.start:  # a later stage's first layer: what arrived from the stage before
+            source, given = "the previous pipeline stage", list(check.received or ())
+        else:
+            [before] = rec.of(f"layer {k - 1}")
+            source, given = f"layer {k - 1}", _tensors(before.output)
+        handed = [t for t in given if t is None or tuple(t.shape) == shape]
         got = [read(call.args, call.kwargs, w) for w in _locations(call, shape)]
         handed_tensors = [t for t in handed if t is not None]
         # all of them, or (a post-norm block's last layer, EXAONE 4) the first ones: never another tensor
@@ -383,8 +393,8 @@ def prove_streams(
             findings.add(
                 consumer,
                 module,
-                f"does not receive what layer {k - 1} returned: layer {k - 1} "
-                f"returned {_describe(before.output)}, it got {len(got)} [tokens, hidden] "
+                f"does not receive what {source} returned: {source} "
+                f"returned {_describe(given)}, it got {len(got)} [tokens, hidden] "
                 "argument(s) that differ (the model changes the stream between layers)",
             )
     # 2. sufficiency, per consumer; every experiment runs on every rank whatever the findings
@@ -454,6 +464,43 @@ def prove_streams(
     if findings:
         raise StreamProofError(_message(findings))
     return conventions
+
+
+def _stage_output(rec: _Recorder, output, norm: nn.Module, check: CheckForward, stage: StageLayers, findings) -> tuple:
+    """The stream's shape ``(tokens, hidden)``, after checking what the stage hands on: the last stage's output
+    is its final norm's; a stage before the last sends on exactly what its last layer returned."""
+    if not stage.is_last:
+        [last] = rec.of(f"layer {stage.end - 1}")
+        returned = [t for t in _tensors(last.output) if t is not None]
+        if not returned or returned[0].dim() != 2 or returned[0].shape[0] != check.tokens:
+            raise StreamProofError(_message([f"layer {stage.end - 1} returned {_describe(last.output)}"]))
+        shape = tuple(returned[0].shape)
+        sent = list(getattr(output, "tensors", {}).values())
+        returned = [t for t in returned if tuple(t.shape) == shape]
+        if len(sent) != len(returned) or not all(torch.equal(a, b) for a, b in zip(sent, returned)):
+            findings.append(
+                f"{stage.describe()} does not send on what its last layer {stage.end - 1} returned: it returned "
+                f"{_describe(last.output)}, the stage sent {_describe(sent)} (intermediate tensors)"
+            )
+        return shape
+    [norm_call] = rec.of("final norm")
+    normed = _tensors(norm_call.output)[0]
+    if normed is None or normed.dim() != 2 or normed.shape[0] != check.tokens:
+        raise StreamProofError(
+            _message(
+                [
+                    f"final norm ({type(norm).__name__}) returned "
+                    f"{_describe(norm_call.output)}, not [{check.tokens}, hidden]"
+                ]
+            )
+        )
+    model_out = _tensors(output[0] if isinstance(output, tuple) else output)[0]
+    if model_out is None or not torch.equal(model_out, normed):
+        findings.append(
+            f"the model's output is not its final norm's output ({type(norm).__name__}): "
+            "the module taken for the final norm is not the last step"
+        )
+    return (check.tokens, normed.shape[1])
 
 
 def verify_aux(

@@ -184,16 +184,6 @@ def test_invalid_layer_ids_fail_before_the_engine_starts(model_dir):
         VllmHiddenStatesGenerator(model_dir, layer_ids=[3, 3], **ENGINE)
 
 
-def test_pipeline_parallelism_is_refused(model_dir):
-    """Pipeline parallelism is refused with the reason."""
-    from speculators.data_generation import (  # noqa: PLC0415 - upstream: slow to import, this test only
-        VllmHiddenStatesGenerator,
-    )
-
-    with pytest.raises(ValueError, match="pipeline parallelism is not supported"):
-        VllmHiddenStatesGenerator(model_dir, pipeline_parallel_size=2, **ENGINE)
-
-
 def test_stopping_a_stream_early_leaves_the_engine_usable(generator, prompts, results):
     """Closing a stream after one result aborts the rest; the next call still works."""
     stream = generator.stream(prompts)

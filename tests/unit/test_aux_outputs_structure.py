@@ -15,7 +15,8 @@ from torch import nn
 
 from speculators_v016.worker.aux_outputs import UnsupportedModelError, find_decoder_stack
 from speculators_v016.worker.aux_outputs import install_aux_outputs as _install
-from speculators_v016.worker.stream_proof import CheckForward
+from speculators_v016.worker.pipeline_stage import StageLayers
+from speculators_v016.worker.stream_proof import CheckForward, StreamProofError
 
 IDS, POS = torch.tensor([3, 5, 7]), torch.tensor([0, 1, 2])
 
@@ -119,6 +120,11 @@ def test_kimi_like_model_gets_exact_aux_outputs():
         "decoder_class": "DeepseekV2Model",
         "decoder": "model.layers.norm",
         "num_layers": 5,
+        "stage": 0,
+        "stages": 1,
+        "stage_layers": [0, 5],
+        "stage_rows": [0, 3],
+        "stage_ids": [1, 3, 5],
         "builtin_ids": [],
         "tap_ids": [1, 3, 5],
         "streams": {1: fused, 3: fused, 5: "sum: x + residual (fused add-norm)"},
@@ -164,12 +170,15 @@ def test_model_without_decoder_layers_is_named():
         install_aux_outputs(Mystery(), [1])
 
 
-def test_partial_stack_under_pipeline_parallelism_is_refused():
-    """A stage holding only some layers is refused (capture needs all of them)."""
+def test_a_partial_stack_needs_its_pipeline_stage():
+    """A process holding only some layers is refused without its stage, and with a stage of other layers."""
     model = DeepseekV3ForCausalLM(4)
     model.model.start_layer, model.model.end_layer = 2, 4
-    with pytest.raises(UnsupportedModelError, match="pipeline parallelism"):
-        find_decoder_stack(model)
+    assert (find_decoder_stack(model).start, find_decoder_stack(model).end) == (2, 4)
+    with pytest.raises(UnsupportedModelError, match="holds only decoder layers 2..3 of 4 .* no pipeline stage"):
+        install_aux_outputs(model, [1, 3])
+    with pytest.raises(UnsupportedModelError, match="stage 1 of 2: layers 1..3 of 4, but .* holds layers 2..3"):
+        _install_on_stage(model, [1, 3], StageLayers(1, 2, 1, 4, 4))
 
 
 def test_ids_out_of_range_are_refused():
@@ -311,3 +320,94 @@ def test_two_candidate_decoders_are_refused():
         r"transformer.norm",
     ):
         find_decoder_stack(model)
+
+
+class Intermediate:
+    """vLLM's IntermediateTensors, as far as the proof reads it: the tensors a stage sends on, by name."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+
+class StageModel(nn.Module):
+    """A DeepseekV2Model holding layers ``start .. end - 1`` of ``n`` (a pipeline stage; the others missing)."""
+
+    def __init__(self, n, start, end, send=None, before_first=None):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            DeepseekV2DecoderLayer(0.5 + i) if start <= i < end else nn.Identity() for i in range(n)
+        )
+        self.norm = FusedAddNorm() if end == n else nn.Identity()
+        self.start_layer, self.end_layer, self.n = start, end, n
+        self.send = send or (lambda hidden, residual: {"hidden_states": hidden, "residual": residual})
+        self.before_first = before_first or (lambda hidden: hidden)
+
+    def forward(self, input_ids, positions, intermediate=None):
+        if self.start_layer == 0:
+            hidden, residual = input_ids.float()[:, None].repeat(1, 4), None
+        else:
+            hidden, residual = (
+                self.before_first(intermediate.tensors["hidden_states"]),
+                intermediate.tensors["residual"],
+            )
+        for layer in self.layers[self.start_layer : self.end_layer]:
+            hidden, residual = layer(positions, hidden, residual, None)
+        if self.end_layer < self.n:
+            return Intermediate(self.send(hidden, residual))
+        return self.norm(hidden, residual)[0]
+
+
+class StageLM(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, positions, intermediate=None):
+        return self.model(input_ids, positions, intermediate)
+
+
+def _install_on_stage(model, ids, stage, received=None):
+    """install_aux_outputs on one stage, its check forward handed ``received`` (hidden, residual) when not first."""
+
+    def run():
+        given = (
+            Intermediate({"hidden_states": received[0].clone(), "residual": received[1].clone()}) if received else None
+        )
+        return model(IDS, POS, given)
+
+    check = CheckForward(run, contextlib.nullcontext, len(IDS), received)
+    return _install(model, ids, "auto", check=check, stage=stage)
+
+
+def test_each_stage_proves_and_taps_its_own_layers():
+    """Stage 0 of 2 taps id 1 and sends on (hidden, residual); stage 1 taps the boundary id 2 and the final norm's
+    input from what it received, equal to one whole model's stream."""
+    whole = reference(DeepseekV2Model(4), IDS, POS)  # ids 1..4: the input of layers 1..3, then the final norm's
+    first = StageLM(StageModel(4, 0, 2))
+    info = _install_on_stage(first, [1, 2, 4], StageLayers(0, 2, 0, 2, 4))
+    assert (info["stage_ids"], info["stage_rows"], info["tap_ids"]) == ([1], [0, 1], [1])
+    sent, aux = first(IDS, POS)
+    assert torch.equal(aux[0], whole[0])
+    second = StageLM(StageModel(4, 2, 4))
+    received = (sent.tensors["hidden_states"], sent.tensors["residual"])
+    info = _install_on_stage(second, [1, 2, 4], StageLayers(1, 2, 2, 4, 4), received)
+    assert (info["stage_ids"], info["stage_rows"]) == ([2, 4], [1, 3])
+    assert "first layer" not in str(info["streams"])
+    _, aux = second(IDS, POS, Intermediate({"hidden_states": received[0], "residual": received[1]}))
+    assert torch.equal(aux[0], whole[1]) and torch.equal(aux[1], whole[3])
+
+
+def test_a_stage_that_sends_on_something_else_is_refused():
+    """Planted: a stage that sends (residual, hidden) in place of (hidden, residual): the proof names the stage."""
+    swapped = StageLM(StageModel(4, 0, 2, send=lambda h, r: {"hidden_states": r, "residual": h}))
+    with pytest.raises(StreamProofError, match="stage 0 of 2: layers 0..1 does not send on what its last layer 1"):
+        _install_on_stage(swapped, [1, 2], StageLayers(0, 2, 0, 2, 4))
+
+
+def test_a_stage_whose_first_layer_gets_another_stream_is_refused():
+    """Planted: a stage that changes what it received before its first layer: refused at the boundary."""
+    sent, _ = StageLM(StageModel(4, 0, 2))(IDS, POS), None
+    received = (sent.tensors["hidden_states"], sent.tensors["residual"])
+    changed = StageLM(StageModel(4, 2, 4, before_first=lambda h: h * 2))
+    with pytest.raises(StreamProofError, match="layer 2 .*does not receive what the previous pipeline stage returned"):
+        _install_on_stage(changed, [2, 4], StageLayers(1, 2, 2, 4, 4), received)

@@ -276,6 +276,7 @@ def test_the_run_config_derives_the_engine_values_once():
         ({"dtype": "garbage"}, "dtype 'garbage': choose from"),
         ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization 0.0: must be > 0"),
         ({"max_num_seqs": 0}, "max_num_seqs 0: must be >= 1"),
+        ({"pipeline_parallel_size": 0}, "pipeline_parallel_size 0: must be >= 1"),
     ],
 )
 def test_the_engine_config_checks_choices_and_bounds(fields, message):
@@ -290,7 +291,7 @@ def test_the_engine_config_checks_choices_and_bounds(fields, message):
         ('{"dtype": "float16"}', "'dtype' is set by --dtype: give that option instead"),
         ('{"worker_extension_cls": "x.Y"}', "'worker_extension_cls' is set by the capture itself"),
         ('{"enable_prefix_caching": true}', "enable_prefix_caching=True is refused: a cached prefix is not computed"),
-        ('{"pipeline_parallel_size": 2}', "pipeline_parallel_size=2 is refused: vLLM 0.16 drops the aux"),
+        ('{"pipeline_parallel_size": 2}', "'pipeline_parallel_size' is set by --pipeline-parallel-size"),
         ('{"speculative_config": {"method": "ngram"}}', "is refused: speculative decoding adds draft steps"),
         ('{"data_parallel_size": 2}', "data_parallel_size=2 is refused: a run drives one engine core"),
         ("kv_cache_dtype=fp8", "is not JSON"),
@@ -307,7 +308,7 @@ def test_engine_args_that_cannot_be_given_are_usage_errors(captured, tmp_path, g
     assert "config" not in captured
 
 
-@pytest.mark.parametrize("allowed", [{"enable_prefix_caching": False}, {"pipeline_parallel_size": 1}, {}])
+@pytest.mark.parametrize("allowed", [{"enable_prefix_caching": False}, {"data_parallel_size": 1}, {}])
 def test_engine_args_keeping_the_capture_intact_are_taken(allowed):
     """The refused keys at the one value that keeps the capture exact pass through to the engine's config."""
     assert EngineConfig(model="m", extra_engine_args=allowed).extra_engine_args == allowed

@@ -31,7 +31,9 @@ def setup_executor(name: str, ring, capture: CaptureConfig, world_size: int = 2)
 
     def init(self):
         self.vllm_config = SimpleNamespace(
-            parallel_config=SimpleNamespace(world_size=world_size, tensor_parallel_size=world_size),
+            parallel_config=SimpleNamespace(
+                world_size=world_size, tensor_parallel_size=world_size, pipeline_parallel_size=1
+            ),
             additional_config={},  # what vLLM hashes; the set-up does not read it
         )
 

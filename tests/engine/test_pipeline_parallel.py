@@ -1,0 +1,137 @@
+"""Pipeline parallelism 2 through vLLM's multiprocess executor on CPU: each stage captures its own layers.
+
+Prompts of 9 to 300 tokens with 128 tokens a step: chunked prefills, and requests finishing while others
+are in the middle of theirs (the case vLLM 0.16 gets wrong on a first stage with async scheduling,
+worker/pipeline_stage.py). Same data, same batches: PP 2 equals PP 1 bit for bit, every layer.
+"""
+
+import os
+
+import pytest
+import torch
+
+from helpers.reference import NUM_LAYERS, TOLERANCE, hf_layer_outputs, max_abs_error, random_prompts
+from speculators_v016.checks.logit_check import LogitChecker
+from speculators_v016.engine.generation import Generation
+from speculators_v016.generator import VllmHiddenStatesGenerator
+
+LENGTHS = [50, 260, 9, 133, 70, 300, 12]
+ENGINE = dict(
+    layer_ids=list(range(NUM_LAYERS)),
+    max_model_len=512,
+    dtype="float32",
+    enforce_eager=True,
+    max_num_batched_tokens=128,
+    max_num_seqs=4,
+)
+STAGES = [
+    "stage 0: layers 0..3, captures vLLM aux ids [1, 2, 3]",
+    "stage 1: layers 4..7, captures vLLM aux ids [4, 5, 6, 7, 8]",
+]
+
+
+@pytest.fixture(scope="module")
+def cpu_binding():
+    """vLLM's CPU workers each bind to a NUMA node; on a one-node machine they are told which cores."""
+    before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1" if (os.cpu_count() or 1) >= 2 else "0|0"
+    yield
+    if before is None:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
+    else:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(LENGTHS, seed=11)
+
+
+def regenerate(gen, prompts) -> dict:
+    """Greedy generating requests (16 new tokens): {prompt: (generated ids, states)}."""
+    generation, out = Generation(16, stop_token_ids=frozenset({2})), {}
+    for key, _ids, states in gen.engine.stream((i, p, generation) for i, p in enumerate(prompts)):
+        out[key] = (gen.engine.generated.pop(key).token_ids, states)
+    return out
+
+
+def run(model_dir, prompts, **engine) -> dict:
+    """States (prefill and greedy generating), vLLM's logits judged, and the engine's set-up, of one engine."""
+    with VllmHiddenStatesGenerator(model_dir, **{**ENGINE, **engine}) as gen:
+        states = [r["hidden_states"] for r in gen.generate(prompts)]
+        checker = LogitChecker(model_dir, gen.engine.dtype, NUM_LAYERS - 1)
+        for key, ids, layers in gen.engine.stream(enumerate(prompts), prompt_logprobs=lambda _: True):
+            checker.add(key, torch.tensor(ids), layers, gen.engine.prompt_logprobs.pop(key))
+        return {
+            "states": states,
+            "regenerated": regenerate(gen, prompts),
+            "logit_check": checker.result,
+            "info": gen.engine.capture_info,
+            "stages": gen.engine.stage_lines,
+            "depth": gen.engine.depth,
+            "slots": gen.engine.ring.spec.slots,
+        }
+
+
+@pytest.fixture(scope="module")
+def llama_pp1(model_dir, prompts):
+    return run(model_dir, prompts)
+
+
+@pytest.fixture(scope="module")
+def llama_pp2(model_dir, prompts, cpu_binding):
+    return run(model_dir, prompts, pipeline_parallel_size=2, executor="mp")
+
+
+def bit_identical(a: list, b: list) -> bool:
+    return all(torch.equal(x, y) for sa, sb in zip(a, b, strict=True) for x, y in zip(sa, sb, strict=True))
+
+
+def test_pp2_states_equal_pp1_bit_for_bit(llama_pp1, llama_pp2, model_dir, prompts):
+    """Llama under PP 2 (async scheduling, two steps in flight): every layer equals PP 1 bit for bit, and transformers."""
+    assert bit_identical(llama_pp1["states"], llama_pp2["states"])
+    results = [{"hidden_states": s} for s in llama_pp2["states"]]
+    assert max_abs_error(results, hf_layer_outputs(model_dir, prompts), ENGINE["layer_ids"]) < TOLERANCE
+
+
+def test_each_stage_captures_its_own_layers(llama_pp2):
+    """Stage 0 taps layers 1..3's inputs, stage 1 the rest (the boundary id 4 there) and the final norm's; all taps."""
+    assert llama_pp2["stages"] == STAGES
+    info = llama_pp2["info"]
+    assert [i["stage_ids"] for i in info] == [[1, 2, 3], [4, 5, 6, 7, 8]]
+    assert [i["builtin_ids"] for i in info] == [[], []]  # vLLM's built-in ids are stage-relative under PP
+    assert [i["ring"] for i in info] == [True, True]  # each stage writes its rows of the one ring
+    assert [i["stage_fix_prompt_rows"] for i in info] == [True, False]  # vLLM 0.16's bug: the non-last stage
+    assert (llama_pp2["depth"], llama_pp2["slots"]) == (2, 3)
+
+
+def test_logit_check_passes_on_the_last_stage(llama_pp2, prompts):
+    """The captured last layer through the final norm and lm_head matches vLLM's logits from the last stage."""
+    result = llama_pp2["logit_check"]
+    assert result.ok and result.samples == len(prompts), result.line()
+
+
+def test_regenerate_under_pp2_equals_pp1(llama_pp1, llama_pp2):
+    """Greedy generating requests under PP 2: PP 1's tokens, and their decode-time states bit for bit."""
+    ours, theirs = llama_pp2["regenerated"], llama_pp1["regenerated"]
+    assert {k: v[0] for k, v in ours.items()} == {k: v[0] for k, v in theirs.items()}
+    assert bit_identical([ours[k][1] for k in sorted(ours)], [theirs[k][1] for k in sorted(theirs)])
+
+
+def test_sync_scheduling_pp2_equals_pp1(llama_pp1, model_dir, prompts, cpu_binding):
+    """PP 2 without async scheduling (two steps in flight still, one per stage): bit for bit, no workaround needed."""
+    sync = run(model_dir, prompts, pipeline_parallel_size=2, executor="mp", async_scheduling=False)
+    assert (sync["depth"], sync["slots"]) == (2, 3)
+    assert [i["stage_fix_prompt_rows"] for i in sync["info"]] == [False, False]
+    assert bit_identical(llama_pp1["states"], sync["states"])
+
+
+def test_deepseek_v3_pp2_equals_pp1(tiny_model, prompts, cpu_binding):
+    """DeepSeek-V3 (taps on every stage: MoE, dense first layer, MLA) under PP 2 equals PP 1 bit for bit."""
+    model_dir = tiny_model("deepseek_v3")
+    pp1 = run(model_dir, prompts)
+    pp2 = run(model_dir, prompts, pipeline_parallel_size=2, executor="mp")
+    assert pp2["stages"] == STAGES
+    assert pp2["logit_check"].ok, pp2["logit_check"].line()
+    assert bit_identical(pp1["states"], pp2["states"])
+    assert {k: v[0] for k, v in pp1["regenerated"].items()} == {k: v[0] for k, v in pp2["regenerated"].items()}
