@@ -289,8 +289,8 @@ def test_a_deepseek_tap_planted_one_layer_off_lands_outside_the_bounds(stand_ins
     """Planted fault, eager: each tap one layer late (the last on the final norm's input) fails the row judgement."""
     real = worker_capture.install_aux_outputs
 
-    def one_layer_late(model, vllm_ids, mode="auto", *, check):
-        return real(model, [k + 1 for k in vllm_ids], mode, check=check)
+    def one_layer_late(model, vllm_ids, mode="auto", *, check, stage=None):
+        return real(model, [k + 1 for k in vllm_ids], mode, check=check, stage=stage)
 
     monkeypatch.setattr(worker_capture, "install_aux_outputs", one_layer_late)
     planted = [0, 1, 2]  # vLLM aux ids 1..3 become 2..4: layer L+1's input for L, the last the final norm's

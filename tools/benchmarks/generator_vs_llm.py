@@ -8,13 +8,18 @@ peak RSS at N and 4N prompts (streamed, results dropped as a writer would).
 
 Modes: ``async`` (uniprocess executor, stream()), ``generate`` (the same
 through upstream's generate()), ``sync`` (async scheduling off), ``mp``
-(multiprocess executor, TP=1), ``tp2`` (multiprocess, TP=2), ``llm``.
+(multiprocess executor, TP=1), ``tp2`` (multiprocess, TP=2), ``pp2``
+(multiprocess, pipeline parallel 2: each stage captures its own layers),
+``llm``, ``llm-pp2`` (LLM.generate under PP 2). With ``pp2`` the script also
+prints the ring's bytes per stage (each stage writes its layers' rows of a slot).
+``--pipeline`` measures pp2 against mp and llm-pp2 (its page: pipeline_parallel.md).
 ``--shape wide`` is a wide, thin Llama (hidden 7168, 4 layers, 2 heads of 64,
 MLP 64) on which moving the states weighs more than computing them.
 
     python tools/benchmarks/generator_vs_llm.py [--prompts 64] [--length 256] [--rounds 2] [--eager]
     python tools/benchmarks/generator_vs_llm.py --shape wide --length 512 --batched-tokens 2048 \
         --modes async mp tp2 llm
+    python tools/benchmarks/generator_vs_llm.py --pipeline [--eager] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -57,8 +62,29 @@ LABELS = {
     "sync": "generator, sync scheduling",
     "mp": "generator, multiprocess TP=1",
     "tp2": "generator, multiprocess TP=2",
+    "pp2": "generator, multiprocess PP=2",
     "llm": "LLM.generate(max_tokens=1)",
+    "llm-pp2": "LLM.generate(max_tokens=1), PP=2",
 }
+PIPELINE_MODES = ["mp", "pp2", "llm-pp2"]
+
+
+def bind_two_workers() -> None:
+    """vLLM's CPU workers of a two-worker engine bound to the cores of one NUMA node."""
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1" if (os.cpu_count() or 1) >= 2 else "0|0")
+
+
+def ring_per_stage(engine) -> dict:
+    """The ring's bytes, and each stage's share of a slot (the rows of its layers)."""
+    spec = engine.ring.spec
+    stages = {info["stage"]: info["stage_rows"] for info in engine.capture_info}
+    return {
+        "ring": spec.describe(),
+        "stages": {
+            s: [rows[1] - rows[0], spec.slot_bytes * (rows[1] - rows[0]) // spec.num_ids] for s, rows in stages.items()
+        },
+        "layers": spec.num_ids,
+    }
 
 
 def measure(args: dict) -> dict:
@@ -73,9 +99,14 @@ def measure(args: dict) -> dict:
         max_num_batched_tokens=args["batched_tokens"],
     )
     mode = args["mode"]
-    if mode == "llm":
+    ring = None
+    if mode in ("pp2", "llm-pp2"):
+        bind_two_workers()
+    if mode in ("llm", "llm-pp2"):
         from vllm import LLM, SamplingParams  # noqa: PLC0415 - each mode's child imports what it measures
 
+        if mode == "llm-pp2":
+            engine.update(pipeline_parallel_size=2, distributed_executor_backend="mp")
         llm = LLM(model=args["model"], enable_prefix_caching=False, **engine)
         params = SamplingParams(max_tokens=1, temperature=0.0)
         as_prompts = [{"prompt_token_ids": p} for p in batch]
@@ -88,15 +119,18 @@ def measure(args: dict) -> dict:
         )
 
         if mode == "tp2":
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1" if (os.cpu_count() or 1) >= 2 else "0|0")
+            bind_two_workers()
         gen = VllmHiddenStatesGenerator(
             args["model"],
             layer_ids=args["layer_ids"],
             async_scheduling=mode != "sync",
-            executor="mp" if mode in ("mp", "tp2") else "uni",
+            executor="mp" if mode in ("mp", "tp2", "pp2") else "uni",
             tensor_parallel_size=2 if mode == "tp2" else 1,
+            pipeline_parallel_size=2 if mode == "pp2" else 1,
             **engine,
         )
+        if mode == "pp2":
+            ring = ring_per_stage(gen.engine)
         gen.generate(warm)
         start = time.perf_counter()
         if mode == "generate":
@@ -105,7 +139,7 @@ def measure(args: dict) -> dict:
             for _ in gen.stream(batch):  # dropped, as a writer would after saving
                 pass
     seconds = time.perf_counter() - start
-    return {"tokens_per_s": len(batch) * args["length"] / seconds, "peak_rss_mib": peak_rss_mib()}
+    return {"tokens_per_s": len(batch) * args["length"] / seconds, "peak_rss_mib": peak_rss_mib(), "ring": ring}
 
 
 def main() -> None:
@@ -116,6 +150,9 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="eager engines (default: compiled)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="base")
     ap.add_argument("--modes", nargs="+", choices=sorted(LABELS), default=["async", "generate", "sync", "llm"])
+    ap.add_argument(
+        "--pipeline", action="store_true", help=f"modes {' '.join(PIPELINE_MODES)}; page pipeline_parallel.md"
+    )
     ap.add_argument("--batched-tokens", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--rss", action="store_true", help="also peak RSS at N and 4N prompts")
@@ -139,17 +176,40 @@ def main() -> None:
         batched_tokens=opts.batched_tokens,
         layer_ids=capture,
     )
-    runs = [(mode, None) for mode in opts.modes]
+    modes = PIPELINE_MODES if opts.pipeline else opts.modes
+    runs = [(mode, None) for mode in modes]
     if opts.before:
         runs += [(mode, opts.before) for mode in opts.modes if mode != "llm"]
     rates: dict[str, list[float]] = {}
+    ring = None
     for _ in range(opts.rounds):
         for mode, code in runs:
             key = mode if code is None else f"{mode} (before)"
             got = child(__file__, {**base, "mode": mode, "prompts": opts.prompts}, code_from=code)
             rates.setdefault(key, []).append(got["tokens_per_s"])
+            ring = got.get("ring") or ring
     med = {k: statistics.median(v) for k, v in rates.items()}
     shape_text = {k: v for k, v in SHAPES[opts.shape].items() if k != "capture"}
+    if opts.pipeline:
+        with recording(__file__, "Pipeline parallelism 2 against 1 on the CPU engine, and vLLM's own loop at PP 2",
+                       page="pipeline_parallel"):  # fmt: skip
+            print(
+                f"{opts.shape} model ({shape_text}), {opts.prompts} prompts x {opts.length} tokens, "
+                f"{'eager' if opts.eager else 'compiled'} engines, max_num_batched_tokens {opts.batched_tokens}, "
+                f"layers {base['layer_ids']}, {opts.rounds} round(s) interleaved, medians"
+            )
+            for key in rates:
+                runs_text = ", ".join(f"{r:,.0f}" for r in rates[key])
+                print(f"  {LABELS[key]:39} {med[key]:10,.0f} tokens/s   (runs: {runs_text})")
+            print(f"  ratio pp2 / mp (PP 2 vs PP 1, both multiprocess)  {med['pp2'] / med['mp']:.2f}x")
+            print(f"  ratio pp2 / llm-pp2 (ours vs vLLM's loop at PP 2)  {med['pp2'] / med['llm-pp2']:.2f}x")
+            if ring is not None:
+                print(f"  ring at PP 2: {ring['ring']}")
+                for stage, (layers, nbytes) in sorted(ring["stages"].items()):
+                    print(
+                        f"    stage {stage} writes {layers} of {ring['layers']} layers: {nbytes / 2**20:,.1f} MiB a slot"
+                    )
+        return
     with recording(__file__):
         print(
             f"{opts.shape} model ({shape_text}), {opts.prompts} prompts x {opts.length} tokens, "
