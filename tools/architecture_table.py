@@ -22,6 +22,8 @@ RESULTS = ROOT / "build" / "test-results" / "architectures.json"
 GPU_RESULTS = ROOT / "docs" / "benchmarks" / "gpu_tier.json"
 PAGE = ROOT / "docs" / "architectures.md"
 BEGIN, END = "<!-- architectures:begin -->", "<!-- architectures:end -->"
+#: The families run under pipeline parallelism (results recorded with ``device`` ``cpu-pp-<layout>``).
+PP_BEGIN, PP_END = "<!-- pipeline:begin -->", "<!-- pipeline:end -->"
 
 #: Families no engine here runs, and why (kept by hand: there is no measurement to generate them from).
 NOT_RUN = {
@@ -128,6 +130,23 @@ def rows(results: dict, gpu: dict | None = None) -> list[str]:
     return lines
 
 
+def pipeline_rows(results: dict) -> list[str]:
+    """One row per family and pipeline layout run (``device`` ``cpu-pp-...``): states against PP 1 of the same data."""
+    lines = [
+        "| architecture | vLLM class | aux source under PP | layout | max abs difference vs PP 1 (fp32) | note |",
+        "|---|---|---|---|---|---|",
+    ]
+    runs = [r for r in results.values() if r.get("device", "cpu").startswith("cpu-pp")]
+    for r in sorted(runs, key=lambda r: (r["name"].lower(), r["device"])):
+        err = f"{r['max_abs_error']:.1e}" if r["max_abs_error"] is not None else "-"
+        lines.append(_row(r["name"], f"`{r['model_class']}`", r["aux_source"], r["tested"], err, r["note"]))
+    return lines
+
+
+def _replace_block(text: str, begin: str, end: str, lines: list[str]) -> str:
+    return text[: text.index(begin)] + "\n".join([begin, *lines, end]) + text[text.index(end) + len(end) :]
+
+
 def _name(line: str) -> str:
     return line.split("|")[1].strip()
 
@@ -159,8 +178,11 @@ def main() -> int:
     if BEGIN not in text or END not in text:
         print(f"{PAGE} has no {BEGIN} ... {END} markers", file=sys.stderr)
         return 2
-    table = "\n".join([BEGIN, *keep_unmeasured(rows(json.loads(RESULTS.read_text()), gpu), text), END])
+    results = json.loads(RESULTS.read_text())
+    table = "\n".join([BEGIN, *keep_unmeasured(rows(results, gpu), text), END])
     new = text[: text.index(BEGIN)] + table + text[text.index(END) + len(END) :]
+    if PP_BEGIN in new and PP_END in new and len(pipeline_rows(results)) > 2:  # a run with the PP tests in it
+        new = _replace_block(new, PP_BEGIN, PP_END, pipeline_rows(results))
     if args.check:
         return 0 if new == text else 1
     PAGE.write_text(new)

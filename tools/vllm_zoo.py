@@ -433,9 +433,9 @@ def classify(zoo: Zoo) -> list[LayerClass]:
         "placeholder (identity)",
         [],
         "placeholder",
-        "refused",
-        "stands in for the layers of other pipeline stages; the capture needs every layer in one process and "
-        "refuses pipeline parallelism (use tensor parallelism)",
+        "n/a",
+        "stands in for the layers of other pipeline stages and is never called: each stage proves and taps the "
+        "layers it holds (docs/pipeline-parallel.md)",
     )
     return sorted(rows.values(), key=lambda r: r.name.lower())
 

@@ -155,6 +155,12 @@ class CaptureEngine:
         if use_async and config.parallel_config.distributed_executor_backend == "ray":
             logger.warning("vLLM 0.16's Ray executor does not support async scheduling: running sync")
             use_async = False
+        if use_async and s.pipeline_parallel_size > 1 and not s.pipeline_async_scheduling:
+            # vLLM 0.16's async PP broadcasts each step's sampled tokens from the last stage to the first in
+            # sample_tokens, so the first stage starts step k+1 only after the last finished step k; sync
+            # keeps one batch per stage in flight (docs/pipeline-parallel.md; --pipeline-async-scheduling).
+            logger.info("pipeline parallelism: async scheduling off, one batch per stage in flight")
+            use_async = False
         # vLLM's CPU platform turns async scheduling off in its config hook; we
         # own the loop (and the CPU output shim), so we set it back, before the
         # executor exists and the workers receive the config.

@@ -23,6 +23,10 @@ Two sources, combined in ascending id order:
   (so model-specific steps such as embedding scaling are kept); only the
   outermost model's class is swapped for a subclass whose ``forward`` returns
   ``(hidden, aux)`` as vLLM's runner expects when ``use_aux_hidden_state_outputs`` is on.
+
+Under pipeline parallelism a process holds one stage's layers: only that
+stage's ids are proven and tapped there, all as taps
+(:mod:`~speculators_v016.worker.pipeline_stage`).
 """
 
 from __future__ import annotations

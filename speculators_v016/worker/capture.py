@@ -40,6 +40,12 @@ capture holds (staging buffers, the ring's pinned registration); the engine's
 executor calls it before vLLM shuts down, a re-attach calls it first, and the
 ring's finalizer unregisters on any other exit path.
 
+Under pipeline parallelism (:mod:`~speculators_v016.worker.pipeline_stage`) TP
+rank 0 of every stage captures: its stage's layers only, into their rows of
+the slot (:class:`StageShare`), each reply naming the rows it filled; a stage
+before the last reads the aux list its forward returned, which vLLM's runner
+does not keep there.
+
 With FP8 storage (``--hidden-states-dtype fp8_e4m3``) each layer's rows are
 quantized here (:mod:`speculators_v016.fp8`: e4m3 codes, one float32 scale
 per row) before they leave the device, and the slot holds codes and scales:

@@ -8,13 +8,18 @@ stage 1 from what its first layer receives.
 
 import os
 import re
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
+from speculators.train.data import Eagle3SampleFileDataset
 
-from helpers.cli import conversations, invoke, load_all, write_jsonl
+from helpers.cli import CPU, conversations, invoke, load_all, write_jsonl
 from helpers.reference import TOLERANCE
 from speculators_v016 import fp8
+from speculators_v016.online import OnlineSampleDataset
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.sample_format import load_sample
 from speculators_v016.testing.faults import VARIABLE as FAULT
@@ -50,7 +55,10 @@ def parallel(model, data, out, pp, tp=1, env=None, *extra, checked=COUNT):
         env={**bind(pp * tp), **(env or {})},
     )  # fmt: skip
     assert result.exit_code == 0, result.output[-3000:]
-    assert f"TP {tp} x PP {pp}, mp executor" in result.output
+    assert (
+        f"TP {tp} x PP {pp}, mp executor, async scheduling {'on' if '--pipeline-async-scheduling' in extra else 'OFF'}"
+        in result.output
+    )
     assert re.search(rf"logit check: ok \({checked} samples", result.output), result.output[-2000:]
     assert f"verify:     ok ({COUNT} samples" in result.output
     return load_all(out)
@@ -68,11 +76,16 @@ def differences(a: dict, b: dict) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def llama_pp1(tmp_path_factory, model_dir, data_file):
+def llama_pp1_dir(tmp_path_factory, model_dir, data_file):
     out = tmp_path_factory.mktemp("llama-pp1") / "out"
     result = generate(model_dir, data_file, out)
     assert result.exit_code == 0, result.output[-3000:]
-    return load_all(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_pp1(llama_pp1_dir):
+    return load_all(llama_pp1_dir)
 
 
 @pytest.fixture(scope="module")
@@ -84,26 +97,35 @@ def deepseek_pp1(tmp_path_factory, tiny_model, data_file):
 
 
 def test_pp2_files_equal_pp1_bit_for_bit(llama_pp1, model_dir, data_file, tmp_path):
-    """Llama, PP 2 (async, stages 0..3 and 4..7): logit check and verify pass, every layer equals PP 1 bit for bit."""
+    """Llama, PP 2 (stages 0..3 and 4..7): logit check and verify pass, every layer equals PP 1 bit for bit."""
     assert differences(llama_pp1, parallel(model_dir, data_file, tmp_path / "out", 2)) == [0.0] * len(LAYERS)
 
 
-def test_an_uneven_split_equals_pp1(llama_pp1, model_dir, data_file, tmp_path):
-    """VLLM_PP_LAYER_PARTITION=3,5: each stage's first and last layer, and the boundary at 3, equal PP 1 bit for bit."""
-    pp2 = parallel(model_dir, data_file, tmp_path / "out", 2, env={"VLLM_PP_LAYER_PARTITION": "3,5"})
+def test_an_uneven_split_with_async_scheduling_equals_pp1(llama_pp1, model_dir, data_file, tmp_path):
+    """VLLM_PP_LAYER_PARTITION=3,5 with --pipeline-async-scheduling: each stage's first and last layer, the boundary
+    at 3, equal PP 1 bit for bit (vLLM 0.16's lost prompt rows worked around)."""
+    pp2 = parallel(
+        model_dir, data_file, tmp_path / "out", 2, 1, {"VLLM_PP_LAYER_PARTITION": "3,5"}, "--pipeline-async-scheduling"
+    )
     assert differences(llama_pp1, pp2) == [0.0] * len(LAYERS)
 
 
-def test_tp2_pp2_files_equal_pp1(llama_pp1, model_dir, data_file, tmp_path):
+def test_tp2_pp2_files_equal_pp1(llama_pp1, model_dir, data_file, tmp_path, record_architecture):
     """Llama, TP 2 x PP 2 (four workers): within fp32's reduction-order bound of PP 1, every layer."""
-    assert max(differences(llama_pp1, parallel(model_dir, data_file, tmp_path / "out", 2, 2))) < TOLERANCE
+    worst = max(differences(llama_pp1, parallel(model_dir, data_file, tmp_path / "out", 2, 2)))
+    record_architecture("llama", "LlamaForCausalLM", "taps (built-in at PP 1)", "TP 2 x PP 2 (CLI)", worst,
+                        TOLERANCE, "four workers; logit check and verify ok", device="cpu-pp-tp2pp2")  # fmt: skip
+    assert worst < TOLERANCE
 
 
-def test_deepseek_v3_pp2_and_tp2_pp2_equal_pp1(deepseek_pp1, tiny_model, data_file, tmp_path):
+def test_deepseek_v3_pp2_and_tp2_pp2_equal_pp1(deepseek_pp1, tiny_model, data_file, tmp_path, record_architecture):
     """DeepSeek-V3 (taps, MoE): PP 2 bit for bit, TP 2 x PP 2 within the bound; logit check and verify pass."""
     model = tiny_model("deepseek_v3")
     assert differences(deepseek_pp1, parallel(model, data_file, tmp_path / "pp2", 2)) == [0.0] * len(LAYERS)
-    assert max(differences(deepseek_pp1, parallel(model, data_file, tmp_path / "tp2pp2", 2, 2))) < TOLERANCE
+    worst = max(differences(deepseek_pp1, parallel(model, data_file, tmp_path / "tp2pp2", 2, 2)))
+    record_architecture("deepseek_v3", "DeepseekV3ForCausalLM", "taps", "TP 2 x PP 2 (CLI)", worst, TOLERANCE,
+                        "four workers; logit check and verify ok", device="cpu-pp-tp2pp2")  # fmt: skip
+    assert worst < TOLERANCE
 
 
 def test_a_planted_stage_boundary_off_by_one_is_found(llama_pp1, model_dir, data_file, tmp_path):
@@ -131,8 +153,8 @@ def test_a_planted_stage_boundary_off_by_one_is_found(llama_pp1, model_dir, data
 def test_vllm_loses_prompt_rows_without_the_workaround(llama_pp1, model_dir, data_file, tmp_path):
     """vLLM 0.16's own PP + async + chunked prefill (our workaround left out): prompts' later chunks go wrong."""
     result = generate(
-        model_dir, data_file, tmp_path / "out", "--pipeline-parallel-size", 2, "--logit-check-samples", 0,
-        env={**bind(2), FAULT: "vllm-prompt-rows"},
+        model_dir, data_file, tmp_path / "out", "--pipeline-parallel-size", 2, "--pipeline-async-scheduling",
+        "--logit-check-samples", 0, env={**bind(2), FAULT: "vllm-prompt-rows"},
     )  # fmt: skip
     assert result.exit_code == 0, result.output[-3000:]
     assert min(differences(llama_pp1, load_all(tmp_path / "out"))) > 0.1  # every layer, not rounding
@@ -154,3 +176,36 @@ def test_fp8_storage_and_resume_after_sigkill_under_pp2(llama_pp1, model_dir, da
             assert torch.equal(stored.codes.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(
                 stored.scales, scales
             )
+
+
+def test_serve_under_pp2_gives_pp1s_states(llama_pp1_dir, model_dir, data_file, tmp_path):
+    """`serve --pipeline-parallel-size 2`: every served item equals upstream's item of PP 1's offline file (ids and
+    masks exactly, states within fp32's batch-composition bound: a service batches requests as they come)."""
+    cmd = [sys.executable, "-m", "speculators_v016.run.cli", "serve", "--target-model-path", model_dir,
+           "--serve-dir", tmp_path / "states", "--port", 0, "--seq-length", 256, "--enforce-eager",
+           "--dtype", "float32", "--layer-ids", " ".join(map(str, LAYERS)), "--max-num-batched-tokens", 128,
+           "--max-num-seqs", 4, "--pipeline-parallel-size", 2, "--train-data-path", data_file]  # fmt: skip
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **CPU, **bind(2)})  # fmt: skip
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("serving "):
+                break
+        url = re.search(r" at (http://[\d.]+:\d+): ", lines[-1])
+        assert url, "".join(lines)
+        online = OnlineSampleDataset(url.group(1), max_len=256, hidden_states_dtype=torch.float32)
+        files = [str(llama_pp1_dir / e.file) for _, e in sorted(Manifest(llama_pp1_dir).entries().items())]
+        offline = Eagle3SampleFileDataset(max_len=256, file_list=files, hidden_states_dtype=torch.float32)
+        for i in range(COUNT):
+            a, b = online[i], offline[i]
+            assert sorted(a) == sorted(b)
+            for key in a:
+                if a[key].is_floating_point():
+                    assert (a[key] - b[key]).abs().max().item() < TOLERANCE, f"sample {i}: {key}"
+                else:
+                    assert torch.equal(a[key], b[key]), f"sample {i}: {key}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)

@@ -2,7 +2,8 @@
 
 Prompts of 9 to 300 tokens with 128 tokens a step: chunked prefills, and requests finishing while others
 are in the middle of theirs (the case vLLM 0.16 gets wrong on a first stage with async scheduling,
-worker/pipeline_stage.py). Same data, same batches: PP 2 equals PP 1 bit for bit, every layer.
+worker/pipeline_stage.py). Same data, same batches: PP 2 equals PP 1 bit for bit, every layer, with the
+engine's default under PP (sync scheduling, one batch per stage in flight) and with async scheduling kept.
 """
 
 import os
@@ -87,21 +88,30 @@ def bit_identical(a: list, b: list) -> bool:
     return all(torch.equal(x, y) for sa, sb in zip(a, b, strict=True) for x, y in zip(sa, sb, strict=True))
 
 
-def test_pp2_states_equal_pp1_bit_for_bit(llama_pp1, llama_pp2, model_dir, prompts):
-    """Llama under PP 2 (async scheduling, two steps in flight): every layer equals PP 1 bit for bit, and transformers."""
+def worst(a: list, b: list) -> float:
+    return max((x - y).abs().max().item() for sa, sb in zip(a, b, strict=True) for x, y in zip(sa, sb, strict=True))
+
+
+def test_pp2_states_equal_pp1_bit_for_bit(llama_pp1, llama_pp2, model_dir, prompts, record_architecture):
+    """Llama under PP 2 (one batch per stage in flight): every layer equals PP 1 bit for bit, and transformers."""
+    record_architecture("llama", "LlamaForCausalLM", "taps (built-in at PP 1)", "PP 2", worst(llama_pp1["states"],
+                        llama_pp2["states"]), 0.0, "stages 0..3 and 4..7; also split 3 + 5 and async kept (CLI)",
+                        device="cpu-pp-pp2")  # fmt: skip
     assert bit_identical(llama_pp1["states"], llama_pp2["states"])
     results = [{"hidden_states": s} for s in llama_pp2["states"]]
     assert max_abs_error(results, hf_layer_outputs(model_dir, prompts), ENGINE["layer_ids"]) < TOLERANCE
 
 
 def test_each_stage_captures_its_own_layers(llama_pp2):
-    """Stage 0 taps layers 1..3's inputs, stage 1 the rest (the boundary id 4 there) and the final norm's; all taps."""
+    """Stage 0 taps layers 1..3's inputs, stage 1 the rest (the boundary id 4 there) and the final norm's; all taps;
+    sync scheduling with one batch per stage in flight."""
     assert llama_pp2["stages"] == STAGES
     info = llama_pp2["info"]
     assert [i["stage_ids"] for i in info] == [[1, 2, 3], [4, 5, 6, 7, 8]]
     assert [i["builtin_ids"] for i in info] == [[], []]  # vLLM's built-in ids are stage-relative under PP
     assert [i["ring"] for i in info] == [True, True]  # each stage writes its rows of the one ring
-    assert [i["stage_fix_prompt_rows"] for i in info] == [True, False]  # vLLM 0.16's bug: the non-last stage
+    assert [i["async_scheduling"] for i in info] == [False, False]
+    assert [i["stage_fix_prompt_rows"] for i in info] == [False, False]  # vLLM 0.16's bug needs async scheduling
     assert (llama_pp2["depth"], llama_pp2["slots"]) == (2, 3)
 
 
@@ -118,19 +128,24 @@ def test_regenerate_under_pp2_equals_pp1(llama_pp1, llama_pp2):
     assert bit_identical([ours[k][1] for k in sorted(ours)], [theirs[k][1] for k in sorted(theirs)])
 
 
-def test_sync_scheduling_pp2_equals_pp1(llama_pp1, model_dir, prompts, cpu_binding):
-    """PP 2 without async scheduling (two steps in flight still, one per stage): bit for bit, no workaround needed."""
-    sync = run(model_dir, prompts, pipeline_parallel_size=2, executor="mp", async_scheduling=False)
-    assert (sync["depth"], sync["slots"]) == (2, 3)
-    assert [i["stage_fix_prompt_rows"] for i in sync["info"]] == [False, False]
-    assert bit_identical(llama_pp1["states"], sync["states"])
+def test_async_scheduling_kept_under_pp2_equals_pp1(llama_pp1, model_dir, prompts, cpu_binding):
+    """PP 2 with async scheduling kept (--pipeline-async-scheduling): the first stage's lost prompt rows are
+    kept (vLLM 0.16's bug), and every layer equals PP 1 bit for bit, prefill and generating."""
+    kept = run(model_dir, prompts, pipeline_parallel_size=2, executor="mp", pipeline_async_scheduling=True)
+    assert [i["async_scheduling"] for i in kept["info"]] == [True, True]
+    assert [i["stage_fix_prompt_rows"] for i in kept["info"]] == [True, False]  # on the non-last stage
+    assert (kept["depth"], kept["slots"]) == (2, 3)
+    assert bit_identical(llama_pp1["states"], kept["states"])
+    assert {k: v[0] for k, v in kept["regenerated"].items()} == {k: v[0] for k, v in llama_pp1["regenerated"].items()}
 
 
-def test_deepseek_v3_pp2_equals_pp1(tiny_model, prompts, cpu_binding):
+def test_deepseek_v3_pp2_equals_pp1(tiny_model, prompts, cpu_binding, record_architecture):
     """DeepSeek-V3 (taps on every stage: MoE, dense first layer, MLA) under PP 2 equals PP 1 bit for bit."""
     model_dir = tiny_model("deepseek_v3")
     pp1 = run(model_dir, prompts)
     pp2 = run(model_dir, prompts, pipeline_parallel_size=2, executor="mp")
+    record_architecture("deepseek_v3", "DeepseekV3ForCausalLM", "taps", "PP 2", worst(pp1["states"], pp2["states"]),
+                        0.0, "stages 0..3 and 4..7 (MoE from layer 1; MLA off on CPU)", device="cpu-pp-pp2")  # fmt: skip
     assert pp2["stages"] == STAGES
     assert pp2["logit_check"].ok, pp2["logit_check"].line()
     assert bit_identical(pp1["states"], pp2["states"])

@@ -46,7 +46,9 @@ from helpers.gpu import engine_args, save_figures, vllm_loop, vllm_on_cuda
 from helpers.reference import hf_layer_outputs, random_prompts
 from speculators_v016.checks.fidelity import FLIPPED_ROWS, ROW_BOUNDS, row_errors
 from speculators_v016.checks.logit_check import LogitChecker
+from speculators_v016.engine import core as engine_core
 from speculators_v016.engine.generation import Generation
+from speculators_v016.engine.stages import StagePlanError
 from speculators_v016.generator import VllmHiddenStatesGenerator
 from speculators_v016.testing import mla_ops, moe_ops
 from speculators_v016.worker import capture as worker_capture
@@ -286,7 +288,8 @@ def test_greedy_is_vllms_loop_and_decode_states_equal_a_prefill(family, stand_in
 
 
 def test_a_deepseek_tap_planted_one_layer_off_lands_outside_the_bounds(stand_ins, tiny_models, references, monkeypatch):
-    """Planted fault, eager: each tap one layer late (the last on the final norm's input) fails the row judgement."""
+    """Planted fault, eager: each tap one layer late (the last on the final norm's input) is refused at start-up by
+    the layer plan's check (the workers report ids 2..4 for 1..3); past that check, it fails the row judgement."""
     real = worker_capture.install_aux_outputs
 
     def one_layer_late(model, vllm_ids, mode="auto", *, check, stage=None):
@@ -296,6 +299,9 @@ def test_a_deepseek_tap_planted_one_layer_off_lands_outside_the_bounds(stand_ins
     planted = [0, 1, 2]  # vLLM aux ids 1..3 become 2..4: layer L+1's input for L, the last the final norm's
     engine = dict(ENGINE, layer_ids=planted)
     args = family_engine_args(FAMILIES["deepseek_v3_mla"][1])
+    with pytest.raises(StagePlanError, match=r"capture vLLM aux ids \[2, 3, 4\], the layer plan asks for \[1, 2, 3\]"):
+        VllmHiddenStatesGenerator(tiny_models["deepseek_v3_mla"], enforce_eager=True, extra_engine_args=args, **engine)
+    monkeypatch.setattr(engine_core, "check_stage_plan", lambda *args: [])  # the start-up check bypassed
     with VllmHiddenStatesGenerator(tiny_models["deepseek_v3_mla"], enforce_eager=True, extra_engine_args=args,
                                    **engine) as gen:  # fmt: skip
         assert gen.engine.capture_info[0]["tap_ids"] == [2, 3, 4]  # the fault is in place

@@ -28,3 +28,15 @@ def test_a_row_this_run_did_not_measure_is_kept_and_a_measured_one_replaced():
     assert names[:3] == ["alpha", "llama", "zeta awq"] and names[3:] == sorted(table.NOT_RUN)
     assert "| new |" in new[3] and "avx512 only" in new[4]
     assert table.keep_unmeasured(new, "\n".join([table.BEGIN, *new, table.END])) == new
+
+
+def test_families_run_under_pipeline_parallelism_get_a_table_of_their_own():
+    """Results recorded as cpu-pp-* become the pipeline table's rows (one per layout), never rows of the main table."""
+    table = _table()
+    pp = dict(result("llama", "bit for bit"), device="cpu-pp-pp2", tested="PP 2", max_abs_error=0.0)
+    tp_pp = dict(result("llama", "reduction order"), device="cpu-pp-tp2pp2", tested="TP 2 x PP 2", max_abs_error=2e-6)
+    results = {"llama": result("llama", "fp32"), "llama@cpu-pp-pp2": pp, "llama@cpu-pp-tp2pp2": tp_pp}
+    lines = table.pipeline_rows(results)
+    assert [line.split("|")[4].strip() for line in lines[2:]] == ["PP 2", "TP 2 x PP 2"]
+    assert "| 0.0e+00 | bit for bit |" in lines[2] and "2.0e-06" in lines[3]
+    assert [table._name(line) for line in table.rows(results)[2:]] == ["llama"] + sorted(table.NOT_RUN)

@@ -26,6 +26,7 @@ def test_a_forked_choice_is_replaced_and_vllms_cached_environment_reset(monkeypa
     """VLLM_WORKER_MULTIPROC_METHOD=fork on a GPU engine: spawn, also where vLLM had cached its environment."""
     from vllm import envs  # noqa: PLC0415 - vLLM, as the engine imports it
 
+    envs.disable_envs_cache()  # an engine of an earlier test in this process may have cached another value
     monkeypatch.setenv(VARIABLE, "fork")
     envs.enable_envs_cache()
     try:

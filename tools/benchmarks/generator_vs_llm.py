@@ -9,7 +9,9 @@ peak RSS at N and 4N prompts (streamed, results dropped as a writer would).
 Modes: ``async`` (uniprocess executor, stream()), ``generate`` (the same
 through upstream's generate()), ``sync`` (async scheduling off), ``mp``
 (multiprocess executor, TP=1), ``tp2`` (multiprocess, TP=2), ``pp2``
-(multiprocess, pipeline parallel 2: each stage captures its own layers),
+(multiprocess, pipeline parallel 2: each stage captures its own layers; sync
+scheduling, the engine's choice under PP), ``pp2-async`` (the same with
+``pipeline_async_scheduling``),
 ``llm``, ``llm-pp2`` (LLM.generate under PP 2). With ``pp2`` the script also
 prints the ring's bytes per stage (each stage writes its layers' rows of a slot).
 ``--pipeline`` measures pp2 against mp and llm-pp2 (its page: pipeline_parallel.md).
@@ -63,10 +65,11 @@ LABELS = {
     "mp": "generator, multiprocess TP=1",
     "tp2": "generator, multiprocess TP=2",
     "pp2": "generator, multiprocess PP=2",
+    "pp2-async": "generator, multiprocess PP=2, async",
     "llm": "LLM.generate(max_tokens=1)",
     "llm-pp2": "LLM.generate(max_tokens=1), PP=2",
 }
-PIPELINE_MODES = ["mp", "pp2", "llm-pp2"]
+PIPELINE_MODES = ["mp", "pp2", "pp2-async", "llm-pp2"]
 
 
 def bind_two_workers() -> None:
@@ -100,7 +103,7 @@ def measure(args: dict) -> dict:
     )
     mode = args["mode"]
     ring = None
-    if mode in ("pp2", "llm-pp2"):
+    if mode in ("pp2", "pp2-async", "llm-pp2"):
         bind_two_workers()
     if mode in ("llm", "llm-pp2"):
         from vllm import LLM, SamplingParams  # noqa: PLC0415 - each mode's child imports what it measures
@@ -124,12 +127,13 @@ def measure(args: dict) -> dict:
             args["model"],
             layer_ids=args["layer_ids"],
             async_scheduling=mode != "sync",
-            executor="mp" if mode in ("mp", "tp2", "pp2") else "uni",
+            pipeline_async_scheduling=mode == "pp2-async",
+            executor="mp" if mode in ("mp", "tp2", "pp2", "pp2-async") else "uni",
             tensor_parallel_size=2 if mode == "tp2" else 1,
-            pipeline_parallel_size=2 if mode == "pp2" else 1,
+            pipeline_parallel_size=2 if mode.startswith("pp2") else 1,
             **engine,
         )
-        if mode == "pp2":
+        if mode.startswith("pp2"):
             ring = ring_per_stage(gen.engine)
         gen.generate(warm)
         start = time.perf_counter()
@@ -202,6 +206,7 @@ def main() -> None:
                 runs_text = ", ".join(f"{r:,.0f}" for r in rates[key])
                 print(f"  {LABELS[key]:39} {med[key]:10,.0f} tokens/s   (runs: {runs_text})")
             print(f"  ratio pp2 / mp (PP 2 vs PP 1, both multiprocess)  {med['pp2'] / med['mp']:.2f}x")
+            print(f"  ratio pp2-async / pp2 (async scheduling under PP)  {med['pp2-async'] / med['pp2']:.2f}x")
             print(f"  ratio pp2 / llm-pp2 (ours vs vLLM's loop at PP 2)  {med['pp2'] / med['llm-pp2']:.2f}x")
             if ring is not None:
                 print(f"  ring at PP 2: {ring['ring']}")
