@@ -14,7 +14,9 @@ scheduling, the engine's choice under PP), ``pp2-async`` (the same with
 ``pipeline_async_scheduling``),
 ``llm``, ``llm-pp2`` (LLM.generate under PP 2). With ``pp2`` the script also
 prints the ring's bytes per stage (each stage writes its layers' rows of a slot).
-``--pipeline`` measures pp2 against mp and llm-pp2 (its page: pipeline_parallel.md).
+``--pipeline`` measures pp2 against mp and llm-pp2 (its page: pipeline_parallel.md). vLLM 0.16's own
+``LLM`` at PP 2 on CPU leaves its CPU communicator's shared memory (``<port>-pp:0-[0-1]-cpushm_*``,
+4 MiB each) in /dev/shm even after its engine core is shut down; our engine's shutdown leaves nothing.
 ``--shape wide`` is a wide, thin Llama (hidden 7168, 4 layers, 2 heads of 64,
 MLP 64) on which moving the states weighs more than computing them.
 
@@ -143,7 +145,13 @@ def measure(args: dict) -> dict:
             for _ in gen.stream(batch):  # dropped, as a writer would after saving
                 pass
     seconds = time.perf_counter() - start
-    return {"tokens_per_s": len(batch) * args["length"] / seconds, "peak_rss_mib": peak_rss_mib(), "ring": ring}
+    rss = peak_rss_mib()
+    # shut the engine down: workers killed at exit leave vLLM's CPU shared memory (PP/TP groups) in /dev/shm
+    if mode in ("llm", "llm-pp2"):
+        llm.llm_engine.engine_core.shutdown()
+    else:
+        gen.shutdown()
+    return {"tokens_per_s": len(batch) * args["length"] / seconds, "peak_rss_mib": rss, "ring": ring}
 
 
 def main() -> None:
