@@ -11,20 +11,13 @@ import os
 import pytest
 import torch
 
-from helpers.reference import NUM_LAYERS, TOLERANCE, hf_layer_outputs, max_abs_error, random_prompts
+from helpers.reference import CHUNKED_ENGINE, NUM_LAYERS, TOLERANCE, hf_layer_outputs, max_abs_error, random_prompts
 from speculators_v016.checks.logit_check import LogitChecker
 from speculators_v016.engine.generation import Generation
 from speculators_v016.generator import VllmHiddenStatesGenerator
 
 LENGTHS = [50, 260, 9, 133, 70, 300, 12]
-ENGINE = dict(
-    layer_ids=list(range(NUM_LAYERS)),
-    max_model_len=512,
-    dtype="float32",
-    enforce_eager=True,
-    max_num_batched_tokens=128,
-    max_num_seqs=4,
-)
+ENGINE = CHUNKED_ENGINE
 STAGES = [
     "stage 0: layers 0..3, captures vLLM aux ids [1, 2, 3]",
     "stage 1: layers 4..7, captures vLLM aux ids [4, 5, 6, 7, 8]",

@@ -9,20 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.reference import NUM_LAYERS, TOLERANCE, random_prompts
+from helpers.reference import CHUNKED_ENGINE, NUM_LAYERS, TOLERANCE, random_prompts
 from speculators_v016.checks.logit_check import LogitChecker
 from speculators_v016.engine.generation import Generation
 from speculators_v016.generator import VllmHiddenStatesGenerator
 
 LENGTHS = [50, 260, 9, 133]
-ENGINE = dict(
-    layer_ids=list(range(NUM_LAYERS)),
-    max_model_len=512,
-    dtype="float32",
-    enforce_eager=True,
-    max_num_batched_tokens=128,
-    max_num_seqs=4,
-)
+ENGINE = CHUNKED_ENGINE
 
 
 @pytest.fixture

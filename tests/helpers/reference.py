@@ -8,6 +8,15 @@ from speculators_v016.checks.fidelity import reference_layer_outputs
 
 NUM_LAYERS = 8
 TOLERANCE = 1e-5  # fp32 max abs error against transformers
+#: Engines of the parallel tests (TP, PP): every layer, fp32, eager, 128 tokens a step (chunked prefills)
+CHUNKED_ENGINE = dict(
+    layer_ids=list(range(NUM_LAYERS)),
+    max_model_len=512,
+    dtype="float32",
+    enforce_eager=True,
+    max_num_batched_tokens=128,
+    max_num_seqs=4,
+)
 
 
 def random_prompts(lengths, vocab: int = 400, seed: int = 1) -> list[list[int]]:
