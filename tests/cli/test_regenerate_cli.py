@@ -221,15 +221,22 @@ def test_a_regenerating_run_in_the_default_dtype_checks_and_verifies(tmp_path, m
             )
 
 
-def test_a_regenerating_run_under_tensor_parallel_2_checks_and_verifies(tmp_path, model_dir):
-    """--regenerate with --tensor-parallel-size 2 (mp executor): the logit check on generated positions passes,
-    verify too, and the regenerated text names every turn."""
+@pytest.mark.parametrize(
+    "layout, named",
+    [
+        (("--tensor-parallel-size", 2, "--executor", "mp"), "TP 2, mp executor"),
+        (("--pipeline-parallel-size", 2), "TP 1 x PP 2, mp executor"),
+    ],
+    ids=["tp2", "pp2"],
+)
+def test_a_regenerating_run_under_tensor_or_pipeline_parallel_2_checks_and_verifies(tmp_path, model_dir, layout, named):
+    """--regenerate with --tensor-parallel-size 2 or --pipeline-parallel-size 2 (mp executor): the logit check on
+    generated positions passes, verify too, and the regenerated text names every turn."""
     chats_file = write_jsonl(tmp_path / "c.jsonl", chats(4))
-    tp2 = ("--tensor-parallel-size", 2, "--executor", "mp")
     binding = {"VLLM_CPU_OMP_THREADS_BIND": "0|1" if (os.cpu_count() or 1) >= 2 else "0|0"}  # one NUMA node
-    result = invoke(*args(model_dir, chats_file, tmp_path / "out", *tp2), env=binding)
+    result = invoke(*args(model_dir, chats_file, tmp_path / "out", *layout), env=binding)
     assert result.exit_code == 0, result.output
-    assert "TP 2, mp executor" in result.output and "logit check: ok" in result.output, result.output
+    assert named in result.output and "logit check: ok" in result.output, result.output
     assert "verify:     ok (6 samples" in result.output and "regenerated: 6 turns" in result.output
     rows = [json.loads(line) for line in (tmp_path / "out" / "regenerated.jsonl").read_text().splitlines()]
     assert sum(len([t for t in r["turns"] if t.get("finish_reason")]) for r in rows) == 6
