@@ -143,3 +143,14 @@ def test_deepseek_v3_pp2_equals_pp1(tiny_model, prompts, cpu_binding, record_arc
     assert pp2["logit_check"].ok, pp2["logit_check"].line()
     assert bit_identical(pp1["states"], pp2["states"])
     assert {k: v[0] for k, v in pp1["regenerated"].items()} == {k: v[0] for k, v in pp2["regenerated"].items()}
+
+
+def test_bf16_pp2_equals_pp1(model_dir, prompts, cpu_binding):
+    """What users run: bf16 (the CPU default's dtype), PP 2 against PP 1 on the same data, every layer bit for bit."""
+    bf16 = {**ENGINE, "dtype": "bfloat16"}
+    with VllmHiddenStatesGenerator(model_dir, **bf16) as gen:
+        pp1 = [r["hidden_states"] for r in gen.generate(prompts)]
+    with VllmHiddenStatesGenerator(model_dir, pipeline_parallel_size=2, executor="mp", **bf16) as gen:
+        assert gen.engine.dtype == torch.bfloat16
+        pp2 = [r["hidden_states"] for r in gen.generate(prompts)]
+    assert pp2[0][0].dtype == torch.bfloat16 and bit_identical(pp1, pp2)
