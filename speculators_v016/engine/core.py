@@ -60,6 +60,20 @@ class EngineDeadError(RuntimeError):
     """vLLM's executor failed (e.g. a worker process died); the engine cannot continue."""
 
 
+class ExecuteModelError(RuntimeError):
+    """vLLM's ``execute_model`` failed for a step: its own exception is the cause, and named first."""
+
+
+def execute_model_failure(step: _Step) -> BaseException | None:
+    """The exception ``execute_model`` raised for ``step``, if it failed (its future is done by the time the step's
+    capture or sampling failed: the workers run them in order)."""
+    try:
+        step.executed.result()
+    except Exception as exc:  # noqa: BLE001 - any failure of vLLM's is the one to name
+        return exc
+    return None
+
+
 @dataclass
 class EngineStats:
     prompts: int = 0
@@ -75,6 +89,7 @@ class _Step:
     executed: Any  # future of execute_model
     output: Any  # future of (ModelRunnerOutput, the previous step's capture), or of execute_model's output
     captured: bool = True  # output carries a capture (not for a step without scheduled tokens)
+    number: int = 0  # our step count (0: a step without scheduled tokens)
 
 
 #: Engine starts tried when vLLM's rendezvous port is taken under it (see :func:`port_taken`).
@@ -358,17 +373,17 @@ class CaptureEngine:
         assembler.expect(self._step, expected_rows(so))
         slot = self.ring.acquire() if self.ring is not None else None
         output = self.executor.capture_and_sample(self._step, slot, self.scheduler.get_grammar_bitmask(so))
-        return _Step(so, executed, output)
+        return _Step(so, executed, output, number=self._step)
 
     def _retire(self, step: _Step, assembler: Assembler, keep: bool = True) -> None:
         try:
             output = step.output.result()
         except Exception:
-            step.executed.result()  # execute_model's own error, if it failed first
+            self._raise_execute_model_failure(step)
             raise
         output, capture = output if step.captured else (output, None)
         if output is None:  # execute_model failed: raise its error
-            step.executed.result()
+            self._raise_execute_model_failure(step)
             raise RuntimeError("vLLM returned no model output for a step")
         self._consume(capture, assembler, keep)
         outputs = self.scheduler.update_from_output(step.scheduler_output, output)
@@ -376,6 +391,18 @@ class CaptureEngine:
             self._keep_prompt_logprobs(outputs)
         if self._decoding:
             self._take_sampled(outputs, assembler)
+
+    @staticmethod
+    def _raise_execute_model_failure(step: _Step) -> None:
+        """Where vLLM's ``execute_model`` failed for ``step``, raise that: the capture's or sampling's error, which
+        follows from it, stays as context only."""
+        failure = execute_model_failure(step)
+        if failure is None:
+            return
+        where = f"step {step.number}" if step.number else "a step without scheduled tokens"
+        raise ExecuteModelError(f"vLLM's execute_model failed at {where}: {type(failure).__name__}: {failure}") from (
+            failure
+        )
 
     def _take_sampled(self, outputs: dict, assembler: Assembler) -> None:
         """The tokens a step sampled for generating requests: their samples grow, and end at a stop or the cap."""

@@ -51,6 +51,9 @@ modules carry no fault points: each fault wraps one of their seams here.
   layer after it (the boundary id one layer late, as when a stage counts its
   ids from its own first layer), after the start-up proof (wraps the worker's
   ``Capture._aux``).
+* ``execute-model-fails:n`` (a vLLM worker's fault, in-process with the uniprocess executor): the
+  ``n``-th call of the model runner's ``execute_model`` with scheduled tokens raises, as a kernel that fails inside the
+  forward does (wraps vLLM's ``GPUModelRunner.execute_model``, which the CPU runner inherits).
 * ``vllm-prompt-rows`` (a vLLM worker's fault): the workaround of vLLM 0.16's
   lost prompt rows (PP, async scheduling, chunked prefill) is not installed
   (replaces :func:`speculators_v016.worker.pipeline_stage.keep_prompt_rows`
@@ -286,11 +289,15 @@ def install() -> None:
         SlotRing.create = classmethod(create)
     elif point == "fork-workers":
         engine_core.set_start_method = lambda device_type, executor_kind: None
+    elif point == "execute-model-fails":  # the uniprocess executor's worker is this process
+        install_worker()
     elif point and point not in WORKER_FAULTS:
         raise SystemExit(f"{VARIABLE}={os.environ[VARIABLE]}: unknown fault point {point!r}")
 
 
-WORKER_FAULTS = ("stage-boundary-late", "vllm-prompt-rows")
+WORKER_FAULTS = ("stage-boundary-late", "vllm-prompt-rows", "execute-model-fails")
+#: What the planted execute_model failure says.
+PLANTED_FAILURE = "planted: a kernel failed inside the forward"
 
 
 def install_worker() -> None:
@@ -312,6 +319,17 @@ def install_worker() -> None:
         capture.Capture._aux = late_aux
     elif point == "vllm-prompt-rows":
         capture.keep_prompt_rows = lambda runner: None
+    elif point == "execute-model-fails":
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: PLC0415 - vLLM only in a faulty run
+
+        original_execute = GPUModelRunner.execute_model
+
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            if scheduler_output.total_num_scheduled_tokens and _armed(point):
+                raise RuntimeError(PLANTED_FAILURE)
+            return original_execute(self, scheduler_output, *args, **kwargs)
+
+        GPUModelRunner.execute_model = execute_model
 
 
 def main() -> None:

@@ -355,7 +355,7 @@ class Capture:
         if state is None or state.aux_hidden_states is None:
             raise RuntimeError(
                 f"step {step}: the model runner holds no aux hidden states "
-                "(capture called outside execute_model/sample_tokens?)"
+                "(execute_model failed for this step, or the capture ran outside execute_model/sample_tokens)"
             )
         return state.aux_hidden_states
 

@@ -16,6 +16,7 @@ from helpers.cli import CPU, conversations, generate, invoke, load_all, write_js
 from helpers.reference import TOLERANCE
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.sample_format import load_sample
+from speculators_v016.testing.faults import PLANTED_FAILURE
 from speculators_v016.testing.faults import VARIABLE as FAULT
 
 COUNT = 30
@@ -156,6 +157,20 @@ def test_worker_death_aborts_promptly_and_resumes(tmp_path, model_dir, reference
     result = generate(model_dir, data, out, "--max-num-seqs", 8)
     assert result.exit_code == 0, result.output
     assert len(Manifest(out).entries()) == 400
+
+
+def test_a_failed_execute_model_is_the_first_error_named(tmp_path, model_dir, data_file, reference):
+    """vLLM's execute_model failing mid-run: exit 5, the first error line names its failure, not the capture's."""
+    out = tmp_path / "out"
+    result = generate(model_dir, data_file, out, env={FAULT: "execute-model-fails:2"})
+    assert result.exit_code == 5, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert errors, result.output
+    assert re.fullmatch(
+        rf"error: ExecuteModelError: vLLM's execute_model failed at step \d+: RuntimeError: {PLANTED_FAILURE}", errors[0]
+    ), result.output
+    assert "holds no aux hidden states" not in errors[0]
+    assert_resumes_to_reference(model_dir, data_file, out, reference)
 
 
 def test_nan_states_are_not_written_and_reported(tmp_path, model_dir, data_file):
