@@ -82,7 +82,7 @@ class RunSummary:
         out = [
             f"output:     {self.output_dir}",
             f"written:    {self.written} samples ({self.already_done} already done before this run)",
-            f"tokens:     {self.tokens} in {self.generation_seconds:.1f} s of generation "
+            f"tokens:     {self.tokens} in {self.generation_seconds:.1f} s of generation to the last file made durable "
             f"({rate:,.0f} tokens/s; {self.seconds:.1f} s in all)",
             f"bytes:      {self.bytes:,}",
             f"truncated:  {self.truncated} (to --seq-length; loss masks cut alongside)",
@@ -377,15 +377,16 @@ def _generate(
         _note_cut(work.take_cut(), summary, opts)  # turns cut after the last sample came
         hold.finish()
     finally:
-        summary.generation_seconds = time.monotonic() - started
         try:
-            writer.close()
+            writer.close()  # the samples still queued are written and made durable: inside the clock
+            summary.generation_seconds = time.monotonic() - started
             if opts.regenerate:
                 work.end(directory, set(Manifest(directory).entries()))
                 summary.regenerated = dict(work.finish_reasons)
                 summary.conversations = work.shapes
                 summary.stopped = work.stops
         finally:
+            summary.generation_seconds = summary.generation_seconds or time.monotonic() - started
             summary.written, summary.bytes = writer.written, writer.bytes
             bar.set_description(f"{writer.written}/{len(pending)} samples")
             bar.close()

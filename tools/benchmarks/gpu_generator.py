@@ -11,7 +11,7 @@ Sides, each a process of its own holding its engine warm for the whole run (comp
 
 Each round times one pass of every side over the same prompts, in turn (interleaved: the machine's noise
 hits all alike); ratios are of medians. ``--cli`` also times ``speculators-data-gen`` writing the files
-(its own "tokens/s of generation" line) against the ``uni`` side's passes. ``--profile`` runs one pass of
+(its own summary line: tokens/s from the first step to the last file made durable, the writers drained) against the ``uni`` side's passes. ``--profile`` runs one pass of
 the generator under torch's profiler and gives the share of GPU time in our copies (device-to-device into
 the staging buffer, device-to-host into the ring) and in FP8 quantization.
 
@@ -182,7 +182,7 @@ def write_rate(folder: Path, gib: int = 4) -> float:
 
 def cli_rate(model: str, data: Path, out: Path, args: dict, workers: int | None = None) -> float:
     """speculators-data-gen writing every sample (default options, the GPU build's engine arguments): its
-    tokens/s of generation, from the summary."""
+    tokens/s from the first step to the last file made durable (the writers drained), from the summary."""
     settings = engine_settings(args)
     extra = {k: v for k, v in settings.items() if k not in OURS}
     cmd = [sys.executable, "-m", "speculators_v016.run.cli", "--target-model-path", model, "--train-data-path",
@@ -267,7 +267,7 @@ def main() -> None:
                           f"{', '.join(f'{r:.3f}' for r in per_round)})")  # fmt: skip
             for parent, disk, workers, runs in cli if "uni" in med else []:
                 print(f"  CLI writing files under {parent} (one thread writes {disk:.2f} GiB/s there), "
-                      f"{workers or 'default'} write workers: {statistics.median(runs):,.0f} tokens/s of generation "
+                      f"{workers or 'default'} write workers: {statistics.median(runs):,.0f} tokens/s to the last durable file "
                       f"(runs: {', '.join(f'{v:,.0f}' for v in runs)}); ratio CLI / uni: "
                       f"{statistics.median(runs) / med['uni']:.3f}x")  # fmt: skip
             if prof:
