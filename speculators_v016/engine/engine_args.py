@@ -5,7 +5,8 @@ after :func:`speculators_v016.config.refuse_engine_args` refused those an option
 those that would break the capture. Whether vLLM knows a key, and takes its value, is vLLM's to say:
 :func:`vllm_config` builds vLLM's whole config (no weights are read) and blames the passed-through
 arguments, by name, for a failure only they cause. :func:`check_engine_args` runs it before a run
-reads its dataset, so a wrong key or value costs seconds, not a preprocessing pass and a model load.
+reads its dataset, so a wrong key or value, or a ``--seq-length`` past the model's context, costs seconds,
+not a preprocessing pass and a model load.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def _builds_without_extra(config: EngineConfig) -> bool:
 
 
 def check_engine_args(config: EngineConfig) -> None:
-    """Before anything else of a run: vLLM takes the passed-through arguments (ConfigError naming them if not).
-    Nothing to ask vLLM where none were given."""
-    if config.extra_engine_args:
-        vllm_config(config)
+    """Before anything else of a run: vLLM builds the engine's config from our settings and the passed-through
+    arguments (ConfigError naming them if it cannot; ContextLengthError for a ``--seq-length`` the model's
+    context cannot hold), so neither costs a pass over the dataset first. No weights are read."""
+    vllm_config(config)
