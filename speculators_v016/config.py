@@ -568,6 +568,12 @@ class RunConfig:
         0, "Which shard this run writes (default: RANK).", section=OUTPUT, min=0, cli_default=None
     )
     token_freq_path: str = setting("./token_freq.pt", "Where upstream's token frequency file goes.", section=OUTPUT)
+    ignore_disk_forecast: bool = setting(
+        False,
+        "Start even where the bytes the run will write (tokens x layers x hidden x storage bytes, said on the "
+        "terminal) exceed the folder's free space.",
+        section=OUTPUT,
+    )
     write_workers: int = setting(
         DEFAULT_WRITE_WORKERS, "Threads writing sample files (half the cores, from 4 to 8).", section=OUTPUT, min=1
     )

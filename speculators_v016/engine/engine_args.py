@@ -90,8 +90,9 @@ def _builds_without_extra(config: EngineConfig) -> bool:
     return True
 
 
-def check_engine_args(config: EngineConfig) -> None:
+def check_engine_args(config: EngineConfig):
     """Before anything else of a run: vLLM builds the engine's config from our settings and the passed-through
     arguments (ConfigError naming them if it cannot; ContextLengthError for a ``--seq-length`` the model's
-    context cannot hold), so neither costs a pass over the dataset first. No weights are read."""
-    vllm_config(config)
+    context cannot hold), so neither costs a pass over the dataset first. No weights are read. Returns vLLM's
+    config (the model's width and dtype, as the engine will have them)."""
+    return vllm_config(config)

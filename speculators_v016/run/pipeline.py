@@ -48,7 +48,7 @@ from speculators_v016.run.dataset import PreparedSamples, prepare_samples
 from speculators_v016.run.regenerate import RegenerationWork
 from speculators_v016.shared.shm_records import reclaim_and_log
 from speculators_v016.store import checksum as checksums
-from speculators_v016.store import run_config
+from speculators_v016.store import disk_forecast, run_config
 from speculators_v016.store.atomic_files import WriteError
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.outdir import OutputDir, ShardedRoot, shard_dir
@@ -163,7 +163,8 @@ def fingerprint(opts: RunConfig, samples, layer_ids: list[int]) -> dict:
 def run(opts: RunConfig, progress_to=None) -> RunSummary:
     """Make the samples of ``opts``; a progress bar goes to ``progress_to`` (a text stream) if given."""
     started = time.monotonic()
-    check_engine_args(opts.engine)  # vLLM takes --engine-args, before the dataset is read or the folder touched
+    # vLLM takes --engine-args and --seq-length, before the dataset is read or the folder touched
+    model_config = check_engine_args(opts.engine).model_config
     reclaim_and_log()  # dead runs' shared memory, also when this run has nothing left to do
     directory = shard_dir(Path(opts.output_dir), opts.shard_index, opts.num_shards)
     target = TargetInfo.read(opts.engine.model, opts.engine.trust_remote_code)
@@ -233,6 +234,7 @@ def run(opts: RunConfig, progress_to=None) -> RunSummary:
             for i in pending:  # before the engine starts
                 ids = work.samples.input_ids[i]
                 check_token_ids(f"sample {i}", ids, target.vocab_size, f" of {opts.engine.model}")
+        _forecast_disk(directory, work.tokens(pending), len(plan.layer_ids), model_config, opts)
         zero_ids = zero_embedding_rows(opts.engine.model, target.vocab_size)
         cpus = os.sched_getaffinity(0)  # before vLLM's CPU worker pins this thread to one core
         generator = VllmHiddenStatesGenerator.from_config(opts.engine, plan)
@@ -251,6 +253,20 @@ def run(opts: RunConfig, progress_to=None) -> RunSummary:
         config["speculators_v016"]["last_run"] = asdict(summary)
         run_config.save(directory, config)
     return summary
+
+
+def _forecast_disk(directory: Path, tokens: int | None, layers: int, model_config, opts: RunConfig) -> None:
+    """The bytes this run will write against its folder's free space, said on the terminal; refused where they
+    cannot fit (unless --ignore-disk-forecast). No forecast where the tokens are not known yet (--regenerate)."""
+    if tokens is None:
+        return
+    fp8 = opts.engine.fp8
+    found = disk_forecast.forecast(
+        directory, tokens, layers, model_config.get_hidden_size(), model_config.dtype.itemsize, fp8
+    )
+    logger.bind(terminal=True).info("disk:       {} in {}", found.line(), directory)
+    if not opts.ignore_disk_forecast:
+        disk_forecast.refuse_if_short(found, directory, fp8)
 
 
 def zero_embedding_rows(model: str, vocab_size: int) -> frozenset[int]:
