@@ -59,9 +59,13 @@ def command_env(**more) -> dict:
     return env
 
 
-def invoke_gpu(*args, env=None, fault: str | None = None, timeout=600) -> Result:
-    """The real command in a fresh process with :func:`command_env` (``fault``: armed through the test kit)."""
-    module = "speculators_v016.testing.faults" if fault else "speculators_v016.run.cli"
+def invoke_gpu(*args, env=None, fault: str | None = None, stand_ins: bool = False, timeout=600) -> Result:
+    """The real command in a fresh process with :func:`command_env` (``fault``: armed through the test kit;
+    ``stand_ins``: with every GPU-kit stand-in installed in its processes, :mod:`speculators_v016.testing.gpu_kit`)."""
+    if fault and stand_ins:
+        raise ValueError("invoke_gpu: a fault and the kit's stand-ins run through different modules; choose one")
+    module = "speculators_v016.testing.gpu_kit" if stand_ins else "speculators_v016.run.cli"
+    module = "speculators_v016.testing.faults" if fault else module
     extra = {"SPECULATORS_V016_FAULT": fault} if fault else {}
     cmd = [sys.executable, "-m", module, *map(str, args)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=command_env(**extra, **(env or {})), timeout=timeout)
@@ -72,7 +76,8 @@ def vllm_loop(
     where: Path, model: str, prompts: list[list[int]], engine: dict, sampling: dict, stand_ins: bool = False
 ) -> dict:
     """vLLM's own loop (``LLMEngine``: add_request, step) on ``prompts`` in a process of its own: its tokens
-    (``stand_ins``: with the GPU kit's fused-MoE and MLA stand-ins registered there, its core in that process)."""
+    (``stand_ins``: with every GPU-kit stand-in registered there, :mod:`speculators_v016.testing.gpu_kit`, its core
+    in that process)."""
     args = {"model": model, "prompts": prompts, "engine": engine, "sampling": sampling, "stand_ins": stand_ins}
     (where / "loop-args.json").write_text(json.dumps(args))
     proc = subprocess.run(

@@ -4,8 +4,9 @@ done: what ``LLM.generate`` runs, without the ``LLM`` class and the server modul
     python vllm_loop.py ARGS.json OUT.json
 
 ARGS: model, prompts (token ids), engine (EngineArgs keywords), sampling (SamplingParams keywords).
-``stand_ins`` (optional, true): the GPU kit's torch stand-ins for the fused-MoE and MLA kernels are registered
-first, and vLLM's engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that it sees them.
+``stand_ins`` (optional, true): every torch stand-in of the GPU kit (:mod:`speculators_v016.testing.gpu_kit`:
+fused MoE, MLA, activations, INT4 MoE) is registered first, and vLLM's engine core runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that it sees them.
 OUT: {"tokens": the generated token ids per prompt, in order, "seconds": the loop's time}.
 """
 
@@ -22,11 +23,10 @@ def main() -> None:
 
     args = json.loads(open(sys.argv[1]).read())
     if args.get("stand_ins"):
-        from speculators_v016.testing import mla_ops, moe_ops  # noqa: PLC0415 - the GPU kit's tests only
+        from speculators_v016.testing import gpu_kit  # noqa: PLC0415 - the GPU kit's tests only
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        moe_ops.install()
-        mla_ops.install()
+        gpu_kit.install()
     engine = LLMEngine.from_engine_args(EngineArgs(model=args["model"], enable_prefix_caching=False, **args["engine"]))
     params = SamplingParams(**args["sampling"])
     start = time.perf_counter()
