@@ -9,6 +9,15 @@ Sides, each a process of its own holding its engine warm for the whole run (comp
   the worker in the driving process (the uniprocess executor, the default on one GPU);
 * ``mp``: the same with the multiprocess executor (TP 1: the worker in a process of its own).
 
+Shapes: a few layers of a Llama at hidden 256 (a trial), 4096 and 7168; and ``kimi``, a 3-layer slice of
+Kimi-K2.5's real geometry (:mod:`speculators_v016.testing.kimi_slice`: hidden 7168, MLA with YaRN, a dense
+first layer, 2 MoE layers of 384 routed experts in its INT4 W4A16 format, vocabulary 163,840; ~25 GB
+written once under ``--where``), prompts of 1k-8k tokens by default, every layer captured, MLA with
+``TRITON_MLA`` and the GPU kit's stand-ins (:mod:`speculators_v016.testing.gpu_kit`) in every process of
+every side (vLLM's own loop included; a full vLLM build keeps its compiled kernels). The generator's sides
+print the capture ring (host memory, registered as pinned memory by the output worker) and the GPU
+staging buffers.
+
 Each round times one pass of every side over the same prompts, in turn (interleaved: the machine's noise
 hits all alike); ratios are of medians. ``--cli`` also times ``speculators-data-gen`` writing the files
 (its own summary line: tokens/s from the first step to the last file made durable, the writers drained) against the ``uni`` side's passes. ``--profile`` runs one pass of
@@ -16,6 +25,7 @@ the generator under torch's profiler and gives the share of GPU time in our copi
 the staging buffer, device-to-host into the ring) and in FP8 quantization.
 
     . .gpu-vllm/install.sh && python3 tools/benchmarks/gpu_generator.py [--shapes 4096 7168] [--rounds 3] [--cli]
+    . .gpu-vllm/install.sh && python3 tools/benchmarks/gpu_generator.py --shapes kimi --sides vllm uni --prompts 64
 """
 
 from __future__ import annotations
@@ -35,19 +45,36 @@ sys.path.insert(0, str(HERE))
 
 from report import recording  # noqa: E402
 
-#: hidden size -> the bench model: a few layers of a Llama, the vocabulary of the targets of that width.
+#: shape -> the bench model: by hidden size, a few layers of a Llama, the vocabulary of the targets of that width;
+#: ``kimi``: the Kimi-K2.5 slice (its own builder), longer prompts, more of the GPU a side, MLA and the kit's stand-ins.
 SHAPES = {
     256: dict(layers=4, vocab=1024, intermediate=512, heads=4, kv_heads=2),  # a trial of the script (CPU too)
     4096: dict(layers=8, vocab=32000, intermediate=14336, heads=32, kv_heads=8),
     7168: dict(layers=4, vocab=129280, intermediate=7168, heads=56, kv_heads=8),
+    "kimi": dict(layers=3, vocab=163840, intermediate=18432, hidden=7168, high=8192, memory=0.4, kimi=True),
 }
+#: set for a side's processes that need the GPU kit's stand-ins (vLLM's spawned processes read it: see the end)
+STAND_INS = "SPECULATORS_BENCH_STAND_INS"
 #: engine settings that are the generator's own keywords (the rest go through extra_engine_args)
 OURS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "enforce_eager")
 CAPTURE = 4  # layers captured: 1, n//2, n-2, n-1 of the bench model
 
 
-def bench_model(where: Path, hidden: int) -> str:
-    """A random-weight Llama of ``hidden`` (built once, bf16, no tokenizer needed: prompts are token ids)."""
+def shape_key(text: str):
+    """``--shapes`` value -> a key of :data:`SHAPES` (hidden sizes are ints)."""
+    return int(text) if text.isdigit() else text
+
+
+def bench_model(where: Path, hidden) -> str:
+    """A random-weight Llama of ``hidden`` (built once, bf16, no tokenizer needed: prompts are token ids), or for
+    ``kimi`` the Kimi-K2.5 slice (built once, on the GPU; reused while its config.json is there)."""
+    if hidden == "kimi":
+        from speculators_v016.testing.kimi_slice import build_kimi_slice  # noqa: PLC0415 - parent only
+
+        folder = Path(where) / "kimi-slice"
+        if not (folder / "config.json").exists():
+            build_kimi_slice(folder, SHAPES["kimi"]["layers"], progress=lambda line: print(line, file=sys.stderr))
+        return str(folder)
     from speculators_v016.testing.tiny_models import build_tiny_model  # noqa: PLC0415 - transformers, parent only
 
     s = SHAPES[hidden]
@@ -69,12 +96,19 @@ def prompts(count: int, low: int, high: int, vocab: int, seed: int = 0) -> list[
 
 def engine_settings(args: dict) -> dict:
     extra = json.loads(os.environ.get("SPECULATORS_GPU_ENGINE_ARGS") or "{}")
+    if args.get("kimi"):  # MLA: vLLM's MLA kernels (Triton) instead of the kit's default attention backend
+        extra["attention_config"] = {**extra.get("attention_config", {}), "backend": "TRITON_MLA"}
     return dict(dtype="bfloat16", max_model_len=args["high"] + 8, max_num_seqs=args["max_num_seqs"], enforce_eager=args["eager"],
                 max_num_batched_tokens=args["batched_tokens"], gpu_memory_utilization=args["memory"], **extra)  # fmt: skip
 
 
 def layer_ids(num_layers: int) -> list[int]:
-    return sorted({1, num_layers // 2, num_layers - 2, num_layers - 1})
+    """Four layers as a run of a deep target records them; a model of at most 4 layers: all of them."""
+    return (
+        list(range(num_layers))
+        if num_layers <= CAPTURE
+        else sorted({1, num_layers // 2, num_layers - 2, num_layers - 1})
+    )
 
 
 # -- a side: a child process that holds its engine and times a pass on each "run" line ------------------------
@@ -82,6 +116,11 @@ def side(args: dict) -> None:
     batch = prompts(args["count"], args["low"], args["high"], args["vocab"])
     warm = prompts(8, args["low"], args["high"], args["vocab"], seed=1)
     settings = engine_settings(args)
+    if args.get("kimi"):  # before any engine: this process, and (fork) the engine core's, see the stand-ins
+        from speculators_v016.testing import gpu_kit  # noqa: PLC0415 - the GPU kit's stand-ins, kimi only
+
+        gpu_kit.install()
+    memory = None
     if args["side"] == "vllm":
         from vllm import SamplingParams  # noqa: PLC0415 - each side imports what it measures
         from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415 - the same
@@ -106,8 +145,18 @@ def side(args: dict) -> None:
             for _ in gen.stream(items):  # dropped, as a writer takes them
                 pass
 
+        ring, info = gen.engine.ring, gen.engine.capture_info[0]
+        memory = {
+            "copy_path": info.get("copy_path"),
+            "staging": info.get("staging") or {},
+            "ring": "none",
+            "ring_bytes": 0,
+        }
+        if ring is not None:
+            memory.update(ring=ring.spec.describe(), ring_bytes=ring.spec.total_bytes)
+
     one_pass(warm)
-    print(json.dumps({"ready": True}), flush=True)
+    print(json.dumps({"ready": True, "memory": memory}), flush=True)
     for line in sys.stdin:
         if line.strip() == "profile":
             print(json.dumps(profile(one_pass, batch)), flush=True)
@@ -145,9 +194,10 @@ class Side:
 
     def __init__(self, args: dict):
         self.name = args["side"]
+        env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", **({STAND_INS: "1"} if args.get("kimi") else {})}
         self.proc = subprocess.Popen([sys.executable, __file__, json.dumps(args)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})  # fmt: skip
-        self._reply()
+                                     stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+        self.memory = self._reply().get("memory")
 
     def _reply(self) -> dict:
         for line in self.proc.stdout:
@@ -185,7 +235,8 @@ def cli_rate(model: str, data: Path, out: Path, args: dict, workers: int | None 
     tokens/s from the first step to the last file made durable (the writers drained), from the summary."""
     settings = engine_settings(args)
     extra = {k: v for k, v in settings.items() if k not in OURS}
-    cmd = [sys.executable, "-m", "speculators_v016.run.cli", "--target-model-path", model, "--train-data-path",
+    module = "speculators_v016.testing.gpu_kit" if args.get("kimi") else "speculators_v016.run.cli"  # kimi: stand-ins
+    cmd = [sys.executable, "-m", module, "--target-model-path", model, "--train-data-path",
            str(data), "--output-dir", str(out), "--seq-length", str(args["high"]), "--layer-ids",
            ",".join(map(str, layer_ids(args["layers"]))), "--engine-args", json.dumps(extra),
            "--gpu-memory-utilization", str(args["memory"]), "--max-num-seqs", str(args["max_num_seqs"]),
@@ -203,15 +254,15 @@ def cli_rate(model: str, data: Path, out: Path, args: dict, workers: int | None 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", type=int, nargs="+", default=[4096, 7168], choices=sorted(SHAPES))
+    ap.add_argument("--shapes", type=shape_key, nargs="+", default=[4096, 7168], choices=list(SHAPES))
     ap.add_argument("--sides", nargs="+", default=["vllm", "uni", "mp"], choices=["vllm", "uni", "mp"])
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--low", type=int, default=1024, help="shortest prompt (tokens)")
-    ap.add_argument("--high", type=int, default=4096, help="longest prompt (tokens)")
+    ap.add_argument("--high", type=int, help="longest prompt (tokens; default 4096, kimi 8192)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batched-tokens", type=int, default=8192)
     ap.add_argument("--max-num-seqs", type=int, default=32)
-    ap.add_argument("--memory", type=float, default=0.25, help="each side's gpu_memory_utilization")
+    ap.add_argument("--memory", type=float, help="each side's gpu_memory_utilization (default 0.25, kimi 0.4)")
     ap.add_argument("--cli", action="store_true", help="also the CLI writing files (first shape), against uni")
     ap.add_argument("--cli-runs", type=int, default=2, help="runs of the CLI (--cli)")
     ap.add_argument("--cli-out", nargs="+", type=Path, help="folders the CLI writes under, each in turn "
@@ -222,14 +273,21 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="eager engines (a trial; measurements are compiled)")
     ap.add_argument("--where", default="/tmp/speculators-v016-gpu-bench")
     opts = ap.parse_args()
+    for hidden in opts.shapes:  # before anything runs
+        memory = opts.memory or SHAPES[hidden].get("memory", 0.25)
+        if memory * len(opts.sides) > 0.95:
+            ap.error(f"shape {hidden}: {len(opts.sides)} sides at --memory {memory} hold more than the GPU; "
+                     "run fewer --sides or a smaller --memory")  # fmt: skip
     lines = []
     for hidden in opts.shapes:
         s = SHAPES[hidden]
+        high, memory = opts.high or s.get("high", 4096), opts.memory or s.get("memory", 0.25)
         model = bench_model(Path(opts.where), hidden)
-        args = dict(model=model, count=opts.prompts, low=opts.low, high=opts.high, vocab=s["vocab"], layers=s["layers"],
-                    max_num_seqs=opts.max_num_seqs, batched_tokens=opts.batched_tokens, memory=opts.memory,
-                    eager=opts.eager)  # fmt: skip
+        args = dict(model=model, count=opts.prompts, low=opts.low, high=high, vocab=s["vocab"], layers=s["layers"],
+                    max_num_seqs=opts.max_num_seqs, batched_tokens=opts.batched_tokens, memory=memory,
+                    eager=opts.eager, kimi=s.get("kimi", False))  # fmt: skip
         sides = [Side({**args, "side": name}) for name in opts.sides]
+        memory_lines = {x.name: x.memory for x in sides if x.memory}
         rates: dict[str, list[float]] = {name: [] for name in opts.sides}
         for _ in range(opts.rounds):
             for running in sides:
@@ -241,23 +299,28 @@ def main() -> None:
         cli = []
         if opts.cli and hidden == opts.shapes[0]:
             data = Path(opts.where) / f"prompts-{hidden}.jsonl"
-            batch = prompts(opts.prompts, opts.low, opts.high, s["vocab"])
+            batch = prompts(opts.prompts, opts.low, high, s["vocab"])
             data.write_text("".join(json.dumps({"input_ids": p, "loss_mask": [1] * len(p)}) + "\n" for p in batch))
             for parent in opts.cli_out or [Path(opts.where)]:
                 disk = write_rate(parent)
                 for workers in opts.cli_write_workers or [None]:
                     runs = [cli_rate(model, data, parent / "cli-out", args, workers) for _ in range(opts.cli_runs)]
                     cli.append((parent, disk, workers, runs))
-        lines.append((hidden, s, rates, cli, prof))
+        lines.append((hidden, s, rates, cli, prof, high, memory, memory_lines))
     with recording(__file__):
-        print(f"{opts.prompts} prompts of {opts.low}-{opts.high} tokens, bf16, "
-              f"{'eager' if opts.eager else 'compiled (CUDA graphs)'}, "
-              f"max_num_batched_tokens {opts.batched_tokens}, max_num_seqs {opts.max_num_seqs}, {CAPTURE} layers "
-              f"captured, {opts.rounds} interleaved rounds, medians; vllm = LLMEngine (add_request, step), "
+        print(f"{opts.prompts} prompts a pass, bf16, {'eager' if opts.eager else 'compiled (CUDA graphs)'}, "
+              f"max_num_batched_tokens {opts.batched_tokens}, max_num_seqs {opts.max_num_seqs}, up to {CAPTURE} "
+              f"layers captured, {opts.rounds} interleaved rounds, medians; vllm = LLMEngine (add_request, step), "
               "uni / mp = the generator's stream() with the uniprocess / multiprocess (TP 1) executor")  # fmt: skip
-        for hidden, s, rates, cli, prof in lines:
+        for hidden, s, rates, cli, prof, high, memory, memory_lines in lines:
             med = {k: statistics.median(v) for k, v in rates.items() if v}
-            print(f"hidden {hidden}, {s['layers']} layers, vocabulary {s['vocab']}, MLP {s['intermediate']}:")
+            if s.get("kimi"):
+                print(f"kimi: Kimi-K2.5 slice, {s['layers']} layers (dense, then 2 x 384 INT4 W4A16 experts), hidden "
+                      f"7168, MLA (TRITON_MLA), vocabulary {s['vocab']}, {len(layer_ids(s['layers']))} layers "
+                      f"captured, prompts of {opts.low}-{high} tokens, gpu_memory_utilization {memory} a side:")  # fmt: skip
+            else:
+                print(f"hidden {hidden}, {s['layers']} layers, vocabulary {s['vocab']}, MLP {s['intermediate']}, "
+                      f"prompts of {opts.low}-{high} tokens:")  # fmt: skip
             for name, values in rates.items():
                 print(f"  {name:5} {med[name]:12,.0f} tokens/s   (rounds: {', '.join(f'{v:,.0f}' for v in values)})")
             for name in med:
@@ -273,6 +336,12 @@ def main() -> None:
             if prof:
                 share = ", ".join(f"{k} {v:.2%}" for k, v in sorted(prof["share"].items()))
                 print(f"  GPU time of one uni pass by kind (torch profiler): {share}")
+            for name, m in memory_lines.items():
+                staging = m["staging"]
+                print(f"  {name}: capture ring {m['ring']} (host memory; on a GPU the output worker registers it as pinned memory: "
+                      f"{m['ring_bytes'] / 2**20:,.0f} MiB); copy path {m['copy_path']}; GPU staging "
+                      f"{staging.get('buffers', 0)} buffers, {staging.get('bytes', 0) / 2**20:,.0f} MiB "
+                      f"({'used' if staging.get('staged') else 'not used'})")  # fmt: skip
 
 
 if __name__ == "__main__":
@@ -280,3 +349,7 @@ if __name__ == "__main__":
         side(json.loads(sys.argv[1]))
     else:
         main()
+elif __name__ == "__mp_main__" and os.environ.get(STAND_INS) == "1":  # a process vLLM spawned for a kimi side
+    from speculators_v016.testing import gpu_kit
+
+    gpu_kit.install()
