@@ -245,3 +245,16 @@ def test_a_slice_needs_a_moe_layer_and_whole_groups():
         slice_config(1, **TINY)
     with pytest.raises(ValueError, match="moe_intermediate_size 48: the experts' groups of 32 need a multiple of it"):
         slice_config(3, **{**TINY, "moe_intermediate_size": 48})
+
+
+def test_first_layer_reference_refuses_a_checkpoint_missing_a_tensor(tiny_slice, tmp_path):
+    """A layer-0 tensor absent from the index is named, not silently left at transformers' random init."""
+    folder = tmp_path / "partial"
+    shutil.copytree(tiny_slice, folder)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.layers.0.self_attn.kv_b_proj.weight"]
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(
+        ValueError, match=r"partial: layer 0's tensors do not fit .*missing \['layers.0.self_attn.kv_b_proj"
+    ):
+        first_layer_reference(folder, [[5, 6, 7]])
