@@ -16,14 +16,19 @@ libraries. For an unquantized bf16 MoE, vLLM 0.16 on CUDA picks the ``TRITON`` b
 * ``TritonExperts.apply``: ``torch.ops._moe_C.moe_align_block_size``, vLLM's Triton
   GEMM kernel twice, ``torch.ops._C.silu_and_mul`` (called directly by
   ``apply_moe_activation``: ``custom_ops: ["none"]`` does not avoid it; the kit's
-  ``_C`` holds a placeholder that raises) and ``torch.ops._moe_C.moe_sum``.
+  ``_C`` holds a placeholder that raises; stood in by
+  :mod:`~speculators_v016.testing.act_ops`, which :func:`install` installs too) and
+  ``torch.ops._moe_C.moe_sum``.
+
+INT4 experts (compressed-tensors W4A16) reach ``_moe_C.moe_wna16_gemm`` and, on a real build,
+Marlin: :mod:`speculators_v016.testing.wna16_ops`.
 
 Each stand-in below is pure torch, computes what the kernel computes (checked against
 plain loops in ``tests/unit/test_moe_ops.py``) and never synchronizes with the host,
 so it can be captured in a CUDA graph (vLLM captures MoE layers inside its graphs).
 :func:`install` registers them under the kernels' names, only where no compiled op of
-that name is loaded (a real vLLM build keeps its kernels). This module is a test kit:
-no run imports it.
+that name is loaded (a real vLLM build keeps its kernels;
+:mod:`speculators_v016.testing.op_registry`). This module is a test kit: no run imports it.
 
 Where it must run: in every process that runs the model. With vLLM's uniprocess executor
 (one GPU, our default there) the worker is the engine's own process: calling
@@ -33,10 +38,10 @@ on their ``PYTHONPATH`` that runs ``from speculators_v016.testing import moe_ops
 moe_ops.install()`` (``PYTHONPATH`` is inherited by spawned workers).
 """
 
-import contextlib
-
 import torch
-import torch.nn.functional as F
+
+from speculators_v016.testing import act_ops
+from speculators_v016.testing.op_registry import empty_report, load_vllm_kernels, register
 
 
 def _topk_with_bias(topk_weights, topk_ids, token_expert_indices, scores, renormalize, bias) -> None:
@@ -171,29 +176,6 @@ def moe_sum(input: torch.Tensor, output: torch.Tensor) -> None:
     output.copy_(input.sum(dim=1))
 
 
-def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
-    """Stands in for vLLM's compiled ``_C.silu_and_mul``: ``out = silu(x) * y`` for ``input = [x, y]`` on the last
-    dimension; as the kernel, silu in float32 rounded to the dtype, then the product in the dtype."""
-    d = input.shape[-1] // 2
-    x, y = input[..., :d], input[..., d:]
-    out.copy_(F.silu(x.float()).to(input.dtype) * y)
-
-
-def gelu_tanh_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
-    """Stands in for vLLM's compiled ``_C.gelu_tanh_and_mul``: ``out = gelu_tanh(x) * y`` for ``input = [x, y]``
-    (Gemma's MLP; vLLM looks the op up when the layer is built, even where its native forward runs)."""
-    d = input.shape[-1] // 2
-    x, y = input[..., :d], input[..., d:]
-    out.copy_(F.gelu(x.float(), approximate="tanh").to(input.dtype) * y)
-
-
-def gelu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
-    """Stands in for vLLM's compiled ``_C.gelu_and_mul``: ``out = gelu(x) * y`` (exact gelu), as above."""
-    d = input.shape[-1] // 2
-    x, y = input[..., :d], input[..., d:]
-    out.copy_(F.gelu(x.float()).to(input.dtype) * y)
-
-
 def _grouped_topk_fake(
     scores: torch.Tensor,
     num_expert_group: int,
@@ -208,55 +190,24 @@ def _grouped_topk_fake(
     return scores.new_empty(shape, dtype=torch.float32), scores.new_empty(shape, dtype=torch.int32)
 
 
-def _compiled(namespace: str, name: str) -> bool:
-    """Is an op of this name registered (a real vLLM build, or ours), not a placeholder or nothing?"""
-    return isinstance(getattr(getattr(torch.ops, namespace), name, None), torch._ops.OpOverloadPacket)
-
-
-def load_vllm_kernels() -> None:
-    """Import vLLM's kernel libraries (what its platform does at start) before anything is registered: a
-    compiled library loaded after our registration of a name it defines would abort the process, and the
-    GPU kit's ``vllm/_C.py`` sets its placeholders when imported."""
-    import vllm._C  # noqa: F401, PLC0415 - vLLM's kernels (or the kit's placeholders), only when installing
-
-    with contextlib.suppress(ImportError):
-        import vllm._moe_C  # noqa: F401, PLC0415 - absent from the CPU build and the GPU kit
-    with contextlib.suppress(ImportError):
-        import vllm.vllm_flash_attn  # noqa: F401, PLC0415 - CUDA builds only (the kit's imports, without kernels)
-
-
-#: name -> (namespace, arguments the op writes, fake implementation for tracing)
+#: name -> (arguments the op writes, fake implementation for tracing), all in ``_moe_C``
 _OPS = {
-    "topk_softmax": ("_moe_C", ("topk_weights", "topk_ids", "token_expert_indices"), None),
-    "topk_sigmoid": ("_moe_C", ("topk_weights", "topk_ids", "token_expert_indices"), None),
-    "grouped_topk": ("_moe_C", (), _grouped_topk_fake),
-    "moe_align_block_size": ("_moe_C", ("sorted_token_ids", "expert_ids", "num_tokens_post_pad"), None),
-    "moe_sum": ("_moe_C", ("output",), None),
-    "silu_and_mul": ("_C", ("out",), None),
-    "gelu_tanh_and_mul": ("_C", ("out",), None),
-    "gelu_and_mul": ("_C", ("out",), None),
+    "topk_softmax": (("topk_weights", "topk_ids", "token_expert_indices"), None),
+    "topk_sigmoid": (("topk_weights", "topk_ids", "token_expert_indices"), None),
+    "grouped_topk": ((), _grouped_topk_fake),
+    "moe_align_block_size": (("sorted_token_ids", "expert_ids", "num_tokens_post_pad"), None),
+    "moe_sum": (("output",), None),
 }
-_MINE: dict[str, object] = {}  # qualified name -> our torch.library op (kept alive)
 
 
 def install() -> dict[str, list[str]]:
-    """Register the stand-ins as ``torch.ops._moe_C.*`` and ``torch.ops._C.silu_and_mul`` where no compiled op of
-    that name is loaded; idempotent. Returns ``{"installed": [...], "kept": [...]}`` (qualified names; kept:
-    a compiled kernel of that name is loaded and stays)."""
+    """Register the stand-ins as ``torch.ops._moe_C.*`` where no compiled op of that name is loaded, and the
+    activation stand-ins the fused MoE calls (:func:`speculators_v016.testing.act_ops.install`); idempotent.
+    Returns ``{"installed": [...], "kept": [...]}`` (qualified names; kept: a compiled kernel of that name is
+    loaded and stays)."""
     load_vllm_kernels()
-    report: dict[str, list[str]] = {"installed": [], "kept": []}
-    for name, (namespace, mutates, fake) in _OPS.items():
-        qualified = f"{namespace}::{name}"
-        if qualified not in _MINE:
-            if _compiled(namespace, name):
-                report["kept"].append(qualified)
-                continue
-            ns = getattr(torch.ops, namespace)
-            if name in vars(ns):  # the kit's placeholder, set as an attribute: let the namespace find the op
-                delattr(ns, name)
-            op = torch.library.custom_op(qualified, globals()[name], mutates_args=mutates)
-            if fake is not None:
-                op.register_fake(fake)
-            _MINE[qualified] = op
-        report["installed"].append(qualified)
-    return report
+    report = empty_report()
+    for name, (mutates, fake) in _OPS.items():
+        register("_moe_C", name, globals()[name], mutates, fake, report)
+    activations = act_ops.install()
+    return {key: report[key] + activations[key] for key in report}

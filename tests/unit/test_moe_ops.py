@@ -1,5 +1,8 @@
 """The torch stand-ins for vLLM's compiled MoE and MLA kernels (GPU tests only), each against plain loops.
 
+(The activation kernels: ``tests/unit/test_act_ops.py``; MLA's prefill with earlier context:
+``tests/unit/test_mla_ops.py``; INT4 experts: ``tests/unit/test_wna16_ops.py``.)
+
 :mod:`speculators_v016.testing.moe_ops` and :mod:`speculators_v016.testing.mla_ops` stand in for
 kernels the GPU kit lacks; here each one is checked on the CPU against a loop that spells out what
 the kernel computes, with the edge cases the engine meets (fewer tokens than a block, experts
@@ -233,7 +236,7 @@ def test_moe_align_block_size_refuses_an_expert_map():
                                      torch.arange(4))  # fmt: skip
 
 
-# -- moe_sum, silu_and_mul, install -----------------------------------------------------------
+# -- moe_sum, install ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("topk", [1, 2, 4])
@@ -246,38 +249,17 @@ def test_moe_sum_matches_a_loop(topk):
     torch.testing.assert_close(out.float(), want, rtol=8e-3, atol=1e-2)
 
 
-def test_silu_and_mul_matches_a_loop():
-    """silu_and_mul: silu of the first half times the second, per element, in the tensors' dtype."""
-    x = torch.randn(5, 2 * 6, generator=gen(11)).to(torch.bfloat16)
-    out = torch.empty(5, 6, dtype=torch.bfloat16)
-    moe_ops.silu_and_mul(out, x)
-    want = torch.tensor(
-        [[a / (1 + math.exp(-a)) * b for a, b in zip(row[:6].tolist(), row[6:].tolist())] for row in x.float()]
-    )
-    torch.testing.assert_close(out.float(), want, rtol=1.6e-2, atol=1e-2)
-
-
-@pytest.mark.parametrize("name", ["gelu_tanh_and_mul", "gelu_and_mul"])
-def test_gelu_and_mul_matches_vllms_compiled_cpu_kernel(name):
-    """gelu(_tanh)_and_mul: the stand-in equals vLLM's compiled CPU kernel of that name within bf16 rounding."""
-    x = torch.randn(7, 2 * 16, generator=gen(15)).to(torch.bfloat16)  # the CPU kernel wants 16-wide halves
-    ours, theirs = torch.empty(7, 16, dtype=torch.bfloat16), torch.empty(7, 16, dtype=torch.bfloat16)
-    getattr(moe_ops, name)(ours, x)
-    getattr(torch.ops._C, name)(theirs, x)
-    torch.testing.assert_close(ours.float(), theirs.float(), rtol=1.6e-2, atol=1e-2)
-    approximate = "tanh" if "tanh" in name else "none"
-    want = torch.nn.functional.gelu(x[:, :16].double(), approximate=approximate) * x[:, 16:].double()
-    torch.testing.assert_close(ours.double(), want, rtol=1.6e-2, atol=1e-2)
-
-
 def test_install_keeps_compiled_kernels(installed):
-    """A compiled op of the same name stays (vLLM's CPU build has _C.silu_and_mul); the missing ones are ours."""
-    assert installed["kept"] == ["_C::silu_and_mul", "_C::gelu_tanh_and_mul", "_C::gelu_and_mul"]
+    """A compiled op of the same name stays (vLLM's CPU build has _C.silu_and_mul); the missing ones are ours, the
+    activations the fused MoE calls included (act_ops)."""
+    assert installed["kept"] == ["_C::silu_and_mul", "_C::gelu_and_mul", "_C::gelu_tanh_and_mul", "_C::gelu_new",
+                                 "_C::gelu_fast", "_C::gelu_quick"]  # fmt: skip
     assert set(installed["installed"]) == {f"_moe_C::{n}" for n in
                                            ("topk_softmax", "topk_sigmoid", "grouped_topk", "moe_align_block_size",
-                                            "moe_sum")}  # fmt: skip
+                                            "moe_sum")} | {"_C::mul_and_silu", "_C::fatrelu_and_mul",
+                                                           "_C::swigluoai_and_mul"}  # fmt: skip
     assert moe_ops.install() == {k: v for k, v in installed.items() if k != "mla"}  # idempotent
-    assert installed["mla"]["installed"] == ["_C_cache_ops::concat_and_cache_mla", "_vllm_fa2_C::varlen_fwd"]
+    assert installed["mla"]["installed"][:2] == ["_C_cache_ops::concat_and_cache_mla", "_vllm_fa2_C::varlen_fwd"]
 
 
 # -- MLA -------------------------------------------------------------------------------------
