@@ -102,13 +102,16 @@ def gpu_cells(results: dict) -> dict[str, str]:
 
 def rows(results: dict, gpu: dict | None = None) -> list[str]:
     """One row per family: its float32 result, beside it its bfloat16 result (``name@bfloat16``) and its results on
-    a GPU (H200, vLLM's own GPU code: ``name@bfloat16@cuda-MODE``, from the GPU tier's runs)."""
+    a GPU (H200, vLLM's own GPU code: ``name@bfloat16@cuda-MODE``, from the GPU tier's runs). A name run on the GPU
+    only (a case of its own, e.g. ``deepseek_v3 (MLA across steps)``) gets a row of its own with the GPU column."""
     lines = [
         "| architecture | vLLM class | aux source | run | max abs error vs transformers (fp32) | tolerance "
         "| bf16: row error vs transformers fp32 | GPU (H200, bf16): row error vs transformers fp32 | note |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    on_gpu = gpu_cells({**(gpu or {}), **results})
+    every = {**(gpu or {}), **results}
+    on_gpu = gpu_cells(every)
+    gpu_runs = {r["name"]: r for r in every.values() if r.get("device", "cpu").startswith("cuda")}
     results = {k: r for k, r in results.items() if r.get("device", "cpu") == "cpu"}
     bf16 = {r["name"]: r for r in results.values() if r.get("dtype") == "bfloat16"}
     fp32 = {key: r for key, r in results.items() if r.get("dtype", "float32") == "float32"}
@@ -125,6 +128,9 @@ def rows(results: dict, gpu: dict | None = None) -> list[str]:
         tol = f"{r['tolerance']:.0e}" if r["tolerance"] is not None else "-"
         run = r["tested"] + (" and bf16" if low else "")
         lines.append(_row(name, f"`{r['model_class']}`", r["aux_source"], run, err, tol, low_cell, gpu_cell, r["note"]))
+    for name in sorted(set(gpu_runs) - set(fp32) - set(bf16), key=str.lower):
+        r = gpu_runs[name]
+        lines.append(_row(name, f"`{r['model_class']}`", r["aux_source"], "GPU only", "-", "-", "-", on_gpu[name], ""))
     for name, (cls, source, how, why) in sorted(NOT_RUN.items()):
         lines.append(_row(name, f"`{cls}`", source, how, "-", "-", "-", "-", why))
     return lines

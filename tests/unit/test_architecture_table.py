@@ -40,3 +40,24 @@ def test_families_run_under_pipeline_parallelism_get_a_table_of_their_own():
     assert [line.split("|")[4].strip() for line in lines[2:]] == ["PP 2", "TP 2 x PP 2"]
     assert "| 0.0e+00 | bit for bit |" in lines[2] and "2.0e-06" in lines[3]
     assert [table._name(line) for line in table.rows(results)[2:]] == ["llama"] + sorted(table.NOT_RUN)
+
+
+def test_a_case_run_on_the_gpu_only_gets_a_row_of_its_own():
+    """A GPU result under a name of its own (MLA across steps) is a row with the GPU column; a family's stays its cell."""
+    table = _table()
+    gpu = {
+        "deepseek_v3@bfloat16@cuda-eager": dict(result("deepseek_v3", "rows: median 1e-02"), device="cuda-eager",
+                                                dtype="bfloat16", model_class="DeepseekV3ForCausalLM"),
+        "deepseek_v3 (MLA across steps)@bfloat16@cuda-compiled": dict(
+            result("deepseek_v3 (MLA across steps)", "rows: median 2e-02, MLA across steps"), device="cuda-compiled",
+            dtype="bfloat16", model_class="DeepseekV3ForCausalLM"),
+    }  # fmt: skip
+    lines = table.rows({"deepseek_v3": result("deepseek_v3", "fp32")}, gpu)
+    names = [table._name(line) for line in lines[2:]]
+    assert names == ["deepseek_v3", "deepseek_v3 (MLA across steps)"] + sorted(table.NOT_RUN)
+    assert "eager: rows: median 1e-02" in lines[2] and "MLA across steps" not in lines[2]
+    cells = [cell.strip() for cell in lines[3].split("|")[1:-1]]
+    assert cells == ["deepseek_v3 (MLA across steps)", "`DeepseekV3ForCausalLM`", "taps", "GPU only", "-", "-", "-",
+                     "compiled: rows: median 2e-02, MLA across steps", ""]  # fmt: skip
+    page = "\n".join([table.BEGIN, *lines, table.END])
+    assert table.keep_unmeasured(lines, page) == lines
