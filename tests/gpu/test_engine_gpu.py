@@ -29,15 +29,17 @@ from helpers.reference import hf_layer_outputs, random_prompts
 from speculators_v016.checks.fidelity import row_errors
 from speculators_v016.engine.generation import Generation
 from speculators_v016.generator import VllmHiddenStatesGenerator
-from speculators_v016.testing import moe_ops
+from speculators_v016.testing import act_ops, moe_ops
 
 pytestmark = requires_vllm_gpu
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel_stand_ins():
-    """Torch stand-ins for compiled ops the GPU kit lacks and vLLM looks up (Gemma's gelu_tanh_and_mul)."""
+    """Torch stand-ins for compiled ops the GPU kit lacks and vLLM looks up (Gemma's gelu_tanh_and_mul, GPT-2-style
+    gelu_new, ...: act_ops)."""
     moe_ops.install()
+    act_ops.install()
 
 
 LENGTHS = [40, 200, 3, 90, 700, 17]

@@ -3,7 +3,7 @@
 Runs with ``../shared/gpu-vllm`` (vLLM's Python code without its compiled libraries): the
 compiled kernels of the fused-MoE and MLA paths are stood in for by torch
 (:mod:`speculators_v016.testing.moe_ops`, :mod:`speculators_v016.testing.mla_ops`,
-each checked against loops in ``tests/unit/test_moe_ops.py``), installed in this process
+:mod:`speculators_v016.testing.act_ops`, each checked against loops in ``tests/unit``), installed in this process
 before any engine starts (the uniprocess executor: the worker is this process). Around
 them everything is vLLM's: its routers (DeepSeek's grouped ``noaux_tc`` routing compiled
 by torch.compile), its Triton fused-MoE GEMMs, MLA with ``TRITON_MLA`` (absorbed decode
@@ -28,8 +28,9 @@ layer off (L+1 for L, the last one on the final norm's input) lands far outside 
 
 Engine arguments: ``SPECULATORS_GPU_ENGINE_ARGS`` (JSON, set by the kit's install.sh)
 merged into the engine's ``extra_engine_args``; DeepSeek's attention backend becomes
-``TRITON_MLA`` (MLA needs the latent size 576: ``deepseek_v3_mla``). Every prompt fits
-in one engine step (MLA's prefill with earlier context needs kernels not stood in).
+``TRITON_MLA`` (MLA needs the latent size 576: ``deepseek_v3_mla``). Every prompt here fits
+in one engine step; prompts spanning several steps (MLA's prefill with earlier context: the
+gather and merge stand-ins) run in ``tests/gpu/test_mla_chunked_gpu.py``.
 Figures are printed (``-s``) and, with ``SPECULATORS_GPU_FIGURES`` set, written there
 as JSON. Skips without CUDA or where vLLM's CUDA platform does not load.
 """
@@ -50,7 +51,7 @@ from speculators_v016.engine import core as engine_core
 from speculators_v016.engine.generation import Generation
 from speculators_v016.engine.stages import StagePlanError
 from speculators_v016.generator import VllmHiddenStatesGenerator
-from speculators_v016.testing import mla_ops, moe_ops
+from speculators_v016.testing import act_ops, mla_ops, moe_ops
 from speculators_v016.worker import capture as worker_capture
 from speculators_v016.worker.stream_proof import DIFFERENT_FACTOR
 
@@ -63,7 +64,7 @@ if SKIP is None:
     os.environ["VLLM_MLA_DISABLE"] = "0"
 
 LAYERS = 4
-LENGTHS = [40, 200, 3, 90]  # 333 tokens: one step at most (max_num_batched_tokens below)
+LENGTHS = [40, 200, 3, 90]  # 333 tokens: one step (max_num_batched_tokens below); across steps: test_mla_chunked_gpu
 MEDIAN_BOUND, ROW_BOUND = ROW_BOUNDS["bfloat16"]
 SEPARATION = 8
 ENGINE = dict(layer_ids=list(range(LAYERS)), max_model_len=512, dtype="bfloat16", max_num_batched_tokens=512,
@@ -88,7 +89,7 @@ def family_engine_args(backend: str | None) -> dict:
 @pytest.fixture(scope="module")
 def stand_ins():
     """The torch stand-ins registered in this process before any engine starts."""
-    report = {"moe": moe_ops.install(), "mla": mla_ops.install()}
+    report = {"moe": moe_ops.install(), "act": act_ops.install(), "mla": mla_ops.install()}
     print(f"\nstand-ins: {report}")
     return report
 

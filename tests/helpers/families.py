@@ -66,10 +66,11 @@ def run_family(model_dir: str, dtype: str, prompts: list[list[int]], engine: dic
     return info, results, checker.result, own, engine_dtype
 
 
-def judge(arch, model_dir, info, results, logit, independent, dtype, prompts):
+def judge(arch, model_dir, info, results, logit, independent, dtype, prompts, reference=None):
     """The assertions shared by bf16 and fp16: proof, margins, bounds, separation, logits, bit-for-bit taps
     (``independent`` None: vLLM's own layers were not read, as in a compiled engine, whose graphs skip hooks).
-    Returns (median row, worst row, share past the row bound) per layer."""
+    ``reference``: transformers' layers of ``prompts`` if already computed. Returns (median row, worst row, share
+    past the row bound) per layer."""
     if independent is not None:
         ours, theirs = independent
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), f"{arch}: taps differ from vLLM's own layers"
@@ -82,7 +83,7 @@ def judge(arch, model_dir, info, results, logit, independent, dtype, prompts):
         assert logit.unavailable and not logit.samples
     else:
         assert logit.ok and logit.samples > 0, logit.line()
-    reference = hf_layer_outputs(model_dir, prompts)
+    reference = reference if reference is not None else hf_layer_outputs(model_dir, prompts)
     figures = []
     for layer in range(LAYERS):
         rows = torch.cat([row_errors(s[layer], ref[layer]) for s, ref in zip(results, reference)])
