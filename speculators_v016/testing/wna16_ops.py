@@ -140,7 +140,7 @@ def moe_wna16_gemm(
         if weights is not None:
             y = y * weights[first:last].unsqueeze(-1)
         y = torch.where(valid[first:last].unsqueeze(-1), y, 0.0)
-        staged.index_put_((ids[first:last].reshape(-1),), y.reshape(-1, size_n), accumulate=True)
+        staged.index_add_(0, ids[first:last].reshape(-1), y.reshape(-1, size_n))  # each pair once; spares add up
     rows_out.copy_(staged[:pairs].to(output.dtype))
 
 
