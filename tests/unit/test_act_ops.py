@@ -15,6 +15,7 @@ from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.model_executor.layers import activation
 
 from speculators_v016.testing import act_ops
+from speculators_v016.testing.op_registry import empty_report, register
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -142,3 +143,25 @@ def test_install_registers_every_activation_op_once(installed):
                                                             "gelu_new", "gelu_fast", "gelu_quick")}  # fmt: skip
     assert act_ops.install() == installed
     assert all(isinstance(getattr(torch.ops._C, name), torch._ops.OpOverloadPacket) for name in act_ops.OPS)
+
+
+def test_a_kit_placeholder_gives_way_and_a_compiled_op_stays():
+    """As on the GPU kit (its _C sets raising placeholders as attributes): the stand-in replaces one; a compiled op
+    of the name (vLLM's CPU build's gelu_new) is kept."""
+    namespace = "_speculators_kit_test"
+
+    def placeholder(*args):
+        raise NotImplementedError(f"torch.ops.{namespace}.gelu_new: vLLM's compiled kernels are not in this kit")
+
+    getattr(torch.ops, namespace).gelu_new = placeholder
+    x, out = torch.randn(6, generator=gen(50)), torch.empty(6)
+    with pytest.raises(NotImplementedError, match="not in this kit"):
+        getattr(torch.ops, namespace).gelu_new(out, x)
+    report = empty_report()
+    register(namespace, "gelu_new", act_ops.gelu_new, ("out",), None, report)
+    getattr(torch.ops, namespace).gelu_new(out, x)
+    assert report == {"installed": [f"{namespace}::gelu_new"], "kept": []}
+    torch.testing.assert_close(out.double(), by_formula(ELEMENTWISE["gelu_new"], x), rtol=1e-5, atol=1e-6)
+    compiled = empty_report()
+    register("_C", "gelu_new", act_ops.gelu_new, ("out",), None, compiled)
+    assert compiled == {"installed": [], "kept": ["_C::gelu_new"]}
