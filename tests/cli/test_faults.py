@@ -167,7 +167,8 @@ def test_a_failed_execute_model_is_the_first_error_named(tmp_path, model_dir, da
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert errors, result.output
     assert re.fullmatch(
-        rf"error: ExecuteModelError: vLLM's execute_model failed at step \d+: RuntimeError: {PLANTED_FAILURE}", errors[0]
+        rf"error: ExecuteModelError: vLLM's execute_model failed at step \d+: RuntimeError: {PLANTED_FAILURE}",
+        errors[0],
     ), result.output
     assert "holds no aux hidden states" not in errors[0]
     assert_resumes_to_reference(model_dir, data_file, out, reference)
