@@ -32,10 +32,15 @@ loop and through vLLM's own ``invoke_fused_moe_wna16_cuda_kernel``; the steering
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from speculators_v016.testing.op_registry import compiled, empty_report, load_vllm_kernels, register
 
+#: Calls of the stand-in in this process, by op name (its Python body: eager steps, and the captures of CUDA graphs,
+#: whose replays run it without Python).
+CALLS: Counter[str] = Counter()
 #: What vLLM's Marlin MoE method calls: ``(namespace, name)``; absent any of them, vLLM is steered off it.
 MARLIN_OPS = (("_moe_C", "moe_wna16_marlin_gemm"), ("_C", "gptq_marlin_repack"))
 #: Bytes one pass of :func:`moe_wna16_gemm` may hold while it dequantizes its blocks' experts (about six float32
@@ -96,6 +101,7 @@ def moe_wna16_gemm(
     ``BLOCK_SIZE_K``, ``BLOCK_SIZE_K`` 1, 2, 4 or 8 groups, ``BLOCK_SIZE_M <= 64``. ``BLOCK_SIZE_N`` only
     tiles the kernel's work. Writes ``output`` in place (the kernel also returns it; vLLM's wrapper drops it).
     """
+    CALLS["moe_wna16_gemm"] += 1
     size_m, size_k = input.shape
     size_n = b_qweight.shape[1]
     group = size_k // b_scales.shape[2]

@@ -193,6 +193,7 @@ def test_vllms_fused_experts_runs_int4_experts_through_the_stand_in(monkeypatch)
     x = torch.randn(tokens, k, generator=g).to(torch.bfloat16)
     topk_ids, topk_weights = routing(tokens, topk, experts, seed=41)
     config = int4_w4a16_moe_quant_config(w1_scale=s1, w2_scale=s2, w1_zp=None, w2_zp=None, block_shape=[0, GROUP])
+    before = wna16_ops.CALLS["moe_wna16_gemm"]
     with set_current_vllm_config(VllmConfig()):
         out = fused_moe_module.fused_experts(x, pack_low_first(c1, 2), pack_low_first(c2, 2), topk_weights, topk_ids,
                                              quant_config=config)  # fmt: skip
@@ -203,6 +204,7 @@ def test_vllms_fused_experts_runs_int4_experts_through_the_stand_in(monkeypatch)
             h = x[t].float() @ w1[topk_ids[t, j]].T
             want[t] += topk_weights[t, j] * ((torch.nn.functional.silu(h[:n]) * h[n:]) @ w2[topk_ids[t, j]].T)
     assert calls == [4, 4]  # both GEMMs, 4-bit, through vLLM's wrapper into the stand-in
+    assert wna16_ops.CALLS["moe_wna16_gemm"] == before + 2  # and the stand-in ran them
     assert row_errors(out, want).max() < 1.5e-2
 
 
