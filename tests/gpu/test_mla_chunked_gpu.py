@@ -86,7 +86,7 @@ def mla_engine_args() -> dict:
 
 
 class Pieces:
-    """What the assembler was handed, step by step: (prompt key, first position, rows) per request."""
+    """What the assembler was handed, step by step: (prompt key, first position, rows) per prompt piece."""
 
     def __init__(self):
         self.steps: list[list[tuple]] = []
@@ -116,8 +116,10 @@ def watched_assembly(pieces: Pieces, plant: bool = False):
     real_add, real_rows = Assembler.add, Assembler._add_rows
 
     def add(self, capture):
-        keys = [self._requests[r].key[0] if r in self._requests else r for r in capture.req_ids]  # (key, ids, rid)
-        pieces.steps.append(list(zip(keys, capture.starts, capture.counts)))
+        requests = self._requests  # their keys: (the prompt's key, ids, request id)
+        pieces.steps.append([(requests[r].key[0], start, rows) for r, start, rows in
+                             zip(capture.req_ids, capture.starts, capture.counts)
+                             if r in requests and start < requests[r].prompt_len])  # prompt rows only  # fmt: skip
         real_add(self, capture)
 
     def repeat_previous_row(self, req_id, start, rows, scales=None):
