@@ -41,6 +41,12 @@ from speculators_v016.testing.op_registry import compiled, empty_report, load_vl
 #: Calls of the stand-in in this process, by op name (its Python body: eager steps, and the captures of CUDA graphs,
 #: whose replays run it without Python).
 CALLS: Counter[str] = Counter()
+#: Calls the compiled kernel itself refuses ("BLOCK_SIZE_K // group_size must be one of [1, 2, 4, 8]") and the
+#: stand-in computes: vLLM 0.16's block config for the CUDA WNA16 path picks BLOCK_SIZE_K 512 at K = 7168 with
+#: groups of 32 (Kimi-K2.5's experts: 16 groups a block), so a vLLM 0.16 build without Marlin fails Kimi's
+#: decode-sized MoE steps there. A real build serves Kimi's experts through Marlin and never takes this path;
+#: the kit computes the same product (the block size only tiles the kernel's work) and counts it here.
+KERNEL_REFUSES = "moe_wna16_gemm: BLOCK_SIZE_K // group not 1, 2, 4 or 8 (the compiled kernel refuses)"
 #: What vLLM's Marlin MoE method calls: ``(namespace, name)``; absent any of them, vLLM is steered off it.
 MARLIN_OPS = (("_moe_C", "moe_wna16_marlin_gemm"), ("_C", "gptq_marlin_repack"))
 #: Bytes one pass of :func:`moe_wna16_gemm` may hold while it dequantizes its blocks' experts (about six float32
@@ -98,7 +104,8 @@ def moe_wna16_gemm(
     does), accumulated in float32 and rounded once (the kernel adds bf16 partial sums per K block: its own
     rounding differs by a few ulps). Only the first ``min(len, M * BLOCK_SIZE_M * top_k)`` entries are read
     where ``M <= BLOCK_SIZE_M``, as the kernel. Its checks are kept: 4 or 8 bits, bf16/fp16, K a multiple of
-    ``BLOCK_SIZE_K``, ``BLOCK_SIZE_K`` 1, 2, 4 or 8 groups, ``BLOCK_SIZE_M <= 64``. ``BLOCK_SIZE_N`` only
+    ``BLOCK_SIZE_K``, ``BLOCK_SIZE_K`` a multiple of the group, ``BLOCK_SIZE_M <= 64``; the kernel's limit of 1, 2, 4
+    or 8 groups a block is counted (:data:`KERNEL_REFUSES`), not enforced. ``BLOCK_SIZE_N`` only
     tiles the kernel's work. Writes ``output`` in place (the kernel also returns it; vLLM's wrapper drops it).
     """
     CALLS["moe_wna16_gemm"] += 1
@@ -109,9 +116,11 @@ def moe_wna16_gemm(
         raise ValueError(f"moe_wna16_gemm stand-in: bit must be 4 or 8, not {bit}")
     if input.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"moe_wna16_gemm stand-in: only bfloat16 and float16, not {input.dtype}")
-    if size_k % BLOCK_SIZE_K or BLOCK_SIZE_K % group or BLOCK_SIZE_K // group not in (1, 2, 4, 8):
+    if size_k % BLOCK_SIZE_K or BLOCK_SIZE_K % group:
         raise ValueError(f"moe_wna16_gemm stand-in: K {size_k}, BLOCK_SIZE_K {BLOCK_SIZE_K}, group {group}: "
-                         "K must be a multiple of BLOCK_SIZE_K, which must be 1, 2, 4 or 8 groups")  # fmt: skip
+                         "K must be a multiple of BLOCK_SIZE_K, which must be a multiple of the group")  # fmt: skip
+    if BLOCK_SIZE_K // group not in (1, 2, 4, 8):  # the compiled kernel refuses it (KERNEL_REFUSES)
+        CALLS[KERNEL_REFUSES] += 1
     if BLOCK_SIZE_M > 64:
         raise ValueError(f"moe_wna16_gemm stand-in: BLOCK_SIZE_M {BLOCK_SIZE_M} > 64")
     rows_out = output.view(-1, size_n)  # refuses a non-contiguous output: the kernel writes [pairs, N] rows

@@ -275,3 +275,21 @@ def test_install_registers_the_gemm_and_steers_here(installed):
     assert installed["wna16"] == {"installed": ["_moe_C::moe_wna16_gemm"], "kept": [],
                                   "steered": ["compressed_tensors_moe.check_moe_marlin_supports_layer"]}  # fmt: skip
     assert wna16_ops.install() == installed["wna16"]
+
+
+def test_sixteen_groups_a_block_are_computed_and_counted():
+    """BLOCK_SIZE_K 16 groups (vLLM's block config at Kimi's K 7168, group 32; the kernel refuses it): computed, counted."""
+    tokens, topk, experts, n, k = 2, 2, 4, 32, 16 * GROUP
+    g = gen(41)
+    codes = torch.randint(0, 16, (experts, n, k), generator=g)
+    scales = (torch.rand(experts, n, k // GROUP, generator=g) * 0.02 + 0.005).to(torch.bfloat16)
+    x = torch.randn(tokens, k, generator=g).to(torch.bfloat16)
+    topk_ids, topk_weights = routing(tokens, topk, experts, seed=42)
+    sorted_ids, expert_ids, post_pad = aligned(topk_ids, experts, 4)
+    out = torch.empty(tokens, topk, n, dtype=torch.bfloat16)
+    before = wna16_ops.CALLS[wna16_ops.KERNEL_REFUSES]
+    wna16_ops.moe_wna16_gemm(x, out, pack_low_first(codes, 2), scales, None, topk_weights, sorted_ids, expert_ids,
+                             post_pad, topk, 4, 32, k, 4)  # fmt: skip
+    assert wna16_ops.CALLS[wna16_ops.KERNEL_REFUSES] == before + 1
+    want = loop_gemm(x, dequantized(codes, scales), topk_ids, topk_weights)
+    assert row_errors(out.view(-1, n), want).max() < ROW_TOLERANCE
