@@ -45,7 +45,8 @@ def run(model_dir, data, out, *extra, **options):
 
 def assert_ok(result, executor: str = "uni") -> None:
     assert result.exit_code == 0, result.output[-6000:]
-    assert f"bfloat16, TP 1, {executor} executor, async scheduling on, compiled" in result.output, result.output
+    started = rf"bfloat16( \(stored as fp8_e4m3\))?, TP 1, {executor} executor, async scheduling on, compiled"
+    assert re.search(started, result.output), result.output
     assert re.search(r"logit check: ok \(\d+ samples", result.output), result.output
     assert f"verify:     ok ({COUNT} samples" in result.output, result.output
 

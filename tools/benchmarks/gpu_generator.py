@@ -116,9 +116,10 @@ def side(args: dict) -> None:
     batch = prompts(args["count"], args["low"], args["high"], args["vocab"])
     warm = prompts(8, args["low"], args["high"], args["vocab"], seed=1)
     settings = engine_settings(args)
-    if args.get("kimi"):  # before any engine: this process, and (fork) the engine core's, see the stand-ins
+    if args.get("kimi"):  # before any engine: this process sees the stand-ins, and vLLM's engine core runs in it
         from speculators_v016.testing import gpu_kit  # noqa: PLC0415 - the GPU kit's stand-ins, kimi only
 
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # a spawned core would not have them (as ours, in-process)
         gpu_kit.install()
     memory = None
     if args["side"] == "vllm":
