@@ -19,6 +19,7 @@ however long the input is.
 from __future__ import annotations
 
 import gc
+import os
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -30,6 +31,7 @@ import torch
 from loguru import logger
 
 from speculators_v016.config import EngineConfig
+from speculators_v016.engine import worker_env
 from speculators_v016.engine.assembly import (
     Allocate,
     Assembler,
@@ -181,6 +183,13 @@ class CaptureEngine:
         # executor exists and the workers receive the config.
         config.scheduler_config.async_scheduling = use_async
         self.async_scheduling = use_async
+        worker_env.check(  # what vLLM's workers would fail on after they started
+            os.environ,
+            cpu=config.device_config.device_type == "cpu",
+            workers=config.parallel_config.world_size,
+            stages=config.parallel_config.pipeline_parallel_size,
+            num_layers=config.model_config.hf_text_config.num_hidden_layers,
+        )
         return config
 
     def _start(self, config) -> None:
@@ -201,7 +210,9 @@ class CaptureEngine:
         try:
             self.ring = self._make_ring(config)
             try:
-                with self._recording():  # vLLM's queues and semaphores, recorded as they appear
+                cpu, workers = config.device_config.device_type == "cpu", config.parallel_config.world_size
+                # vLLM's queues and semaphores, recorded as they appear; CPU workers bound where vLLM cannot
+                with self._recording(), worker_env.workers_bound(cpu and self.executor_kind == "mp", workers):
                     self.core = EngineCore(
                         config,
                         capture_executor(executor_class, self.capture, self.ring),

@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,14 +48,23 @@ def generate(model, data, out, *extra, env=None):
     )  # fmt: skip
 
 
-def parallel(model, data, out, pp, tp=1, env=None, *extra, checked=COUNT):
+def parallel(model, data, out, pp, tp=1, env=None, *extra, checked=COUNT, bound=True):
     """A run with ``pp`` stages of ``tp`` workers each; it must pass its own logit check (of ``checked`` samples,
-    those it wrote) and verify."""
+    those it wrote) and verify. ``bound=False``: VLLM_CPU_OMP_THREADS_BIND left unset, as users run it."""
     result = generate(
         model, data, out, "--pipeline-parallel-size", pp, "--tensor-parallel-size", tp, *extra,
-        env={**bind(pp * tp), **(env or {})},
+        env={**(bind(pp * tp) if bound else {}), **(env or {})},
     )  # fmt: skip
     assert result.exit_code == 0, result.output[-3000:]
+    if not bound:  # the run bound its workers to the cores it may use (vLLM's own binding asserts on one node)
+        log = Path(re.search(r"log: +(\S+)", result.output).group(1))
+        cores = sorted(os.sched_getaffinity(0))
+        expected = "|".join(map(str, cores)) if len(cores) == pp * tp else None
+        found = re.search(
+            r"fewer NUMA nodes than workers .*: VLLM_CPU_OMP_THREADS_BIND=(\S+) from the cores", log.read_text()
+        )
+        assert found, log.read_text()[-3000:]
+        assert expected is None or found.group(1) == expected
     assert (
         f"TP {tp} x PP {pp}, mp executor, async scheduling {'on' if '--pipeline-async-scheduling' in extra else 'OFF'}"
         in result.output
@@ -97,8 +107,40 @@ def deepseek_pp1(tmp_path_factory, tiny_model, data_file):
 
 
 def test_pp2_files_equal_pp1_bit_for_bit(llama_pp1, model_dir, data_file, tmp_path):
-    """Llama, PP 2 (stages 0..3 and 4..7): logit check and verify pass, every layer equals PP 1 bit for bit."""
-    assert differences(llama_pp1, parallel(model_dir, data_file, tmp_path / "out", 2)) == [0.0] * len(LAYERS)
+    """Llama, PP 2 (stages 0..3 and 4..7), VLLM_CPU_OMP_THREADS_BIND unset (the run binds its two workers): logit
+    check and verify pass, every layer equals PP 1 bit for bit."""
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+    pp2 = parallel(model_dir, data_file, tmp_path / "out", 2, bound=False)
+    assert differences(llama_pp1, pp2) == [0.0] * len(LAYERS)
+
+
+@pytest.mark.parametrize(
+    "variables, needle",
+    [
+        (
+            {"VLLM_PP_LAYER_PARTITION": "3,4"},
+            "environment variable VLLM_PP_LAYER_PARTITION='3,4': the entries sum to 7, the target has 8 layers",
+        ),
+        (
+            {"VLLM_PP_LAYER_PARTITION": "4,x"},
+            "environment variable VLLM_PP_LAYER_PARTITION='4,x': 'x' not a whole number >= 1",
+        ),
+        (
+            {"VLLM_CPU_OMP_THREADS_BIND": "0"},
+            "environment variable VLLM_CPU_OMP_THREADS_BIND='0' names the cores of 1 workers",
+        ),
+    ],
+    ids=["partition-sum", "partition-entry", "binding-too-short"],
+)
+def test_variables_the_workers_would_fail_on_are_a_usage_error(model_dir, data_file, tmp_path, variables, needle):
+    """A malformed VLLM_PP_LAYER_PARTITION, a binding naming too few workers: exit 2 naming the variable, before the
+    dataset is read and any worker starts (vLLM's own failure: exit 5 after the workers started)."""
+    out = tmp_path / "out"
+    result = generate(model_dir, data_file, out, "--pipeline-parallel-size", 2, env=variables)
+    assert result.exit_code == 2, result.output[-3000:]
+    assert f"error: {needle}" in result.output, result.output[-3000:]
+    assert "Initializing a V1 LLM engine" not in result.output and "Traceback" not in result.output
+    assert not (out / "manifest.jsonl").exists() and not (out / "data_config.json").exists()
 
 
 def test_an_uneven_split_with_async_scheduling_equals_pp1(llama_pp1, model_dir, data_file, tmp_path):
