@@ -49,6 +49,8 @@ from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from speculators_v016.redact import redact
+
 ENV_PREFIX = "SPECULATORS_DATA_GEN"
 
 # -- choices --------------------------------------------------------------
@@ -299,6 +301,17 @@ ENGINE_ARGS_REFUSED = {
         (1,),
         "a run drives one engine core; split the data over runs with --num-shards and --shard-index instead",
     ),
+    "kv_transfer_config": (
+        (None,),
+        "a KV connector loads keys and values computed elsewhere into the prompts, whose positions are then not "
+        "computed here: their states would be missing, or those of whatever filled the cache",
+    ),
+    "model_weights": (
+        ("",),
+        "it points vLLM's sharded_state and runai_streamer loaders at other weights than --target-model-path "
+        "(every other loader ignores it), while the fingerprint, the checks and data_config.json describe "
+        "--target-model-path; give the weights' folder as --target-model-path",
+    ),
 }
 
 
@@ -321,7 +334,7 @@ def refuse_engine_args(args: Mapping[str, Any]) -> None:
         if key in ENGINE_ARGS_REFUSED:
             allowed, why = ENGINE_ARGS_REFUSED[key]
             if not any(value == a and type(value) is type(a) for a in allowed):
-                raise ConfigError(f"{key}={value!r} is refused: {why}", option)
+                raise ConfigError(f"{key}={redact(value)!r} is refused: {why}", option)
 
 
 def visible_gpus() -> int:

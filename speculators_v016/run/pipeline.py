@@ -40,10 +40,12 @@ from speculators_v016.checks.self_check import HoldBack, NonFiniteError
 from speculators_v016.checks.self_check import SelfCheckError as SelfCheckError  # re-exported: callers import it here
 from speculators_v016.checks.zero_embeddings import zero_embedding_ids
 from speculators_v016.config import RunConfig
+from speculators_v016.engine import arg_kinds
 from speculators_v016.engine.buffer_pool import BufferPool
-from speculators_v016.engine.engine_args import check_engine_args
+from speculators_v016.engine.engine_args import check_engine_args, vllm_defaults
 from speculators_v016.generator import VllmHiddenStatesGenerator
 from speculators_v016.layers import LayerPlan
+from speculators_v016.redact import redact
 from speculators_v016.run.dataset import PreparedSamples, prepare_samples
 from speculators_v016.run.regenerate import RegenerationWork
 from speculators_v016.shared.shm_records import reclaim_and_log
@@ -53,11 +55,16 @@ from speculators_v016.store.atomic_files import WriteError
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.outdir import OutputDir, ShardedRoot, shard_dir
 from speculators_v016.store.regenerated import NOT_GENERATED, STOPPED, not_generated
-from speculators_v016.store.sample_format import parse_sample_name
+from speculators_v016.store.sample_format import MODEL_ARGS_KEY, parse_sample_name
 from speculators_v016.store.writer import SampleWriter
 from speculators_v016.target import PromptError, TargetInfo, check_token_ids
 
 FINISHED = {"stop": "ended by the target", "length": "cut at --max-new-tokens (kept, marked)"}
+#: What the start line and the summary say of the --engine-args that change the model.
+MODEL_ARGS_NOTE = (
+    "--engine-args that change the model's computation or tokenization: the states are of the model so changed; "
+    "data_config.json and each file's header name them"
+)
 
 
 @dataclass
@@ -76,11 +83,14 @@ class RunSummary:
     regenerated: dict = field(default_factory=dict)  # --regenerate: turns by finish reason
     conversations: dict = field(default_factory=dict)  # --regenerate: conversations by how they went into samples
     stopped: dict = field(default_factory=dict)  # --regenerate: conversations stopped at a tool call, by why
+    model_args: dict = field(default_factory=dict)  # --engine-args that change the model (engine.arg_kinds)
 
     def lines(self) -> list[str]:
         rate = self.tokens / self.generation_seconds if self.generation_seconds else 0.0
-        out = [
-            f"output:     {self.output_dir}",
+        out = [f"output:     {self.output_dir}"]
+        if self.model_args:
+            out.append(f"model args: {arg_kinds.describe(self.model_args)} ({MODEL_ARGS_NOTE})")
+        out += [
             f"written:    {self.written} samples ({self.already_done} already done before this run)",
             f"tokens:     {self.tokens} in {self.generation_seconds:.1f} s of generation to the last file made durable "
             f"({rate:,.0f} tokens/s; {self.seconds:.1f} s in all)",
@@ -144,9 +154,10 @@ def fingerprint(opts: RunConfig, samples, layer_ids: list[int]) -> dict:
         generation["hidden_states_dtype"] = opts.engine.hidden_states_dtype
     if opts.regenerate:  # absent otherwise: folders of earlier releases still resume
         generation["regenerate"] = samples.describe()
-    if opts.engine.extra_engine_args:  # absent without: folders of earlier releases still resume
-        generation["engine_args"] = opts.engine.extra_engine_args
-    return {
+    extra = opts.engine.extra_engine_args
+    if extra:  # absent without: folders of earlier releases still resume
+        generation["engine_args"] = redact(extra)  # a secret is named, never written (the resume check skips it)
+    out = {
         "model": run_config.model_fingerprint(opts.engine.model),
         "dataset": {"sources": samples.sources, "kind": samples.kind},
         "preprocessing": {
@@ -158,6 +169,14 @@ def fingerprint(opts: RunConfig, samples, layer_ids: list[int]) -> dict:
         },
         "generation": generation,
     }
+    files = {k: run_config.files_fingerprint(extra[k]) for k in FILE_ARGS if isinstance(extra.get(k), str)}
+    if files:  # absent without: folders of earlier releases still resume
+        out["engine_arg_files"] = files
+    return out
+
+
+#: Engine arguments naming a tokenizer or a config whose contents the fingerprint holds.
+FILE_ARGS = ("tokenizer", "hf_config_path")
 
 
 def run(opts: RunConfig, progress_to=None) -> RunSummary:
@@ -170,6 +189,7 @@ def run(opts: RunConfig, progress_to=None) -> RunSummary:
     target = TargetInfo.read(opts.engine.model, opts.engine.trust_remote_code)
     plan = LayerPlan.build(target.num_layers, opts.layer_ids)
     summary = RunSummary(str(directory))
+    summary.model_args = arg_kinds.model_changing(opts.engine.extra_engine_args, vllm_defaults())
     root = ShardedRoot(Path(opts.output_dir), opts.num_shards) if opts.num_shards > 1 else nullcontext()
     with root, OutputDir(directory) as out:
         if out.removed_leftovers:
@@ -243,8 +263,12 @@ def run(opts: RunConfig, progress_to=None) -> RunSummary:
             config["speculators_v016"]["checksum"] = algorithm  # an earlier release's folder: now said
             config["speculators_v016"]["zero_embedding_token_ids"] = sorted(zero_ids)  # verify's screen reads them
             run_config.save(directory, config)
-            _announce(generator, opts, len(pending), summary.already_done)
-            _generate(generator, work, pending, directory, opts, summary, progress_to, cpus, algorithm, done, zero_ids)
+            _announce(generator, opts, len(pending), summary.already_done, summary.model_args)
+            model_args = config["speculators_v016"].get(MODEL_ARGS_KEY) or {}  # what verify expects in headers
+            _generate(
+                generator, work, pending, directory, opts, summary, progress_to, cpus, algorithm, done, zero_ids,
+                model_args,
+            )  # fmt: skip
         finally:
             generator.shutdown()
         if opts.regenerate and opts.token_freq_path:
@@ -285,13 +309,14 @@ def zero_embedding_rows(model: str, vocab_size: int) -> frozenset[int]:
     return zero_ids
 
 
-def _announce(generator, opts: RunConfig, pending: int, done: int) -> None:
-    """The start line: what runs, with the settings that matter."""
+def _announce(generator, opts: RunConfig, pending: int, done: int, model_args: dict) -> None:
+    """The start line: what runs, with the settings that matter (and the engine arguments changing the model)."""
     engine = generator.engine
     s = engine.config
+    changed = f"; MODEL CHANGED by --engine-args {arg_kinds.describe(model_args)}" if model_args else ""
     logger.bind(terminal=True).info(
         "{}: layers {} (vLLM aux ids {}), {}, TP {}{}, {} executor, async scheduling {}, {}, "
-        "max_num_seqs {}, max_num_batched_tokens {}; {} samples to write{}",
+        "max_num_seqs {}, max_num_batched_tokens {}{}; {} samples to write{}",
         s.model,
         list(generator.plan.layer_ids),
         list(generator.plan.vllm_ids),
@@ -303,6 +328,7 @@ def _announce(generator, opts: RunConfig, pending: int, done: int) -> None:
         "eager" if s.enforce_eager else "compiled",
         s.max_num_seqs,
         engine.max_num_batched_tokens,
+        changed,
         pending,
         f" ({done} already done)" if done else "",
     )
@@ -320,6 +346,7 @@ def _generate(
     algorithm: str = checksums.DEFAULT,
     done: dict | None = None,
     zero_ids: frozenset[int] = frozenset(),
+    model_args: dict | None = None,
 ) -> None:
     layer_ids = list(generator.plan.layer_ids)
     engine = generator.engine
@@ -339,6 +366,7 @@ def _generate(
         non_finite=non_finite_reason(layer_ids),
         cpus=cpus,
         checksum=algorithm,
+        model_args=model_args,
     )
 
     def put(name: int, sample: dict, record: dict | None = None) -> None:
@@ -543,6 +571,8 @@ def _new_config(generator, opts: RunConfig, samples, fp: dict, shard_samples: in
         "start_idx": opts.start_idx,
         "shard": {"index": opts.shard_index, "count": opts.num_shards, "samples": shard_samples},
         "dataset_samples": samples.count,
+        # what the trainer should know: the engine arguments that changed the model ({}: none); each header too
+        MODEL_ARGS_KEY: arg_kinds.model_changing(opts.engine.extra_engine_args, vllm_defaults()),
         "fingerprint": fp,
     }
     if opts.regenerate:

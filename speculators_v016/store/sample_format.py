@@ -96,11 +96,19 @@ def safetensors_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]
     return [struct.pack("<Q", len(text)) + text, *buffers]
 
 
-def header_metadata(layer_ids: list[int], quantized: bool) -> dict[str, str]:
-    """The ``__metadata__`` of a safetensors sample file, exactly as written."""
+#: The header field naming the engine arguments that changed the model (``data_config.json``'s
+#: ``speculators_v016.model_changing_engine_args``, as compact JSON); absent where none did.
+MODEL_ARGS_KEY = "model_changing_engine_args"
+
+
+def header_metadata(layer_ids: list[int], quantized: bool, model_args: dict | None = None) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors sample file, exactly as written (``model_args``: the engine
+    arguments that changed the model, secrets already redacted)."""
     metadata = {"format": FORMAT_TAG, "layer_ids": ",".join(map(str, layer_ids))}
     if quantized:
         metadata.update(hidden_states_dtype=fp8.NAME, hidden_states_scaling=fp8.SCALING)
+    if model_args:
+        metadata[MODEL_ARGS_KEY] = json.dumps(model_args, sort_keys=True, separators=(",", ":"))
     return metadata
 
 
@@ -110,16 +118,19 @@ def read_header_metadata(path: str | Path) -> dict:
         return dict(fh.metadata() or {})
 
 
-def encode_parts(sample: dict, fmt: str, layer_ids: list[int]) -> list:
+def encode_parts(sample: dict, fmt: str, layer_ids: list[int], model_args: dict | None = None) -> list:
     """The file contents of one sample, as buffers to write in order.
 
     ``sample["hidden_states"]`` holds one tensor per layer, or one
     :class:`~speculators_v016.fp8.Fp8States` per layer (safetensors only).
+    ``model_args``: see :func:`header_metadata`.
     """
-    return encode_typed(sample, fmt, layer_ids)[0]
+    return encode_typed(sample, fmt, layer_ids, model_args)[0]
 
 
-def encode_typed(sample: dict, fmt: str, layer_ids: list[int]) -> tuple[list, list | None]:
+def encode_typed(
+    sample: dict, fmt: str, layer_ids: list[int], model_args: dict | None = None
+) -> tuple[list, list | None]:
     """:func:`encode_parts`, and the dtype of each buffer's elements (None for the header).
 
     The dtypes are None as a whole for ``.pt``: its one buffer is pickled, its
@@ -131,7 +142,7 @@ def encode_typed(sample: dict, fmt: str, layer_ids: list[int]) -> tuple[list, li
         raise ValueError("a sample mixes FP8 and unquantized layers")
     if fmt == "safetensors":
         tensors = {"input_ids": sample["input_ids"], "loss_mask": sample["loss_mask"]}
-        metadata = header_metadata(layer_ids, bool(quantized) and all(quantized))
+        metadata = header_metadata(layer_ids, bool(quantized) and all(quantized), model_args)
         if quantized and all(quantized):
             tensors.update({f"hidden_states.{j}": h.codes for j, h in enumerate(states)})
             tensors.update({SCALE_KEY.format(j): h.scales for j, h in enumerate(states)})

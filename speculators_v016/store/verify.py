@@ -43,6 +43,7 @@ from speculators_v016.store.outdir import CONFIG, SHARD_DIR, is_ours, unsharded_
 from speculators_v016.store.run_config import file_sha256
 from speculators_v016.store.sample_format import (
     FORMATS,
+    MODEL_ARGS_KEY,
     header_metadata,
     load_sample,
     parse_sample_name,
@@ -84,6 +85,7 @@ class FolderSettings:
     regenerated: bool = False  # a --regenerate run's folder: its text is checked against its samples
     zero_ids: frozenset[int] = frozenset()  # tokens whose input embedding row is zero (the run recorded them)
     model: dict | None = None  # the fingerprint's target: its folder and tokenizer files' sha256
+    model_args: dict = field(default_factory=dict)  # engine arguments that changed the model (in every header)
 
 
 def _field(config: dict, path: str, kind):
@@ -123,6 +125,9 @@ def folder_settings(folder: Path) -> FolderSettings | None:
         storage = config["speculators_v016"].get("hidden_states_dtype", "auto")  # absent: earlier releases
         if storage not in ("auto", fp8.NAME):
             raise ConfigError(f"field speculators_v016.hidden_states_dtype is {storage!r}, not 'auto' or {fp8.NAME!r}")
+        model_args = config["speculators_v016"].get(MODEL_ARGS_KEY) or {}  # absent: earlier releases, or none
+        if not isinstance(model_args, dict):
+            raise ConfigError(f"field speculators_v016.{MODEL_ARGS_KEY} is {model_args!r}, not an object")
         zero_ids = config["speculators_v016"].get("zero_embedding_token_ids") or []  # absent: earlier releases
         if not isinstance(zero_ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in zero_ids):
             raise ConfigError("field speculators_v016.zero_embedding_token_ids is not a list of token ids")
@@ -140,6 +145,7 @@ def folder_settings(folder: Path) -> FolderSettings | None:
             regenerated=bool(config["speculators_v016"].get("regenerate")),
             zero_ids=frozenset(zero_ids),
             model=_model_of(config),
+            model_args=model_args,
         )
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
@@ -213,6 +219,7 @@ def _check_sample(
     dtype: str,
     storage: str = "auto",
     zero_ids: frozenset[int] = frozenset(),
+    model_args: dict | None = None,
 ) -> tuple[int, list[str]]:
     try:
         data = load_sample(path, dequantize_to=None)
@@ -244,7 +251,7 @@ def _check_sample(
         elif not bool(torch.isfinite(h).all()):
             problems.append(f"{path}: hidden_states[{j}] has NaN or Inf")
     if not problems and path.suffix == ".safetensors":
-        written = header_metadata(layer_ids, storage == fp8.NAME)
+        written = header_metadata(layer_ids, storage == fp8.NAME, model_args)
         found = read_header_metadata(path)
         if found != written:
             changed = sorted(k for k in written.keys() | found.keys() if written.get(k) != found.get(k))
@@ -371,7 +378,9 @@ def _verify_folder(
         if len(data) != entry.bytes or checksum.of_bytes(data, entry.algorithm) != entry.digest:
             report.problems.append(f"{path}: size or {entry.algorithm} differs from the manifest")
             continue
-        length, problems = _check_sample(path, settings.layer_ids, hidden, dtype, settings.storage, settings.zero_ids)
+        length, problems = _check_sample(
+            path, settings.layer_ids, hidden, dtype, settings.storage, settings.zero_ids, settings.model_args
+        )
         report.problems += problems
         if settings.regenerated and not problems:
             found = regenerated.sample_problems(path, journal.get(index), journal)

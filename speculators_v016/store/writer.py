@@ -72,6 +72,7 @@ class SampleWriter:
     and threads inherit that pin, so a writer made after a uniprocess engine
     started would otherwise hash and write on that one core. ``checksum``: the
     manifest's digest algorithm (a resumed folder's own, :mod:`~speculators_v016.store.checksum`).
+    ``model_args``: the engine arguments that changed the model, named in each safetensors header.
     ``non_finite``: samples holding NaN/Inf are not written; it returns the
     reason :meth:`take_rejected` reports (None for a clean sample), and is
     called on such samples only (``.pt``: on every sample, before its write).
@@ -91,12 +92,14 @@ class SampleWriter:
         commit_interval: float = DEFAULT_COMMIT_INTERVAL,
         nice: int = WRITER_NICE_INCREMENT,
         checksum: str = checksums.DEFAULT,
+        model_args: dict | None = None,
     ):
         if workers < 1:
             raise ValueError(f"write workers must be at least 1, got {workers}")
         checksums.new(checksum)  # an unknown algorithm is refused here, not in a worker
         self.checksum = checksum
         self.directory, self.fmt, self.layer_ids = Path(directory), fmt, layer_ids
+        self.model_args = model_args or {}
         self.manifest = Manifest(self.directory)
         self.queue: queue.Queue = queue.Queue(maxsize=bound)
         self.reject, self.non_finite = reject, non_finite
@@ -144,7 +147,7 @@ class SampleWriter:
     def _write(self, index: int, sample: dict) -> None:
         reason = self.reject(sample) if self.reject is not None else None
         if not reason:
-            parts, dtypes = encode_typed(sample, self.fmt, self.layer_ids)
+            parts, dtypes = encode_typed(sample, self.fmt, self.layer_ids, self.model_args)
             scans = None
             if self.non_finite is not None and dtypes is None:  # .pt: its bytes cannot be told apart
                 reason = self.non_finite(sample)

@@ -294,10 +294,29 @@ def test_the_engine_config_checks_choices_and_bounds(fields, message):
         ('{"pipeline_parallel_size": 2}', "'pipeline_parallel_size' is set by --pipeline-parallel-size"),
         ('{"speculative_config": {"method": "ngram"}}', "is refused: speculative decoding adds draft steps"),
         ('{"data_parallel_size": 2}', "data_parallel_size=2 is refused: a run drives one engine core"),
+        (
+            '{"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both", '
+            '"kv_connector_extra_config": {"api_key": "s3cr3t"}}}',
+            "kv_transfer_config={'kv_connector': 'ExampleConnector', 'kv_role': 'kv_both', "
+            "'kv_connector_extra_config': {'api_key': '<redacted>'}} is refused: a KV connector loads keys and "
+            "values computed elsewhere into the prompts",
+        ),
+        ('{"model_weights": "/w"}', "model_weights='/w' is refused: it points vLLM's sharded_state and"),
         ("kv_cache_dtype=fp8", "is not JSON"),
         ('["fp8"]', "is a JSON list"),
     ],
-    ids=["owned", "capture-owned", "prefix-caching", "pipeline", "speculative", "data-parallel", "not-json", "list"],
+    ids=[
+        "owned",
+        "capture-owned",
+        "prefix-caching",
+        "pipeline",
+        "speculative",
+        "data-parallel",
+        "kv-transfer",
+        "model-weights",
+        "not-json",
+        "list",
+    ],
 )
 def test_engine_args_that_cannot_be_given_are_usage_errors(captured, tmp_path, given, needle):
     """--engine-args: one of our options' keys, one that breaks the capture, not a JSON object: exit 2 naming it."""
@@ -305,7 +324,7 @@ def test_engine_args_that_cannot_be_given_are_usage_errors(captured, tmp_path, g
     result = invoke([*argv, "--engine-args", given])
     assert result.exit_code == 2, result.output
     assert "--engine-args" in result.output and needle in result.output, result.output
-    assert "config" not in captured
+    assert "config" not in captured and "s3cr3t" not in result.output
 
 
 @pytest.mark.parametrize("allowed", [{"enable_prefix_caching": False}, {"data_parallel_size": 1}, {}])
