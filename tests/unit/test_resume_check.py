@@ -173,3 +173,19 @@ def test_a_token_is_never_written_and_never_refuses_a_resume(tmp_path):
     with pytest.raises(ResumeMismatchError) as raised:
         check_resume(tmp_path, with_engine_args({"block_size": 32}), has_samples=True)
     assert "generation.engine_args.block_size: 16 -> 32" in str(raised.value) and TOKEN not in str(raised.value)
+
+
+def test_a_tokenizer_named_in_engine_args_edited_in_place_is_named(tmp_path):
+    """--engine-args' tokenizer folder with two ids swapped in place: the resume is refused naming the file."""
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0, "b": 1}}}')
+    fp = fingerprint()
+    fp["engine_arg_files"] = {"tokenizer": run_config.files_fingerprint(str(tokenizer))}
+    save(tmp_path / "out", fp)
+    (tokenizer / "tokenizer.json").write_text('{"model": {"vocab": {"a": 1, "b": 0}}}')
+    fp["engine_arg_files"] = {"tokenizer": run_config.files_fingerprint(str(tokenizer))}
+    with pytest.raises(ResumeMismatchError) as raised:
+        check_resume(tmp_path / "out", fp, has_samples=True)
+    assert "engine_arg_files.tokenizer.sha256.tokenizer.json: '" in str(raised.value)
+    assert "(a file --engine-args names (tokenizer, hf_config_path) changed)" in str(raised.value)
