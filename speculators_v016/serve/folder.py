@@ -9,15 +9,22 @@ published sample lives for seconds and a crash loses nothing a consumer cannot
 ask for again.
 
 Ownership by record, as the shared-memory rules have it: the service holds an
-exclusive lock on ``.speculators-serve.lock`` while it lives, and appends a line
-to ``published.jsonl`` (file, bytes, the consumer that asked for it) *before* the
-file gets its name. The lock file is never opened through a symlink, and one that
-is not a regular file of one link holding at most a pid is not ours: refused,
-untouched. Once locked, it must still be the file at its path (else it is taken
-again); the running service looks every second: a lock deleted is made again, a
-lock replaced by another file stops the service (another may use the folder).
-The journal's first line carries the name counter over (``{"next": N}``): names
-are never reused, even after a start that published nothing. The service deletes a published file only while that record
+exclusive ``flock`` on the folder itself while it lives (its descriptor, opened
+without following a link: what no deletion or replacement of a file defeats; a
+second service's lock on the same folder fails whatever became of the lock file),
+and appends a line to ``published.jsonl`` (file, bytes, the consumer that asked
+for it) *before* the file gets its name. ``.speculators-serve.lock`` holds the
+service's pid, for messages, and is locked too (as services before the folder's
+own lock did). It is never opened through a symlink, and one that is not a regular
+file of one link holding at most a pid is not ours: refused, untouched. Once
+locked, it must still be the file at its path (else it is taken again); the
+running service looks every second: a lock file deleted is made again, one
+replaced by another file stops the service, and so does the folder's path naming
+another folder than the one locked (moved or replaced). The journal's first line
+carries the name counter over and names this start of the service (``{"next": N,
+"service": ID}``, ID also in ``/v1/info``: a consumer checks that the folder it
+was given holds this service's journal): names are never reused, even after a start
+that published nothing. The service deletes a published file only while that record
 says it is its own and not yet taken, and only when:
 
 * its consumer is dead: a process on this host (by pid and start time, so a
@@ -38,7 +45,10 @@ import json
 import os
 import re
 import stat
+import uuid
 from pathlib import Path
+
+from loguru import logger
 
 from speculators_v016.serve.publications import Publications
 from speculators_v016.store.atomic_files import TMP_PREFIX, WriteError, write_atomic, write_parts
@@ -80,6 +90,43 @@ def _open_lock(path: Path, folder: Path) -> int:
     return fd
 
 
+def _lock_folder(path: Path) -> tuple[int, bool]:
+    """The folder itself, open (never through a link), and whether it is exclusively locked: False where its
+    filesystem locks no folder (NFSv4), the lock file's own lock then keeps others out. ServeDirError naming the
+    service that holds it (its pid from the lock file, where that file is still there)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ServeDirError(f"--serve-dir {path}: cannot open the folder ({exc.strerror or exc})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ServeDirError(f"--serve-dir {path} is in use by a running service (pid {_holder(path)})") from None
+    except OSError as exc:
+        logger.warning(
+            "--serve-dir {}: its filesystem locks no folder ({}): only the lock file {} keeps a second service out "
+            "(a deleted lock file is made again within a second)",
+            path,
+            exc.strerror or exc,
+            LOCK,
+        )
+        return fd, False
+    return fd, True
+
+
+def _holder(path: Path) -> str:
+    """The pid the lock file names (``?`` where it is gone or unreadable), never through a link."""
+    try:
+        fd = os.open(path / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return "? (its lock file was deleted)"
+    try:
+        return os.pread(fd, _PID_BYTES, 0).decode(errors="replace").strip() or "?"
+    finally:
+        os.close(fd)
+
+
 def _same_file(fd: int, path: Path) -> bool:
     """Is ``path`` (not followed) the file open as ``fd``?"""
     try:
@@ -109,24 +156,34 @@ class ServeDir(Publications):
         self.path = Path(path)
         self.checksum = checksum
         self._next = 0
+        self._folder_fd: int | None = None  # the folder itself, open (and locked, where its filesystem can)
+        self.folder_locked = False
         self._lock_fd: int | None = None
         self._journal = None
+        self.identity = uuid.uuid4().hex  # this start of the service: the journal's first line and /v1/info name it
 
     def describe(self) -> dict:
-        return {"kind": self.kind, "dir": str(self.path.resolve())}
+        return {"kind": self.kind, "dir": str(self.path), "service": self.identity}
 
     # -- start and stop ----------------------------------------------------------------------------
     def open(self) -> ServeDir:
         """Take the folder: lock it, reclaim what a dead service's record names, refuse files that are not ours."""
         self.path.mkdir(parents=True, exist_ok=True)
-        fd = self._lock()
+        self.path = Path(os.path.realpath(self.path))  # the folder, once: a link swapped later leads nowhere
+        folder, self.folder_locked = _lock_folder(self.path)
+        try:
+            fd = self._lock()
+        except BaseException:
+            os.close(folder)
+            raise
         try:
             self._take_over()
         except BaseException:
             os.close(fd)
+            os.close(folder)
             raise
         self._write_pid(fd)
-        self._lock_fd = fd
+        self._lock_fd, self._folder_fd = fd, folder
         self._journal = open(self.path / JOURNAL, "a", encoding="utf-8")  # noqa: SIM115 - open while serving
         return self
 
@@ -155,9 +212,15 @@ class ServeDir(Publications):
     def check_lock(self) -> str:
         """Is the lock at its path still the one this service holds? ``"held"``; ``"restored"`` where it was
         deleted (a new one is made and locked, so no other service takes the folder); ServeDirError where
-        another file replaced it (another service may use the folder)."""
+        another file replaced it (another service may use the folder), or the folder's path names another folder
+        than the one this service locked (moved or replaced)."""
         path = self.path / LOCK
         with self._cond:
+            if self._folder_fd is not None and not _same_file(self._folder_fd, self.path):
+                raise ServeDirError(
+                    f"--serve-dir {self.path} is no longer the folder this service locked (moved or replaced while it "
+                    "served): it publishes no more"
+                )
             if self._lock_fd is None or _same_file(self._lock_fd, path):
                 return "held"
             try:
@@ -214,7 +277,8 @@ class ServeDir(Publications):
                     self.reclaimed.dead_service += name in named
                 except FileNotFoundError:
                     pass  # its consumer took it meanwhile
-        write_atomic(self.path, JOURNAL, (json.dumps({"next": self._next}) + "\n").encode())  # before any name is used
+        first = {"next": self._next, "service": self.identity}
+        write_atomic(self.path, JOURNAL, (json.dumps(first) + "\n").encode())  # before any name is used
 
     def close(self) -> None:
         """Stop serving from the folder: the record and what is not yet taken stay (the next service reclaims them)."""
@@ -226,6 +290,9 @@ class ServeDir(Publications):
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
                 os.close(self._lock_fd)
                 self._lock_fd = None
+            if self._folder_fd is not None:
+                os.close(self._folder_fd)  # the folder's lock goes with its descriptor
+                self._folder_fd = None
             self._cond.notify_all()
 
     # -- publishing --------------------------------------------------------------------------------
@@ -253,7 +320,7 @@ class ServeDir(Publications):
         return {"backend": self.kind, "file": name, "bytes": size, self.checksum: digest.hexdigest()}
 
     def path_of(self, handle: dict) -> Path:
-        return self.path.resolve() / handle["file"]
+        return self.path / handle["file"]
 
     def _taken(self, names: list[str]) -> set[str]:
         return {n for n in names if not os.path.exists(self.path / n)}

@@ -2,8 +2,9 @@
 
 A folder is accepted when it is new, empty, or holds only what a run of ours
 writes; anything else is refused (we never write among unrelated files). A
-run holds an exclusive ``flock`` on a lock file for its whole life, so two
-runs can never write the same folder. Temporary files left by a killed run
+run holds an exclusive ``flock`` on the folder itself (and on its lock file,
+which holds its pid) for its whole life, so two runs can never write the same
+folder, even where the lock file was deleted meanwhile. Temporary files left by a killed run
 are removed when the next run takes the lock.
 
 One ``--output-dir`` holds one layout: either one unsharded run, or the
@@ -80,20 +81,47 @@ def cannot_use(path: Path, exc: OSError, what: str = "") -> OSError | OutputDirE
     )
 
 
-def _lock(path: Path, mode: int) -> int:
-    """An open lock file under ``path`` held with ``mode`` (``fcntl.LOCK_EX``/``LOCK_SH``)."""
+def _lock(path: Path, mode: int) -> tuple[int, int]:
+    """The folder ``path`` and its lock file, open and held with ``mode`` (``fcntl.LOCK_EX``/``LOCK_SH``): the
+    folder's own lock is what a deleted lock file cannot defeat (another run's lock on the same folder fails
+    whatever became of the file; a filesystem that locks no folder, NFSv4, leaves the file's lock alone); the file
+    holds the pid, for messages."""
+    try:
+        folder = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise cannot_use(path, exc, "open") from None
+    try:
+        fcntl.flock(folder, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(folder)
+        raise _in_use(path) from None
+    except OSError:
+        pass  # no folder locks here: the lock file's, as before
     try:
         fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as exc:
+        os.close(folder)
         raise cannot_use(path / LOCK, exc) from None
     try:
         fcntl.flock(fd, mode | fcntl.LOCK_NB)
     except BlockingIOError:
+        os.close(fd)
+        os.close(folder)
+        raise _in_use(path) from None
+    return folder, fd
+
+
+def _in_use(path: Path) -> OutputDirError:
+    """The folder is held by another run: the pid its lock file names, if any (never read through a link)."""
+    try:
+        fd = os.open(path / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        holder = "? (its lock file was deleted)"
+    else:
         holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
         os.close(fd)
-        who = f"run (pid {holder})" if holder else "sharded run"
-        raise OutputDirError(f"another speculators-data-gen {who} is writing to {path}; one run per folder") from None
-    return fd
+    who = f"run (pid {holder})" if holder else "sharded run"
+    return OutputDirError(f"another speculators-data-gen {who} is writing to {path}; one run per folder")
 
 
 def shard_name(index: int, count: int) -> str:
@@ -110,6 +138,7 @@ class OutputDir:
     def __init__(self, path: Path):
         self.path = Path(path)
         self._lock_fd: int | None = None
+        self._folder_fd: int | None = None
 
     def _check_contents(self) -> None:
         foreign = sorted(n for n in os.listdir(self.path) if not is_ours(n))
@@ -135,7 +164,7 @@ class OutputDir:
             self._check_contents()  # before the lock file: a refused folder is left as it was
         except OSError as exc:
             raise cannot_use(self.path, exc, "create or read") from None
-        fd = _lock(self.path, fcntl.LOCK_EX)
+        folder, fd = _lock(self.path, fcntl.LOCK_EX)
         try:
             self._check_contents()  # again, under the lock: a sharded run may have started meanwhile
             os.ftruncate(fd, 0)
@@ -145,11 +174,13 @@ class OutputDir:
                 (self.path / name).unlink()
         except OSError as exc:
             os.close(fd)
+            os.close(folder)
             raise cannot_use(self.path / LOCK, exc) from None
         except BaseException:
             os.close(fd)
+            os.close(folder)
             raise
-        self._lock_fd = fd
+        self._lock_fd, self._folder_fd = fd, folder
         return self
 
     def close(self) -> None:
@@ -157,6 +188,9 @@ class OutputDir:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
             self._lock_fd = None
+        if self._folder_fd is not None:
+            os.close(self._folder_fd)  # the folder's lock goes with its descriptor
+            self._folder_fd = None
 
     def __enter__(self) -> OutputDir:
         return self.open()
@@ -175,6 +209,7 @@ class ShardedRoot:
     def __init__(self, path: Path, count: int):
         self.path, self.count = Path(path), count
         self._lock_fd: int | None = None
+        self._folder_fd: int | None = None
 
     def _check_contents(self) -> None:
         names = os.listdir(self.path)
@@ -206,19 +241,23 @@ class ShardedRoot:
             self._check_contents()
         except OSError as exc:
             raise cannot_use(self.path, exc, "create or read") from None
-        fd = _lock(self.path, fcntl.LOCK_SH)
+        folder, fd = _lock(self.path, fcntl.LOCK_SH)
         try:
             self._check_contents()
         except BaseException:
             os.close(fd)
+            os.close(folder)
             raise
-        self._lock_fd = fd
+        self._lock_fd, self._folder_fd = fd, folder
         return self
 
     def close(self) -> None:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+        if self._folder_fd is not None:
+            os.close(self._folder_fd)
+            self._folder_fd = None
 
     def __enter__(self) -> ShardedRoot:
         return self.open()

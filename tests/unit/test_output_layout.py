@@ -86,3 +86,24 @@ def test_the_shared_memory_records_folder_is_never_a_foreign_file(tmp_path):
     (out / "speculators-v016-runs-x").mkdir()  # not a records folder's name: foreign
     with pytest.raises(OutputDirError, match=r"holds files this tool did not write \(speculators-v016-runs-x\)"):
         OutputDir(out).open()
+
+
+def test_a_deleted_lock_file_lets_no_second_run_into_the_folder(tmp_path):
+    """The lock file deleted while a run writes (or while shards hold the root): a second run is still refused, the
+    folder itself being locked, and names the deleted lock; the first run's files are untouched."""
+    out = tmp_path / "out"
+    with OutputDir(out):
+        (out / "data_0.safetensors").write_bytes(b"first run")
+        (out / LOCK).unlink()
+        with pytest.raises(
+            OutputDirError, match=r"another speculators-data-gen run \(pid \? \(its lock file was deleted"
+        ):
+            OutputDir(out).open()
+        assert (out / "data_0.safetensors").read_bytes() == b"first run" and not (out / LOCK).exists()
+    sharded = tmp_path / "sharded"
+    with ShardedRoot(sharded, 2):
+        (sharded / LOCK).unlink()
+        with pytest.raises(OutputDirError, match="is writing to"):
+            OutputDir(sharded).open()
+    with OutputDir(out), OutputDir(sharded):  # the locks go with the runs
+        pass

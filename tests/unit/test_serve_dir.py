@@ -2,8 +2,11 @@
 file reached through a link or holding what is not ours is refused untouched, a deleted lock is
 restored by the running service, and file names are never reused across starts."""
 
+import errno
+import fcntl
 import json
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -109,6 +112,82 @@ def test_names_are_never_reused_after_a_start_that_published_nothing(tmp_path):
     try:
         assert publish_one(serve) == "online_1.safetensors"
         lines = [json.loads(line) for line in (folder / JOURNAL).read_text().splitlines()]
-        assert lines[0] == {"next": 1} and lines[1]["file"] == "online_1.safetensors"
+        assert lines[0] == {"next": 1, "service": serve.identity} and lines[1]["file"] == "online_1.safetensors"
+    finally:
+        serve.close()
+
+
+def test_a_deleted_lock_file_lets_no_second_service_take_the_folder_meanwhile(tmp_path):
+    """Lock file deleted under a live service and a second one started at once, before the first made it again:
+    refused (the folder itself is locked), and the first one's unread file is still there."""
+    folder = tmp_path / "states"
+    serve = open_dir(folder)
+    try:
+        name = publish_one(serve)
+        (folder / LOCK).unlink()
+        with pytest.raises(ServeDirError, match=r"is in use by a running service \(pid \? \(its lock file was deleted"):
+            open_dir(folder)
+        assert (folder / name).read_bytes() == b"abcd" and not (folder / LOCK).exists()
+        assert serve.check_lock() == "restored"
+        with pytest.raises(ServeDirError, match=rf"is in use by a running service \(pid {os.getpid()}\)"):
+            open_dir(folder)
+    finally:
+        serve.close()
+    open_dir(folder).close()  # the lock goes with the service
+
+
+def test_a_moved_or_replaced_folder_stops_the_service(tmp_path):
+    """The folder renamed while a service serves, and another made at its path: the service's check says so
+    (ServeDirError naming the folder); nothing of it is touched."""
+    folder = tmp_path / "states"
+    serve = open_dir(folder)
+    try:
+        name = publish_one(serve)
+        folder.rename(tmp_path / "moved")
+        folder.mkdir()
+        with pytest.raises(ServeDirError, match=rf"--serve-dir {folder} is no longer the folder this service locked"):
+            serve.check_lock()
+        assert (tmp_path / "moved" / name).exists() and os.listdir(folder) == []
+    finally:
+        serve.close()
+
+
+def test_a_serve_dir_given_through_a_link_is_the_folder_it_leads_to_at_start(tmp_path):
+    """--serve-dir through a symlink: the folder it leads to at start is the one locked, published to and named
+    (/v1/info); the link retargeted later leads nowhere new."""
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    serve = open_dir(link)
+    try:
+        assert serve.describe() == {"kind": "folder", "dir": str(real), "service": serve.identity}
+        other = tmp_path / "other"
+        other.mkdir()
+        link.unlink()
+        link.symlink_to(other)
+        assert (real / publish_one(serve)).exists() and os.listdir(other) == []
+        assert serve.check_lock() == "held"
+    finally:
+        serve.close()
+
+
+def test_where_the_filesystem_locks_no_folder_the_lock_file_alone_keeps_others_out(tmp_path, monkeypatch):
+    """A filesystem refusing a lock on a folder (NFSv4: ENOLCK; simulated): the service starts on its lock file's
+    lock alone, warned of, and a second service is still refused by that lock."""
+    real_flock = fcntl.flock
+
+    def no_folder_locks(fd, operation):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.ENOLCK, "No locks available")
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", no_folder_locks)
+    folder = tmp_path / "states"
+    serve = open_dir(folder)
+    try:
+        assert not serve.folder_locked
+        with pytest.raises(ServeDirError, match=rf"is in use by a running service \(pid {os.getpid()}\)"):
+            open_dir(folder)
     finally:
         serve.close()
