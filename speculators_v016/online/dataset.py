@@ -55,7 +55,9 @@ class OnlineSampleDataset(Eagle3SampleFileDataset):
     ``producer``: the service's URL. ``samples``: ``(input_ids, loss_mask)`` pairs
     to ask for by token ids; None: the service's own dataset (``--train-data-path``),
     asked for by index. ``folder``: where the service's ``--serve-dir`` is seen
-    here (default: its own path, as on one node). ``mode``: ``"online"`` (each
+    here (default: ``$SPECULATORS_DATA_GEN_SERVE_SERVE_DIR``, the service's own variable), needed with the
+    folder backend and checked against the producer's (it must hold the journal of the service start the
+    producer names): the producer's word alone never makes this consumer read or delete a file. ``mode``: ``"online"`` (each
     file deleted once read) or ``"hybrid"`` (kept in ``cache_dir``, up to
     ``cache_bytes``, and read from there in later epochs). The backend (the serve folder, or the
     Mooncake store) is the service's, as ``/v1/info`` names it. ``api_key``: the
@@ -86,7 +88,7 @@ class OnlineSampleDataset(Eagle3SampleFileDataset):
         self.client = ProducerClient(producer, timeout=timeout, retries=retries, api_key=api_key)
         info = self.client.info()
         self.producer_info = info
-        self.reader = reader_for(info, folder)
+        self.reader = reader_for(info, folder, self.client.url)
         if samples is None:
             if info.get("num_samples") is None:
                 raise ProducerError(

@@ -5,7 +5,11 @@ Either way the dataset gets a local file that upstream's reader opens, and remov
 from the store as soon as it is copied out: taken, as a deleted file is.
 
 A handle is the producer's word, and the producer may be wrong or impersonated: nothing in it is
-trusted (:func:`check_handle`). The consumer touches only a plain name of the service's own naming
+trusted (:func:`check_handle`), nor is the folder its ``/v1/info`` names: the folder is the
+consumer's own setting (``folder=``, or the service's variable :data:`SERVE_DIR_VARIABLE`), checked
+against the producer's at start (:func:`folder_reader`: the folder given must hold the journal of the
+very start of the service the producer names, or, from a producer that names none, be the folder it
+names, by device and inode). The consumer touches only a plain name of the service's own naming
 (``online_N.safetensors``; ``speculators/HOST/PID-START/online_N`` in the store) inside the folder
 (or store) it was configured with: never an absolute path, never ``..``, never a name with a
 folder in it. A served file is opened without following a link (``O_NOFOLLOW``), must be a regular
@@ -38,6 +42,9 @@ from speculators_v016.store.checksum import ALGORITHMS
 from speculators_v016.store.checksum import new as new_digest
 
 SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") else None
+#: The serve folder as this host sees it, where ``folder=`` is not given: the service's own ``--serve-dir`` variable.
+SERVE_DIR_VARIABLE = "SPECULATORS_DATA_GEN_SERVE_SERVE_DIR"
+JOURNAL = "published.jsonl"  # the service's record (speculators_v016.serve.folder): its first line names the service
 #: the names a service publishes (speculators_v016.serve.folder): a counter, nothing from data
 FILE_NAME = re.compile(r"^online_\d{1,18}\.safetensors$")
 #: the keys a service puts into the Mooncake store (speculators_v016.serve.mooncake)
@@ -260,14 +267,74 @@ class MooncakeReader:
         return f"{handle['key']} could not be read from the Mooncake store at master {self.master}"
 
 
-def reader_for(info: dict, folder) -> FolderReader | MooncakeReader:
+def _service_of(folder_fd: int) -> str | None:
+    """The service start the folder's journal names (its first line's ``service``), never through a link; None
+    where there is no such journal."""
+    try:
+        fd = os.open(JOURNAL, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=folder_fd)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        first = os.pread(fd, 4096, 0).split(b"\n", 1)[0]
+    finally:
+        os.close(fd)
+    try:
+        service = json.loads(first).get("service")
+    except (ValueError, AttributeError):
+        return None
+    return service if isinstance(service, str) else None
+
+
+def folder_reader(backend: dict, folder, producer: str) -> FolderReader:
+    """The reader of the folder this consumer was given (``folder``, else :data:`SERVE_DIR_VARIABLE`), once it is
+    shown to be the producer's: it holds the journal of the service start the producer names (``service``), or,
+    where the producer names none, it is the folder the producer names (device and inode, as this host sees it).
+    ProducerError naming both otherwise: nothing is read or deleted in a folder the producer merely names."""
+    theirs, service = backend.get("dir"), backend.get("service")
+    if folder is None:
+        folder = os.environ.get(SERVE_DIR_VARIABLE) or None
+    if folder is None:
+        raise ProducerError(
+            f"the producer {producer} publishes to the folder {str(theirs)[:300]!r}: this consumer reads and deletes "
+            f"files only in a folder it is given: folder= (where this host sees the service's --serve-dir), or "
+            f"{SERVE_DIR_VARIABLE}"
+        )
+    folder = Path(folder)
+    mismatch = f"the producer {producer} publishes to the folder {str(theirs)[:300]!r}, not to {folder}"
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ProducerError(f"{mismatch}: {folder} cannot be opened ({exc.strerror or exc})") from None
+    try:
+        if service is not None:
+            mine = _service_of(fd)
+            if mine != service:
+                held = "no service's journal" if mine is None else f"the journal of another service start ({mine})"
+                raise ProducerError(f"{mismatch}: {folder} holds {held}, the producer's is {service}")
+        else:
+            here = os.fstat(fd)
+            try:
+                named = os.stat(theirs) if isinstance(theirs, str) and theirs else None
+            except (OSError, ValueError):
+                named = None
+            if named is None or (named.st_dev, named.st_ino) != (here.st_dev, here.st_ino):
+                raise ProducerError(f"{mismatch}: another folder, or none, as this host sees them")
+    finally:
+        os.close(fd)
+    return FolderReader(folder)
+
+
+def reader_for(info: dict, folder, producer: str) -> FolderReader | MooncakeReader:
+    """The reader of the producer's backend; the folder is this consumer's own (:func:`folder_reader`)."""
     try:
         backend = info["backend"]
         kind = backend["kind"]
         if kind == "folder":
-            return FolderReader(Path(folder if folder is not None else backend["dir"]))
+            return folder_reader(backend, folder, producer)
         if kind == "mooncake":
             return MooncakeReader(backend["master"], backend["max_object_bytes"])
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, AttributeError) as exc:
         raise ProducerError(f"the producer's /v1/info names no backend this client can use ({exc!r})") from None
     raise ProducerError(f"the producer publishes to a backend this client does not know: {kind!r}")

@@ -237,7 +237,8 @@ def test_serve_under_pp2_gives_pp1s_states(llama_pp1_dir, model_dir, data_file, 
                 break
         url = re.search(r" at (http://[\d.]+:\d+): ", lines[-1])
         assert url, "".join(lines)
-        online = OnlineSampleDataset(url.group(1), max_len=256, hidden_states_dtype=torch.float32)
+        online = OnlineSampleDataset(url.group(1), max_len=256, hidden_states_dtype=torch.float32,
+                                     folder=tmp_path / "states")  # fmt: skip
         files = [str(llama_pp1_dir / e.file) for _, e in sorted(Manifest(llama_pp1_dir).entries().items())]
         offline = Eagle3SampleFileDataset(max_len=256, file_list=files, hidden_states_dtype=torch.float32)
         for i in range(COUNT):

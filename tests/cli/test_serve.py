@@ -29,7 +29,7 @@ from helpers import ZERO_TOKEN, peer_venv
 from helpers.cli import CPU, conversations, generate, write_jsonl
 from speculators_v016.online import OnlineSampleDataset, ProducerClient, ProducerError
 from speculators_v016.online.client import API_KEY_VARIABLE
-from speculators_v016.online.readers import MooncakeReader
+from speculators_v016.online.readers import SERVE_DIR_VARIABLE, MooncakeReader
 from speculators_v016.serve.folder import JOURNAL, LOCK
 from speculators_v016.store.sample_format import load_sample
 from speculators_v016.testing.faults import VARIABLE as FAULT
@@ -148,7 +148,7 @@ def test_a_zero_embedding_token_is_served_and_one_broken_sample_is_refused_not_f
     assert url, "".join(lines)
     try:
         rows = [([ZERO_TOKEN, *range(30 + i, 70 + i)], [1] * 41) for i in range(3)]
-        ds = OnlineSampleDataset(url, max_len=256, samples=rows, retries=0)
+        ds = OnlineSampleDataset(url, max_len=256, samples=rows, retries=0, folder=tmp_path / "states")
         assert ds[0]["input_ids"].tolist() == rows[0][0][1:]  # upstream shifts by one
         with pytest.raises(ProducerError) as caught:
             ds[1]
@@ -171,13 +171,17 @@ def test_start_line_and_info_name_the_model_layers_and_dataset(service, model_di
     """The start line names address, layers and folder; /v1/info gives the dataset's token counts before anything runs."""
     assert f"serving {model_dir} at {service['url']}: layers [2, 4, 5, 7], float32, {COUNT} samples" in service["start"]
     info = ProducerClient(service["url"]).info()
-    assert info["num_samples"] == COUNT and info["backend"] == {"kind": "folder", "dir": str(service["dir"])}
+    assert info["num_samples"] == COUNT and info["backend"] == {
+        "kind": "folder",
+        "dir": str(service["dir"]),
+        "service": json.loads((service["dir"] / JOURNAL).read_text().splitlines()[0])["service"],
+    }
     assert info["lengths"] == [len(load_sample(offline / f"data_{i}.safetensors")["input_ids"]) for i in range(COUNT)]
 
 
 def test_online_items_equal_upstream_dataset_on_offline_files_bit_for_bit(service, offline):
     """Every online item equals upstream's Eagle3SampleFileDataset item of the offline file, bit for bit; files taken."""
-    online = OnlineSampleDataset(service["url"], max_len=256)
+    online = OnlineSampleDataset(service["url"], max_len=256, folder=service["dir"])
     assert len(online) == COUNT and online.approx_lengths == ProducerClient(service["url"]).info()["lengths"]
     reference = offline_items(offline, range(COUNT))
     for i in range(COUNT):
@@ -188,7 +192,7 @@ def test_online_items_equal_upstream_dataset_on_offline_files_bit_for_bit(servic
 
 def test_concurrent_clients_each_get_their_own_samples(service, offline):
     """Eight threads asking at once (every sample twice, out of order) each get the sample they asked for."""
-    online = OnlineSampleDataset(service["url"], max_len=256)
+    online = OnlineSampleDataset(service["url"], max_len=256, folder=service["dir"])
     order = [i for i in range(COUNT) for _ in range(2)][::-1]
     with ThreadPoolExecutor(8) as pool:
         items = list(pool.map(online.__getitem__, order))
@@ -201,7 +205,7 @@ def test_token_id_requests_equal_the_offline_files(service, offline):
     """Samples sent as token ids and loss masks come back as the offline run wrote them."""
     files = [load_sample(offline / f"data_{i}.safetensors") for i in (0, 5)]
     samples = [(f["input_ids"].tolist(), f["loss_mask"].tolist()) for f in files]
-    online = OnlineSampleDataset(service["url"], max_len=256, samples=samples)
+    online = OnlineSampleDataset(service["url"], max_len=256, samples=samples, folder=service["dir"])
     reference = offline_items(offline, [0, 5])
     for j in range(2):
         assert_same_item(online[j], reference[j], f"sample {(0, 5)[j]}")
@@ -209,7 +213,9 @@ def test_token_id_requests_equal_the_offline_files(service, offline):
 
 def test_hybrid_second_epoch_reads_the_cache_and_asks_nothing(service, offline, tmp_path):
     """Hybrid: epoch 1 asks for every sample and keeps it; epoch 2 reads the cache only, items unchanged."""
-    online = OnlineSampleDataset(service["url"], max_len=256, mode="hybrid", cache_dir=tmp_path / "cache")
+    online = OnlineSampleDataset(
+        service["url"], max_len=256, mode="hybrid", cache_dir=tmp_path / "cache", folder=service["dir"]
+    )
     first = [online[i] for i in range(COUNT)]
     asked = ProducerClient(service["url"]).info()["requests"]
     second = [online[i] for i in range(COUNT)]
@@ -225,7 +231,7 @@ def test_hybrid_cache_stays_within_its_budget(service, tmp_path):
     """A cache budget of three samples keeps at most three; the rest are read and deleted, and asked again."""
     budget = 3 * 200_000
     online = OnlineSampleDataset(
-        service["url"], max_len=256, mode="hybrid", cache_dir=tmp_path / "c", cache_bytes=budget
+        service["url"], max_len=256, mode="hybrid", cache_dir=tmp_path / "c", cache_bytes=budget, folder=service["dir"]
     )
     for i in range(COUNT):
         online[i]
@@ -402,10 +408,13 @@ def test_a_deleted_lock_is_made_again_and_a_second_service_still_refused(service
     (service["dir"] / kept).unlink()
 
 
-def train_steps(model_dir, offline, save_dir, producer=None, rank=None, world=None) -> subprocess.Popen:
-    """Upstream's trainer, seeded, on the offline files or through a producer (tests/helpers/eagle3_train_steps.py)."""
+def train_steps(model_dir, offline, save_dir, producer=None, rank=None, world=None, folder=None) -> subprocess.Popen:
+    """Upstream's trainer, seeded, on the offline files or through a producer (tests/helpers/eagle3_train_steps.py);
+    ``folder``: the serve folder, given to its datasets by the service's variable."""
     script = Path(__file__).parents[1] / "helpers" / "eagle3_train_steps.py"
     env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", **({"RANK": str(rank), "WORLD_SIZE": str(world)} if world else {})}
+    if folder is not None:
+        env[SERVE_DIR_VARIABLE] = str(folder)
     args = [
         sys.executable,
         script,
@@ -430,7 +439,10 @@ def test_trainer_losses_online_equal_offline(service, offline, model_dir, tmp_pa
     """Upstream's trainer, seeded, four steps: the same losses online (two forked loader workers) as offline."""
     offline_losses = losses_of(train_steps(model_dir, offline, tmp_path / "a"))
     assert len(offline_losses) == 4
-    assert losses_of(train_steps(model_dir, offline, tmp_path / "b", service["url"])) == offline_losses
+    assert (
+        losses_of(train_steps(model_dir, offline, tmp_path / "b", service["url"], folder=service["dir"]))
+        == offline_losses
+    )
 
 
 @pytest.fixture(scope="module")
@@ -446,7 +458,9 @@ def offline_rank_losses(offline, model_dir, tmp_path_factory):
 def test_two_ranks_train_online_as_offline(service, offline, model_dir, tmp_path, offline_rank_losses):
     """Two trainer ranks at once, each its batches from upstream's multipack sampler over all samples, online:
     each rank's losses equal its offline ones."""
-    ranks = [train_steps(model_dir, offline, tmp_path / f"on{r}", service["url"], r, 2) for r in range(2)]
+    ranks = [
+        train_steps(model_dir, offline, tmp_path / f"on{r}", service["url"], r, 2, service["dir"]) for r in range(2)
+    ]
     assert [losses_of(p) for p in ranks] == offline_rank_losses
 
 
@@ -578,7 +592,7 @@ def test_killed_producer_fails_clients_by_name_and_a_new_one_reclaims_its_files(
     """SIGKILL the service: a dataset item fails within seconds naming sample and producer; a restart on the
     folder reclaims what the dead one published and no one took."""
     left = ProducerClient(service["url"]).request("left", index=1)["file"]  # published, never taken
-    online = OnlineSampleDataset(service["url"], max_len=256, retries=1)
+    online = OnlineSampleDataset(service["url"], max_len=256, retries=1, folder=service["dir"])
     online.client.pause = 0.2
     service["proc"].kill()
     service["proc"].wait()

@@ -49,7 +49,7 @@ def test_bf16_and_fp8_items_equal_the_offline_files(served_and_offline):
     storage, url, out = served_and_offline
     info = ProducerClient(url).info()
     assert info["dtype"] == "bfloat16" and info["hidden_states_dtype"] == storage
-    online = OnlineSampleDataset(url, max_len=256, hidden_states_dtype=torch.bfloat16)
+    online = OnlineSampleDataset(url, max_len=256, hidden_states_dtype=torch.bfloat16, folder=out.parent / "states")
     files = [str(out / f"data_{i}.safetensors") for i in range(COUNT)]
     offline = Eagle3SampleFileDataset(max_len=256, file_list=files, hidden_states_dtype=torch.bfloat16)
     for i in range(COUNT):

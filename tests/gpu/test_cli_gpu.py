@@ -174,7 +174,7 @@ def test_serve_items_equal_the_offline_files(tmp_path, model_dir, data_file, one
                 url = re.search(r" at (http://[\d.]+:\d+): ", line).group(1)
                 break
         assert url, "".join(lines)
-        online = OnlineSampleDataset(url, max_len=512)
+        online = OnlineSampleDataset(url, max_len=512, folder=tmp_path / "states")
         files = [str(one_at_a_time / f"data_{i}.safetensors") for i in range(COUNT)]
         reference = Eagle3SampleFileDataset(max_len=512, file_list=files)
         worst = 0.0

@@ -1,6 +1,7 @@
 """OnlineSampleDataset against a producer that is wrong or impersonated: a stub HTTP producer on 127.0.0.1 answers
-handles naming files outside the serve folder, links, short files, no file at all. Nothing outside the folder is
-read, moved or deleted; every failure is a ProducerError naming the sample and the producer.
+handles naming files outside the serve folder, links, short files, no file at all, and names folders that are not
+the consumer's. Nothing outside the consumer's own folder is read, moved or deleted; every failure is a
+ProducerError naming the sample (or the folders) and the producer.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from speculators.train.data import Eagle3SampleFileDataset
 
 from speculators_v016.online import OnlineSampleDataset, ProducerError
+from speculators_v016.online.readers import SERVE_DIR_VARIABLE
 from speculators_v016.store.checksum import of_bytes
 from speculators_v016.store.sample_format import encode_parts
 
@@ -41,6 +43,7 @@ class StubProducer:
 
     def __init__(self, serve_dir: Path):
         self.serve_dir, self.handles, self.asked = serve_dir, [], 0
+        self.backend = {"kind": "folder", "dir": str(serve_dir)}  # what /v1/info names
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -55,8 +58,7 @@ class StubProducer:
                 self.wfile.write(data)
 
             def do_GET(self):
-                backend = {"kind": "folder", "dir": str(stub.serve_dir)}
-                self._answer({"backend": backend, "num_samples": 2, "lengths": [TOKENS, TOKENS]})
+                self._answer({"backend": stub.backend, "num_samples": 2, "lengths": [TOKENS, TOKENS]})
 
             def do_POST(self):
                 self.rfile.read(int(self.headers["Content-Length"]))
@@ -70,6 +72,7 @@ class StubProducer:
     def answer(self, *handles: dict) -> None:
         self.handles = [{"handle": h} for h in handles]
         self.asked = 0
+        self.backend = {"kind": "folder", "dir": str(self.serve_dir)}
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +98,9 @@ def handle_of(name: str, data: bytes) -> dict:
     return {"backend": "folder", "file": name, "bytes": len(data), "blake3": of_bytes(data, "blake3"), "num_tokens": 6}
 
 
-def dataset(producer, mode="online", cache=None) -> OnlineSampleDataset:
-    return OnlineSampleDataset(producer.url, max_len=64, mode=mode, cache_dir=cache, retries=0)
+def dataset(producer, mode="online", cache=None, folder="own") -> OnlineSampleDataset:
+    folder = producer.serve_dir if folder == "own" else folder
+    return OnlineSampleDataset(producer.url, max_len=64, mode=mode, cache_dir=cache, retries=0, folder=folder)
 
 
 def assert_refused(producer, ds, match: str) -> None:
@@ -233,3 +237,76 @@ def test_a_file_replaced_while_it_is_read_is_not_used(producer, monkeypatch):
         assert served.read_bytes() == sample_bytes(8)
     finally:
         served.unlink()
+
+
+def test_without_a_folder_of_its_own_the_consumer_touches_nothing_in_the_folder_the_producer_names(
+    producer, victim, monkeypatch
+):
+    """A producer naming another folder (one holding another service's unread online_0.safetensors) and a consumer
+    given no folder: refused at start naming the producer's folder and how to give one; the file is untouched."""
+    path, data = victim
+    served = path.with_name("online_0.safetensors")
+    path.rename(served)
+    monkeypatch.delenv(SERVE_DIR_VARIABLE, raising=False)
+    producer.answer(handle_of(served.name, data))
+    producer.backend = {"kind": "folder", "dir": str(served.parent)}
+    with pytest.raises(ProducerError) as caught:
+        dataset(producer, folder=None)[0]
+    assert str(caught.value) == (
+        f"the producer {producer.url} publishes to the folder {str(served.parent)!r}: this consumer reads and "
+        "deletes files only in a folder it is given: folder= (where this host sees the service's --serve-dir), or "
+        f"{SERVE_DIR_VARIABLE}"
+    )
+    assert served.read_bytes() == data and producer.asked == 0
+
+
+def test_a_folder_that_is_not_the_producers_is_refused_naming_both(producer, victim):
+    """The consumer's folder and the one the producer names differ (device and inode; the producer names no
+    service start): refused at start naming both; nothing asked, nothing read in either."""
+    path, data = victim
+    producer.answer(handle_of("online_0.safetensors", data))
+    producer.backend = {"kind": "folder", "dir": str(path.parent)}
+    with pytest.raises(ProducerError) as caught:
+        dataset(producer)
+    assert str(caught.value) == (
+        f"the producer {producer.url} publishes to the folder {str(path.parent)!r}, not to {producer.serve_dir}: "
+        "another folder, or none, as this host sees them"
+    )
+    assert path.read_bytes() == data and producer.asked == 0
+
+
+def test_a_folder_is_the_producers_by_the_service_journal_it_holds(producer, tmp_path):
+    """A producer naming its service start: the consumer's folder must hold that start's journal. Seen under
+    another path (another node's mount: the producer's path not found here) it is accepted; holding no journal,
+    or another start's, it is refused naming both."""
+    journal = producer.serve_dir / "published.jsonl"
+    data = sample_bytes(9)
+    served = producer.serve_dir / "online_9.safetensors"
+    try:
+        journal.write_text('{"next": 9, "service": "abc123"}\n{"file": "online_9.safetensors"}\n')
+        served.write_bytes(data)
+        producer.answer(handle_of(served.name, data))
+        producer.backend = {"kind": "folder", "dir": "/elsewhere/states", "service": "abc123"}
+        assert dataset(producer)[0]["input_ids"].tolist() == list(range(4, 3 + TOKENS))
+        assert not served.exists()
+        producer.backend = {"kind": "folder", "dir": str(producer.serve_dir), "service": "def456"}
+        with pytest.raises(ProducerError, match=(
+            rf"publishes to the folder '{producer.serve_dir}', not to {producer.serve_dir}: {producer.serve_dir} "
+            r"holds the journal of another service start \(abc123\), the producer's is def456$"
+        )):  # fmt: skip
+            dataset(producer)
+        journal.unlink()
+        with pytest.raises(ProducerError, match=r"holds no service's journal, the producer's is def456$"):
+            dataset(producer)
+    finally:
+        journal.unlink(missing_ok=True)
+
+
+def test_the_folder_can_come_from_the_services_variable(producer, monkeypatch):
+    """folder= not given: SPECULATORS_DATA_GEN_SERVE_SERVE_DIR (the service's own --serve-dir variable) names it."""
+    data = sample_bytes(10)
+    (producer.serve_dir / "online_10.safetensors").write_bytes(data)
+    producer.answer(handle_of("online_10.safetensors", data))
+    monkeypatch.setenv(SERVE_DIR_VARIABLE, str(producer.serve_dir))
+    assert dataset(producer, folder=None)[0]["input_ids"].tolist() == list(range(4, 3 + TOKENS))
+    assert not (producer.serve_dir / "online_10.safetensors").exists()
