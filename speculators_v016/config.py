@@ -748,13 +748,22 @@ class ServeConfig:
     )
     max_connections: int = setting(
         256,
-        "HTTP connections served at once (a thread each); more are answered 503 at once.",
+        "HTTP connections held at once (a thread each); a newcomer takes the place of one waiting for its request "
+        "(never keyed first, then the longest idle), or is answered 503 where every one is being served.",
         section=SERVICE,
         min=1,
     )
     read_timeout: float = setting(
         30.0,
         "Seconds a client has to send a request (its line, headers and body); a slower one is cut.",
+        section=SERVICE,
+        min=0,
+        min_open=True,
+    )
+    header_timeout: float = setting(
+        10.0,
+        "Seconds a connection has to send a request's line and headers, from its opening or its previous answer "
+        "(at most --read-timeout); an idle or slower one is cut.",
         section=SERVICE,
         min=0,
         min_open=True,

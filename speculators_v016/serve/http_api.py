@@ -4,8 +4,10 @@
   folder, the dataset's sample count and token lengths (where the service has a
   dataset), counters.
 * ``GET /health``: 200 while the engine serves, 503 naming why otherwise: the engine failed, the
-  service is stopping, or publishing has waited at ``--max-published-bytes`` for
-  ``publications.BLOCKED_SECONDS`` with nothing taken (consumers that ask and do not read).
+  service is stopping, publishing has waited at ``--max-published-bytes`` for
+  ``publications.BLOCKED_SECONDS`` with nothing taken (consumers that ask and do not read), or a
+  connection was refused within ``connections.SATURATION_SECONDS`` (every one was being served);
+  its body counts the connections (open, served, the most, cut, refused).
 * ``POST /v1/samples``: ``{"index": i}`` (sample i of the service's dataset) or
   ``{"input_ids": [...], "loss_mask": [...]}``, with ``"consumer": {"host",
   "pid", "start"}`` so that what a dead consumer left can be reclaimed. The
@@ -21,17 +23,18 @@
 A request waits while the service is at its bounds (backpressure): clients
 set their own timeouts. What a stranger can make the front hold is bounded
 (:mod:`~speculators_v016.serve.connections`): ``--max-connections`` handler
-threads (more get 503), ``--read-timeout`` for a request's line, headers and
-body, a body of :func:`max_body_bytes` (413 above it: ``seq_length`` token ids
-and a mask as JSON fit), the fields a request may have and their lengths (400
-naming them). With ``--api-key`` every path but ``/health`` needs
+threads (a newcomer takes a waiting connection's place, keyless ones first; 503
+only where every one is being served, which ``/health`` reports), a head of
+32 KiB (431) within ``--header-timeout``, ``--read-timeout`` for a request's
+line, headers and body, a body of :func:`max_body_bytes` (413 above it:
+``seq_length`` token ids and a mask as JSON fit), the fields a request may have
+and their lengths (400 naming them). With ``--api-key`` every path but ``/health`` needs
 ``Authorization: Bearer <key>`` (401): :mod:`~speculators_v016.serve.auth`. Upstream 0.9.0's client is answered too (``GET /v1/models``,
 ``POST /v1/completions``: :mod:`speculators_v016.serve.peer_api`).
 """
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import threading
@@ -44,7 +47,13 @@ from loguru import logger
 from speculators_v016.config import ServeConfig, default_of
 from speculators_v016.serve import peer_api
 from speculators_v016.serve.auth import authorized
-from speculators_v016.serve.connections import BoundedHTTPServer, DeadlineReader
+from speculators_v016.serve.connections import (
+    MAX_HEAD_BYTES,
+    BoundedHTTPServer,
+    DeadlineReader,
+    HeadReader,
+    HeadTooLarge,
+)
 from speculators_v016.serve.service import RequestError, ServiceStopped
 
 SAMPLE_FIELDS = ("index", "input_ids", "loss_mask", "consumer", "request_id")
@@ -89,17 +98,48 @@ class _Handler(BaseHTTPRequestHandler):
     service = None  # a CaptureService (set per front)
     api_key: str | None = None
     read_timeout: float = 30.0
+    header_timeout: float = 10.0
     max_body: int = 0
     protocol_version = "HTTP/1.1"
 
     def setup(self) -> None:
         super().setup()
         self._reader = DeadlineReader(self.connection)
-        self.rfile = io.BufferedReader(self._reader)
+        self.rfile = HeadReader(self._reader)
+        self._place = self.server.connection(self.connection)
+        self._body_deadline = float("inf")
 
     def handle_one_request(self) -> None:
-        self._reader.deadline = time.monotonic() + self.read_timeout  # line, headers and body: this long in all
-        super().handle_one_request()
+        if not self.server.waiting(self._place):  # cut to make room for a newcomer
+            self.close_connection = True
+            return
+        now = time.monotonic()
+        self._reader.deadline = now + min(self.header_timeout, self.read_timeout)  # the line and headers
+        self._body_deadline = now + self.read_timeout  # and the body: this long in all
+        self.rfile.head_left = MAX_HEAD_BYTES
+        self.requestline, self.request_version, self.command, self.headers = "", "HTTP/1.1", "", None
+        try:
+            super().handle_one_request()
+        except HeadTooLarge as exc:
+            self.rfile.head_left = None
+            self.request_version = "HTTP/1.1"  # answered as HTTP/1.1 whatever part of its line was read
+            self._error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, str(exc), close=True)
+
+    def parse_request(self) -> bool:
+        """The standard library's parsing of the line and headers (read within the header bound); then the body's
+        deadline applies."""
+        parsed = super().parse_request()
+        self.rfile.head_left = None
+        self._reader.deadline = self._body_deadline
+        return parsed
+
+    def _serving(self) -> bool:
+        """The request is a client's (its key checked, or read whole): the connection is served now, never cut;
+        False where it was cut first."""
+        if self.server.serving(self._place):
+            return True
+        self.close_connection = True
+        return False
 
     def log_message(self, format, *args):  # noqa: A002 - the base class's name
         logger.debug("http {}: " + format, self.client_address[0], *args)
@@ -122,8 +162,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _discard_body(self) -> None:
         """Read and drop the body of a refused request (up to ``DISCARD_BYTES``, within the read deadline), so that
-        closing does not reset the connection before its client reads the answer; never kept."""
-        raw = (self.headers.get("Content-Length") or "").strip() if self.headers is not None else ""
+        closing does not reset the connection before its client reads the answer; never kept. A head refused
+        before its end: what already arrived is dropped, nothing more is waited for."""
+        if self.headers is None:
+            self._drop_arrived()
+            return
+        raw = (self.headers.get("Content-Length") or "").strip()
         left = int(raw) if raw.isascii() and raw.isdigit() else 0
         if left > DISCARD_BYTES:
             return
@@ -136,12 +180,26 @@ class _Handler(BaseHTTPRequestHandler):
         except (TimeoutError, OSError):
             return
 
+    def _drop_arrived(self) -> None:
+        """Read and drop what the client sent already (at most 1 MiB), waiting for nothing."""
+        try:
+            self.connection.setblocking(False)
+            for _ in range(16):
+                if not self.connection.recv(1 << 16):
+                    return
+        except OSError:
+            return
+
     def _error(self, status: HTTPStatus, message: str, close: bool = False, headers: dict | None = None) -> None:
         self._answer(status, {"error": message}, close, headers)
 
     def _authorized(self) -> bool:
-        if self.api_key is None or authorized(self.headers.get("Authorization"), self.api_key):
+        if self.api_key is None:
+            self.server.keyed(self._place)  # no key: a connection that served a request goes after new ones
             return True
+        if authorized(self.headers.get("Authorization"), self.api_key):
+            self.server.keyed(self._place)  # idle later, it goes after those of clients without the key
+            return self._serving()  # a keyed request, its body still to come: never cut
         self._error(
             HTTPStatus.UNAUTHORIZED,
             "this service needs its API key: send the header Authorization: Bearer <key> (the service's --api-key)",
@@ -151,12 +209,15 @@ class _Handler(BaseHTTPRequestHandler):
         return False
 
     def do_GET(self) -> None:  # noqa: N802 - the base class's name
+        if not self._serving():
+            return
         if self.path == "/health":
-            problem = self.service.health()
+            connections, saturated = self.server.saturation()
+            problem = self.service.health() or saturated
             if problem is None:
-                self._answer(HTTPStatus.OK, {"ok": True})
+                self._answer(HTTPStatus.OK, {"ok": True, "connections": connections})
             else:
-                self._error(HTTPStatus.SERVICE_UNAVAILABLE, problem)
+                self._answer(HTTPStatus.SERVICE_UNAVAILABLE, {"error": problem, "connections": connections})
         elif not self._authorized():
             return
         elif self.path == "/v1/info":
@@ -210,7 +271,7 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._authorized():
             return
         body = self._body()
-        if body is None:
+        if body is None or not self._serving():
             return
         try:
             if self.path == "/v1/completions":
@@ -249,12 +310,14 @@ class HttpFront:
         *,
         api_key: str | None = None,
         read_timeout: float = default_of(ServeConfig, "read_timeout"),
+        header_timeout: float = default_of(ServeConfig, "header_timeout"),
         max_connections: int = default_of(ServeConfig, "max_connections"),
         max_body: int | None = None,
     ):
         if max_body is None:
             max_body = max_body_bytes(default_of(ServeConfig, "seq_length"))
-        limits = {"service": service, "api_key": api_key, "read_timeout": read_timeout, "max_body": max_body}
+        limits = {"service": service, "api_key": api_key, "read_timeout": read_timeout,
+                  "header_timeout": header_timeout, "max_body": max_body}  # fmt: skip
         handler = type("Handler", (_Handler,), limits)
         self.server = BoundedHTTPServer((host, port), handler, max_connections)
         self.host, self.port = self.server.server_address[:2]
@@ -262,9 +325,11 @@ class HttpFront:
 
     @classmethod
     def for_config(cls, service, config: ServeConfig, api_key: str | None) -> HttpFront:
-        """The front as ``config`` bounds it (``--read-timeout``, ``--max-connections``, the body by ``--seq-length``)."""
+        """The front as ``config`` bounds it (``--read-timeout``, ``--header-timeout``, ``--max-connections``, the
+        body by ``--seq-length``)."""
         return cls(service, config.host, config.port, api_key=api_key, read_timeout=config.read_timeout,
-                   max_connections=config.max_connections, max_body=max_body_bytes(config.seq_length))  # fmt: skip
+                   header_timeout=config.header_timeout, max_connections=config.max_connections,
+                   max_body=max_body_bytes(config.seq_length))  # fmt: skip
 
     @property
     def url(self) -> str:

@@ -1,8 +1,10 @@
 """The service's HTTP front (speculators_v016.serve.http_api) against a stand-in service, no engine: slow
-clients cut, threads bounded, bodies and fields bounded, malformed headers answered, the API key
-required, and retries of one request answered once. Every client here targets 127.0.0.1, in bounded
-loops."""
+clients cut, heads bounded in bytes and time, idle and keyless connections cut for newcomers, threads
+bounded, saturation reported, bodies and fields bounded, malformed headers answered, the API key
+required, retries of one request answered once.
+Every client here targets 127.0.0.1, in bounded loops."""
 
+import http.client
 import json
 import socket
 import threading
@@ -166,24 +168,157 @@ def test_slow_clients_are_cut_and_an_honest_one_is_served_meanwhile():
         front.stop()
 
 
-def test_connections_beyond_the_cap_are_refused_with_503_and_threads_stay_bounded():
-    """More idle connections than --max-connections: the extra ones get a 503 at once, no thread each."""
-    front, _ = start(read_timeout=5.0, max_connections=8)
+def cut(sock: socket.socket, wait: float) -> bool:
+    """Did the front close ``sock`` (within ``wait`` seconds), without an answer?"""
+    sock.settimeout(wait)
+    try:
+        return sock.recv(4096) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_idle_connections_beyond_the_cap_are_cut_oldest_first_and_threads_stay_bounded():
+    """More idle connections than --max-connections: each newcomer takes the place of the oldest idle one (cut,
+    unanswered); the newest are held, and there is never more than a thread a place."""
+    front, _ = start(read_timeout=30.0, max_connections=8)
     threads_before = threading.active_count()
     held = []
     try:
         for _ in range(40):
             held.append(socket.create_connection((front.host, front.port), timeout=10))
-        refused = 0
-        for sock in held[8:]:
-            answer = sock.recv(4096)
-            refused += answer.startswith(b"HTTP/1.1 503")
-        assert refused == 32
-        assert b"--max-connections 8" in answer
+        assert all(cut(sock, 5) for sock in held[:32])
+        assert not any(cut(sock, 0.2) for sock in held[32:])
         assert threading.active_count() <= threads_before + 8
+        assert (front.server.cut, front.server.refused) == (32, 0)
     finally:
         for sock in held:
             sock.close()
+        front.stop()
+
+
+def test_a_keyed_idle_connection_outlives_connections_without_the_key():
+    """With --api-key, connections that never carried the key go first: a client's keep-alive connection, the
+    oldest of all, is still served after 12 newcomers passed a cap of 4."""
+    front, _ = start(api_key=KEY, max_connections=4)
+    client = http.client.HTTPConnection(front.host, front.port, timeout=10)
+    try:
+        client.request("GET", "/v1/info", headers={"Authorization": f"Bearer {KEY}"})
+        assert client.getresponse().read() == b'{"service": "stand-in"}'
+        strangers = [socket.create_connection((front.host, front.port), timeout=10) for _ in range(12)]
+        assert sum(cut(sock, 5) for sock in strangers[:9]) == 9
+        client.request("GET", "/v1/info", headers={"Authorization": f"Bearer {KEY}"})  # the same connection
+        assert client.getresponse().read() == b'{"service": "stand-in"}'
+        for sock in strangers:
+            sock.close()
+    finally:
+        client.close()
+        front.stop()
+
+
+def test_a_keyed_request_whose_body_is_on_its_way_is_never_cut():
+    """With --api-key, a request whose key was checked is served from then on: newcomers beyond the cap cut each
+    other, never it, and its body, sent after them, is answered."""
+    front, stand_in = start(api_key=KEY, max_connections=2)
+    body = b'{"input_ids": [7]}'
+    keyed = socket.create_connection((front.host, front.port), timeout=10)
+    try:
+        keyed.sendall(b"POST /v1/samples HTTP/1.1\r\nAuthorization: Bearer %s\r\nContent-Length: %d\r\n\r\n"
+                      % (KEY.encode(), len(body)))  # fmt: skip
+        deadline = time.monotonic() + 10
+        while front.server.saturation()[0]["served"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        strangers = [socket.create_connection((front.host, front.port), timeout=10) for _ in range(5)]
+        assert sum(cut(sock, 5) for sock in strangers[:4]) == 4
+        keyed.sendall(body)
+        assert keyed.recv(4096).startswith(b"HTTP/1.1 200") and stand_in.submitted == [([7], None, None)]
+        for sock in strangers:
+            sock.close()
+    finally:
+        keyed.close()
+        front.stop()
+
+
+def test_when_every_connection_is_served_a_newcomer_gets_503_and_health_says_so_after():
+    """Every place served (requests waiting on the service): a newcomer is answered 503 at once naming
+    --max-connections, and /health is 503 naming the refusal for a while after, with the counters."""
+    stand_in, release = StandIn(), threading.Event()
+    answer = stand_in.submit
+
+    def waiting_submit(*args, **kwargs):
+        release.wait(30)
+        return answer(*args, **kwargs)
+
+    stand_in.submit = waiting_submit
+    front, _ = start(stand_in, max_connections=4)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            served = [pool.submit(post, front.url + "/v1/samples", {"input_ids": [1]}) for _ in range(4)]
+            deadline = time.monotonic() + 10
+            while front.server.saturation()[0]["served"] < 4:
+                assert time.monotonic() < deadline, front.server.saturation()
+                time.sleep(0.02)
+            code, error = status_and_error(raw(front, b"GET /health HTTP/1.1\r\n\r\n"))
+            assert (
+                code == 503 and "every one of this service's --max-connections 4 connections is being served" in error
+            )
+            release.set()
+            assert [f.result()[0] for f in served] == [200] * 4
+        with pytest.raises(urllib.error.HTTPError) as raised:
+            urllib.request.urlopen(front.url + "/health", timeout=10)
+        body = json.loads(raised.value.read())
+        assert (
+            raised.value.code == 503
+            and "a connection was refused 0 s ago: every one of --max-connections 4 was being served (1 refused so far)"
+            in body["error"]
+        )
+        assert body["connections"] == {"open": 1, "served": 1, "max": 4, "cut": 0, "refused": 1}
+    finally:
+        release.set()
+        front.stop()
+
+
+def test_a_head_over_its_byte_bound_is_a_431_and_nothing_more_is_kept(front):
+    """Request line and headers over 32 KiB in all (each line well under the standard library's 64 KiB): a 431
+    naming the bound, the connection closed; the front goes on."""
+    front, stand_in = front
+    head = b"POST /v1/samples HTTP/1.1\r\n" + b"".join(b"X-Fill-%d: %s\r\n" % (i, b"a" * 4000) for i in range(9))
+    code, error = status_and_error(raw(front, head))
+    assert code == 431 and "a request's line and headers take at most 32,768 bytes in all" in error
+    code, error = status_and_error(raw(front, b"GET /" + b"a" * 40000 + b" HTTP/1.1\r\n\r\n"))
+    assert code == 431 and "32,768 bytes" in error
+    assert stand_in.submitted == []
+    assert urllib.request.urlopen(front.url + "/health", timeout=10).status == 200
+
+
+def test_a_head_must_arrive_within_the_header_timeout_and_a_body_within_the_read_timeout():
+    """--header-timeout: a connection sending nothing, or its headers a byte at a time, is cut after it, though
+    --read-timeout is longer; a request whose head came in time has --read-timeout for its body."""
+    front, stand_in = start(read_timeout=4.0, header_timeout=1.0)
+    try:
+        idle = socket.create_connection((front.host, front.port), timeout=10)
+        dribbling = socket.create_connection((front.host, front.port), timeout=10)
+        body = b'{"input_ids": [1, 2]}'
+        slow_body = socket.create_connection((front.host, front.port), timeout=10)
+        slow_body.sendall(b"POST /v1/samples HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body))
+        started = time.monotonic()
+        for byte in b"GET /health HTTP/1.1\r\nX-Slow: " + b"a" * 100:  # a byte every 0.1 s: bounded, 10 s at most
+            try:
+                dribbling.sendall(bytes([byte]))
+            except OSError:
+                break
+            if time.monotonic() - started > 1.0 and cut(idle, 0.1):
+                break
+            time.sleep(0.1)
+        assert cut(dribbling, 2) and cut(idle, 0.5) and time.monotonic() - started < 3.0
+        slow_body.sendall(body)  # 1.5 s and more after its head: within --read-timeout, served
+        answer = slow_body.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 200") and stand_in.submitted == [([1, 2], None, None)]
+        for sock in (idle, dribbling, slow_body):
+            sock.close()
+    finally:
         front.stop()
 
 
