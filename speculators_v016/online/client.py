@@ -13,6 +13,12 @@ fails after all its tries tells the service to release what its tries may still
 publish (``POST /v1/release``), so nothing it asked for is left unread.
 ``api_key`` (default: ``$SPECULATORS_DATA_GEN_SERVE_API_KEY``) goes with every
 request as ``Authorization: Bearer <key>``, as the service's ``--api-key`` wants.
+
+The key goes to the producer and nowhere else: requests go straight to the producer's address,
+never through a proxy (``http_proxy``, ``https_proxy`` and ``no_proxy`` are not read: the service
+speaks plain HTTP, and a proxy would see every request, the key included), and a redirect is never
+followed (:class:`ProducerError` naming where it pointed, not retried): give the producer's own
+address.
 """
 
 from __future__ import annotations
@@ -29,6 +35,17 @@ from speculators_v016.serve.publications import this_consumer
 
 __all__ = ["API_KEY_VARIABLE", "ProducerClient", "ProducerError"]
 RELEASE_TIMEOUT = 10.0  # seconds the release after a failed call may take (best effort)
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Redirects are not followed (the key would go with them): the 3xx answer is raised as an HTTPError."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+#: Straight to the producer: no proxy (an empty ProxyHandler replaces the one reading the environment), no redirect.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
 
 
 class ProducerError(RuntimeError):
@@ -50,7 +67,7 @@ class ProducerClient:
         request = urllib.request.Request(
             self.url + path, data=data, headers=headers, method="GET" if data is None else "POST"
         )
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with _OPENER.open(request, timeout=timeout) as response:
             return json.loads(response.read())
 
     def _call(self, what: str, path: str, body: dict | None = None) -> dict:
@@ -62,6 +79,12 @@ class ProducerClient:
             try:
                 return self._open(path, data, self.timeout)
             except urllib.error.HTTPError as exc:
+                if 300 <= exc.code < 400:
+                    where = (exc.headers.get("Location") or "nowhere")[:200] if exc.headers is not None else "nowhere"
+                    raise ProducerError(
+                        f"{what}: the producer {self.url} answered HTTP {exc.code}, a redirect to {where}: not "
+                        "followed (the API key would go with it); give the producer's own address"
+                    ) from None
                 message = _error_of(exc)
                 if exc.code in (400, 401):
                     raise ProducerError(f"{what}: the producer {self.url} refused the request: {message}") from None

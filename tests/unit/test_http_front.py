@@ -1,10 +1,11 @@
 """The service's HTTP front (speculators_v016.serve.http_api) against a stand-in service, no engine: slow
 clients cut, heads bounded in bytes and time, idle and keyless connections cut for newcomers, threads
 bounded, saturation reported, bodies and fields bounded, malformed headers answered, the API key
-required, retries of one request answered once.
+required, retries of one request answered once, and the client's key kept from proxies and redirects.
 Every client here targets 127.0.0.1, in bounded loops."""
 
 import http.client
+import http.server
 import json
 import socket
 import threading
@@ -422,3 +423,80 @@ def test_retries_of_one_request_carry_its_id_and_a_failed_call_releases_it():
         assert stand_in.released == calls[:1]
     finally:
         front.stop()
+
+
+class Recorder:
+    """A server on 127.0.0.1 that records every request's line and Authorization header and answers each with
+    ``status`` and ``headers`` (a proxy that would forward, or a producer that redirects)."""
+
+    def __init__(self, status: int = 200, headers: dict | None = None):
+        self.seen: list[tuple[str, str | None]] = []
+        recorder = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _record(self):
+                recorder.seen.append((self.requestline, self.headers.get("Authorization")))
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                data = b'{"service": "not the producer"}'
+                self.send_response(status)
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _record
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def proxy_env(monkeypatch):
+    """A recording proxy named by http_proxy (no no_proxy), and urllib's default opener made again from it."""
+    proxy = Recorder()
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("http_proxy", proxy.url)
+    monkeypatch.setenv("HTTP_PROXY", proxy.url)
+    urllib.request.install_opener(None)  # urlopen's opener reads the variables anew
+    yield proxy
+    urllib.request.install_opener(None)
+    proxy.stop()
+
+
+def test_the_client_never_sends_its_requests_or_key_through_a_proxy(keyed, proxy_env):
+    """http_proxy set, no no_proxy: ProducerClient's requests, key included, go straight to the producer; the
+    proxy sees nothing."""
+    front, stand_in = keyed
+    client = ProducerClient(front.url, api_key=KEY, retries=0)
+    assert client.info() == {"service": "stand-in"}
+    assert client.request("s", input_ids=[1, 2])["file"] == "online_0.safetensors"
+    assert proxy_env.seen == []
+
+
+@pytest.mark.parametrize("path", ["/v1/info", "/v1/samples"])
+def test_a_redirect_is_refused_naming_where_it_points_and_the_key_goes_nowhere(path):
+    """A producer answering 307 to another server: a ProducerError naming the Location, not retried, and the
+    other server never sees a request (nor the key)."""
+    elsewhere = Recorder()
+    redirecting = Recorder(307, {"Location": elsewhere.url + path})
+    try:
+        client = ProducerClient(redirecting.url, api_key=KEY, retries=3, pause=5)
+        started = time.monotonic()
+        with pytest.raises(ProducerError) as caught:
+            client.info() if path == "/v1/info" else client.request("sample 0", index=0)
+        assert time.monotonic() - started < 5  # not retried
+        assert f"answered HTTP 307, a redirect to {elsewhere.url}{path}: not followed" in str(caught.value)
+        assert elsewhere.seen == [] and len(redirecting.seen) == 1 + (path == "/v1/samples")  # and the release
+    finally:
+        elsewhere.stop()
+        redirecting.stop()
