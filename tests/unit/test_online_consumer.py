@@ -19,8 +19,10 @@ import pytest
 import torch
 from speculators.train.data import Eagle3SampleFileDataset
 
+from speculators_v016.config import env_name
 from speculators_v016.online import OnlineSampleDataset, ProducerError
 from speculators_v016.online.readers import SERVE_DIR_VARIABLE
+from speculators_v016.run import cli
 from speculators_v016.store.checksum import of_bytes
 from speculators_v016.store.sample_format import encode_parts
 
@@ -310,3 +312,10 @@ def test_the_folder_can_come_from_the_services_variable(producer, monkeypatch):
     monkeypatch.setenv(SERVE_DIR_VARIABLE, str(producer.serve_dir))
     assert dataset(producer, folder=None)[0]["input_ids"].tolist() == list(range(4, 3 + TOKENS))
     assert not (producer.serve_dir / "online_10.safetensors").exists()
+
+
+def test_the_folder_variable_is_the_services_own_serve_dir_variable():
+    """SERVE_DIR_VARIABLE is what `serve --serve-dir` reads too: set once, both sides agree."""
+    serve = next(c for c in cli.cli.commands.values() if c.name == "serve")
+    option = next(p for p in serve.params if "--serve-dir" in getattr(p, "opts", ()))
+    assert option.envvar == SERVE_DIR_VARIABLE == env_name("--serve-dir", "serve")
