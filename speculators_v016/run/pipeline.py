@@ -182,11 +182,11 @@ FILE_ARGS = ("tokenizer", "hf_config_path")
 def run(opts: RunConfig, progress_to=None) -> RunSummary:
     """Make the samples of ``opts``; a progress bar goes to ``progress_to`` (a text stream) if given."""
     started = time.monotonic()
+    target = TargetInfo.read(opts.engine.model, opts.engine.trust_remote_code)  # remote code refused first
     # vLLM takes --engine-args and --seq-length, before the dataset is read or the folder touched
     model_config = check_engine_args(opts.engine).model_config
     reclaim_and_log()  # dead runs' shared memory, also when this run has nothing left to do
     directory = shard_dir(Path(opts.output_dir), opts.shard_index, opts.num_shards)
-    target = TargetInfo.read(opts.engine.model, opts.engine.trust_remote_code)
     plan = LayerPlan.build(target.num_layers, opts.layer_ids)
     summary = RunSummary(str(directory))
     summary.model_args = arg_kinds.model_changing(opts.engine.extra_engine_args, vllm_defaults())
