@@ -1,13 +1,11 @@
 """Dataset rows in, token samples out: local JSON/JSONL, hub names, pre-tokenized files.
 
-Conversation rows (ShareGPT ``conversations`` with ``from``/``value``, or
-``messages`` with ``role``/``content``) are validated here, row by row, so a
-bad row is reported with its file and line; then upstream's preprocessing
-(``build_eagle3_dataset``: chat template of the target's tokenizer, assistant
-loss mask, truncation to ``seq_length``) turns them into samples. Pre-tokenized
-rows (``input_ids`` + ``loss_mask``) skip the template. Rows are shuffled with
-the seed and cut to ``max_samples`` as upstream does. What is dropped is
-counted by reason.
+Conversation rows (ShareGPT ``conversations`` with ``from``/``value``, or ``messages`` with ``role``/``content``,
+tool definitions and tool turns in either form) are read here, row by row, so a bad row is reported with its
+file and line (:func:`speculators_v016.run.turns.read_chat`); rows are shuffled with the seed and cut to
+``max_samples`` as upstream does; then :mod:`speculators_v016.run.chat_samples` turns them into samples (chat
+template of the target's tokenizer, a loss mask on the assistant turns' own text, truncation to ``seq_length``).
+Pre-tokenized rows (``input_ids`` + ``loss_mask``) skip the template. What is dropped is counted by reason.
 
 Local files are read as a stream (JSON Lines line by line, a ``.json`` array
 element by element through a 1 MiB window), so reading needs memory for the
@@ -27,14 +25,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import datasets
 from loguru import logger
 
+from speculators_v016.run import chat_samples
+from speculators_v016.run.turns import BadRowError as BadRowError  # re-exported: the dataset's error
+from speculators_v016.run.turns import raw_turns as raw_turns
+from speculators_v016.run.turns import read_chat
 from speculators_v016.store.run_config import file_sha256
-
-
-class BadRowError(ValueError):
-    """A dataset row that cannot be used; the message names file and line."""
 
 
 @dataclass
@@ -218,35 +215,6 @@ def _read_rows(path: Path):
             yield from _line_rows(path, fh)
 
 
-def raw_turns(where: str, row) -> list[tuple[dict, str, object]]:
-    """(turn, role, content as given) of each of the row's turns (ShareGPT's or OpenAI's keys), or BadRowError
-    naming the row and turn; the content is the caller's to judge."""
-    if not isinstance(row, dict):
-        raise BadRowError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
-    turns = row.get("conversations", row.get("messages"))
-    if not isinstance(turns, list):
-        raise BadRowError(f"{where}: no 'conversations' or 'messages' list")
-    out = []
-    for i, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            raise BadRowError(f"{where}: turn {i} is not an object")
-        role = turn.get("from", turn.get("role"))
-        if not isinstance(role, str):
-            raise BadRowError(f"{where}: turn {i} needs string 'from'/'role' and 'value'/'content'")
-        out.append((turn, role, turn.get("value", turn.get("content"))))
-    return out
-
-
-def _conversation(where: str, row) -> list[dict]:
-    """The row's turns as role/content dicts, or BadRowError."""
-    out = []
-    for i, (_, role, content) in enumerate(raw_turns(where, row)):
-        if not isinstance(content, str):
-            raise BadRowError(f"{where}: turn {i} needs string 'from'/'role' and 'value'/'content'")
-        out.append({"from": role, "value": content})
-    return out
-
-
 def _pretokenized(where: str, row) -> tuple[list[int], list[int]]:
     ids, mask = row.get("input_ids"), row.get("loss_mask")
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -256,9 +224,9 @@ def _pretokenized(where: str, row) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
-def load_rows(paths: list[str], skip_bad_rows: bool, hf_cache_dir: str | None, reader=_conversation):
+def load_rows(paths: list[str], skip_bad_rows: bool, hf_cache_dir: str | None, reader=read_chat):
     """(kind, rows, sources, skipped) from every input, in order; ``reader(where, row)`` reads a conversation row
-    (--regenerate's also reads tool definitions and tool turns: :func:`speculators_v016.run.tool_turns.read_chat`)."""
+    (its turns, tool definitions and tool turns: :func:`speculators_v016.run.turns.read_chat`)."""
     rows, sources, skipped, kinds = [], [], Counter(), set()
     for given in paths:
         path = Path(given)
@@ -316,25 +284,6 @@ def load_rows(paths: list[str], skip_bad_rows: bool, hf_cache_dir: str | None, r
     return (kinds.pop() if kinds else "conversations"), rows, sources, skipped
 
 
-def _template_refusals(rows: list[tuple[str, list[dict]]], tokenizer) -> list[tuple[str, str]]:
-    """``(file:line, reason)`` of each conversation whose chat template raises (``raise_exception``), as upstream
-    renders it (its own normalization of the turns, without turn dropout)."""
-    from speculators.data_generation.preprocessing import (  # noqa: PLC0415 - upstream is slow to import
-        _normalize_conversation,
-    )
-
-    out = []
-    for where, turns in rows:
-        normalized = _normalize_conversation(turns, False)
-        if not normalized:
-            continue
-        try:
-            tokenizer.apply_chat_template(normalized, tokenize=False, add_generation_prompt=False)
-        except Exception as exc:  # noqa: BLE001 - whatever the template raises names the row
-            out.append((where, f"{type(exc).__name__}: {str(exc)[:200]}"))
-    return out
-
-
 def run_order(count: int, seed: int, max_samples: int | None) -> list[int]:
     """The rows a run uses, in its order: shuffled as upstream does (datasets' shuffle with the seed), then cut."""
     import datasets  # noqa: PLC0415 - datasets is slow to import; only a run needs it
@@ -365,52 +314,71 @@ def prepare_samples(
         raise ValueError(f"seq_length must be at least 1, got {seq_length}")
     kind, rows, sources, skipped = load_rows(paths, skip_bad_rows, hf_cache_dir)
     order = run_order(len(rows), seed, max_samples)
-    picked = [rows[i][1] for i in order]
+    picked = [rows[i] for i in order]
     if kind == "pretokenized":
-        ids = [r[0][:seq_length] for r in picked]
-        masks = [r[1][:seq_length] for r in picked]
-        cut = [len(r[0]) > seq_length for r in picked]
+        ids = [r[1][0][:seq_length] for r in picked]
+        masks = [r[1][1][:seq_length] for r in picked]
+        cut = [len(r[1][0]) > seq_length for r in picked]
     else:
-        from speculators.data_generation.preprocessing import (  # noqa: PLC0415 - upstream is slow to import
-            build_eagle3_dataset,
+        ids, masks, cut = _conversations(
+            picked,
+            tokenizer,
+            seq_length,
+            skipped,
+            num_proc,
+            assistant_pattern=assistant_pattern,
+            turn_dropout=turn_dropout,
+            seed=seed,
+            skip_bad_rows=skip_bad_rows,
         )
-
-        random.seed(seed)  # turn dropout draws from `random`
-        table = datasets.Dataset.from_dict({"conversations": picked})
-        built = (
-            build_eagle3_dataset(
-                table,
-                tokenizer,
-                seq_length,
-                num_proc=max(1, min(num_proc, len(picked) // 64)),
-                assistant_pattern=assistant_pattern,
-                turn_dropout=turn_dropout,
-            )
-            if picked
-            else []
-        )
-        ids = [r["input_ids"].tolist() for r in built]
-        masks = [r["loss_mask"].tolist() for r in built]
-        rejected = len(picked) - len(ids)
-        if rejected:  # upstream drops such rows with a warning naming their shuffled position: find them
-            refused = _template_refusals([rows[i] for i in order], tokenizer)
-            if refused and not skip_bad_rows:
-                where, reason = refused[0]
-                more = f" (and {len(refused) - 1} more rows)" if len(refused) > 1 else ""
-                raise BadRowError(
-                    f"{where}: rejected by the chat template of the target's tokenizer ({reason}){more}; "
-                    "--skip-bad-rows skips and counts such rows"
-                )
-            for where, reason in refused:
-                logger.warning("skipping bad row {}: rejected by the chat template ({})", where, reason)
-            if refused:
-                skipped["bad row"] += len(refused)
-            if rejected > len(refused):  # e.g. no turn of a role upstream knows
-                skipped["rejected by the chat template or tokenizer"] += rejected - len(refused)
-        cut = [len(x) >= seq_length for x in ids]  # tokenized with truncation at seq_length
     keep = [i for i, m in enumerate(masks) if any(m)]
     if len(keep) != len(masks):
-        skipped["no assistant (trainable) tokens"] += len(masks) - len(keep)
+        skipped[chat_samples.NO_ASSISTANT] += len(masks) - len(keep)
         ids, masks, cut = [ids[i] for i in keep], [masks[i] for i in keep], [cut[i] for i in keep]
-    truncated = sum(cut)
-    return PreparedSamples(ids, masks, kind, sources, skipped, truncated)
+    return PreparedSamples(ids, masks, kind, sources, skipped, sum(cut))
+
+
+def _conversations(
+    picked,
+    tokenizer,
+    seq_length: int,
+    skipped: Counter,
+    num_proc: int,
+    *,
+    assistant_pattern,
+    turn_dropout,
+    seed,
+    skip_bad_rows,
+) -> tuple[list, list, list]:
+    """(ids, masks, cut) of the conversation rows ``picked`` (``(where, ChatRow)``, in the run's order); rows
+    refused raise the first one's BadRowError, or with ``skip_bad_rows`` are skipped, logged and counted in
+    ``skipped`` by reason, as rows skipped are (too long, no assistant turn).
+
+    Turn dropout keeps a row's turns up to its first assistant turn at or after turn ``randint(1, turns)``, drawn
+    after ``random.seed(seed)`` a row at a time in the run's order, here (upstream drew them in a forked worker,
+    whose ``random`` Python reseeds at fork: other draws at every run)."""
+    if picked and not getattr(tokenizer, "is_fast", False):
+        raise BadRowError(
+            "the target's tokenizer is not a fast (Rust) tokenizer: the loss masks of conversation rows need its "
+            "token offsets; give pre-tokenized rows (input_ids + loss_mask), or use --regenerate"
+        )
+    settings = chat_samples.Settings.of(tokenizer, seq_length, assistant_pattern)
+    random.seed(seed)  # turn dropout draws from `random`, a row at a time in the run's order
+    keeps = [random.randint(1, len(chat.turns)) if turn_dropout else None for _, chat in picked]
+    workers = max(1, min(num_proc, len(picked) // 64))
+    built = chat_samples.build_all(picked, keeps, tokenizer, settings, workers)
+    refused = [(where, b) for (where, _), b in zip(picked, built, strict=True) if b.bad]
+    if refused and not skip_bad_rows:
+        first = refused[0][1].bad
+        more = f" (and {len(refused) - 1} more rows)" if len(refused) > 1 else ""
+        raise BadRowError(f"{first}{more}; --skip-bad-rows skips and counts such rows", refused[0][1].reason)
+    for where, b in refused:
+        logger.warning("skipping bad row {}: {}", where, b.log)
+        skipped[b.reason] += 1
+    for (where, _), b in zip(picked, built, strict=True):
+        if b.skip:
+            if b.log:
+                logger.warning("skipping row {}: {} ({})", where, b.skip, b.log)
+            skipped[b.skip] += 1
+    kept = [b for b in built if b.ids is not None]
+    return [b.ids for b in kept], [b.mask for b in kept], [b.cut for b in kept]

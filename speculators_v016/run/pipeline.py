@@ -46,6 +46,7 @@ from speculators_v016.engine.engine_args import check_engine_args, vllm_defaults
 from speculators_v016.generator import VllmHiddenStatesGenerator
 from speculators_v016.layers import LayerPlan
 from speculators_v016.redact import redact
+from speculators_v016.run import chat_samples
 from speculators_v016.run.dataset import PreparedSamples, prepare_samples
 from speculators_v016.run.regenerate import RegenerationWork
 from speculators_v016.shared.shm_records import reclaim_and_log
@@ -157,16 +158,19 @@ def fingerprint(opts: RunConfig, samples, layer_ids: list[int]) -> dict:
     extra = opts.engine.extra_engine_args
     if extra:  # absent without: folders of earlier releases still resume
         generation["engine_args"] = redact(extra)  # a secret is named, never written (the resume check skips it)
+    preprocessing = {
+        "seq_length": opts.seq_length,
+        "max_samples": opts.max_samples,
+        "seed": opts.seed,
+        "assistant_pattern": opts.assistant_pattern,
+        "turn_dropout": opts.turn_dropout,
+    }
+    if samples.kind == "conversations" and not opts.regenerate:  # how rows become samples: a folder made before
+        preprocessing["conversations"] = chat_samples.READING  # (upstream's pattern mask) is not resumed
     out = {
         "model": run_config.model_fingerprint(opts.engine.model),
         "dataset": {"sources": samples.sources, "kind": samples.kind},
-        "preprocessing": {
-            "seq_length": opts.seq_length,
-            "max_samples": opts.max_samples,
-            "seed": opts.seed,
-            "assistant_pattern": opts.assistant_pattern,
-            "turn_dropout": opts.turn_dropout,
-        },
+        "preprocessing": preprocessing,
         "generation": generation,
     }
     files = {k: run_config.files_fingerprint(extra[k]) for k in FILE_ARGS if isinstance(extra.get(k), str)}

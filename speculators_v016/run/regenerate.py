@@ -41,23 +41,9 @@ import torch
 from speculators_v016.engine.generation import Generated, Generation, sample_seed
 from speculators_v016.run import tool_turns
 from speculators_v016.run.dataset import BadRowError, load_rows, run_order
+from speculators_v016.run.turns import messages
 from speculators_v016.store import regenerated
 from speculators_v016.target import GenerationSetupError
-
-#: ShareGPT's and the chat format's role names -> the chat template's
-ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "model": "assistant",
-    "chatgpt": "assistant",
-    "bing": "assistant",
-    "bard": "assistant",
-    "system": "system",
-    tool_turns.CALL_ROLE: "assistant",
-    **dict.fromkeys(tool_turns.RESULT_ROLES, "tool"),
-}
 
 
 @dataclass(frozen=True)
@@ -200,38 +186,39 @@ def answer_slots(turns: list[dict]) -> list[dict]:
 
 
 #: the skip reason of a row whose tools or tool turns the chat template cannot render (--skip-bad-rows)
-TOOLS_REFUSED = "the chat template cannot render its tools or tool turns"
+TOOLS_REFUSED = tool_turns.TOOLS_REFUSED
+#: the skip reason of a row without a user turn (--skip-bad-rows)
+NOTHING_TO_REGENERATE = "nothing to regenerate (no user turn answered)"
 
 
 def plan(rows: list[tuple[str, Any]], skip_bad_rows: bool, tokenizer=None) -> tuple[list[Conversation], dict]:
     """The conversations in the run's order with their sample indices; ``(plan, skipped by reason)``.
 
     ``rows``: ``(where, turns)`` or ``(where, ChatRow)`` (turns and tool definitions). A turn's role must be one
-    the chat format knows; assistant turns before the first user turn are dropped (nothing asked them); user
-    turns no assistant turn answers get an answer to generate (:func:`answer_slots`); a conversation without a
-    user turn is a bad row (named, or skipped and counted with ``skip_bad_rows``), and so is one with tools or tool
-    turns that ``tokenizer``'s chat template cannot render (:func:`tool_turns.template_refusal`)."""
+    the chat format knows (:func:`speculators_v016.run.turns.chat_role`); assistant turns before the first user turn
+    are dropped (nothing asked them); user turns no assistant turn answers get an answer to generate
+    (:func:`answer_slots`); a conversation without a user turn is a bad row (named, or skipped and counted with
+    ``skip_bad_rows``, by reason), and so is one with tools or tool turns that ``tokenizer``'s chat template cannot
+    render (:func:`tool_turns.template_refusal`)."""
     out, skipped, index = [], {}, 0
     for where, raw in rows:
         chat = raw if isinstance(raw, tool_turns.ChatRow) else tool_turns.ChatRow(raw)
-        reason = "nothing to regenerate (no user turn answered)"
         try:
             turns = _turns_of(where, chat.turns)
             answers = sum(t["role"] == "assistant" for t in turns)
             if answers == 0:
-                raise BadRowError(f"{where}: no user turn: nothing to regenerate")
+                raise BadRowError(f"{where}: no user turn: nothing to regenerate", NOTHING_TO_REGENERATE)
             refusal = (
                 tool_turns.template_refusal(tokenizer, turns, chat.tools)
                 if tokenizer is not None and tool_turns.uses_tools(turns, chat.tools)
                 else None
             )
             if refusal:
-                reason = TOOLS_REFUSED
-                raise BadRowError(f"{where}: {refusal}; --skip-bad-rows skips and counts such rows")
-        except BadRowError:
+                raise BadRowError(f"{where}: {refusal}; --skip-bad-rows skips and counts such rows", TOOLS_REFUSED)
+        except BadRowError as exc:
             if not skip_bad_rows:
                 raise
-            skipped[reason] = skipped.get(reason, 0) + 1
+            skipped[exc.reason] = skipped.get(exc.reason, 0) + 1
             continue
         out.append(Conversation(len(out), where, turns, index, answers, chat.tools))
         index += answers
@@ -241,16 +228,10 @@ def plan(rows: list[tuple[str, Any]], skip_bad_rows: bool, tokenizer=None) -> tu
 def _turns_of(where: str, raw: list[dict]) -> list[dict]:
     """A row's turns as the chat template takes them, with the answers to generate (:func:`answer_slots`)."""
     turns = []
-    for i, turn in enumerate(raw):
-        role = ROLES.get(turn["from"].lower())
-        if role is None:
-            raise BadRowError(f"{where}: turn {i} has role {turn['from']!r}, which --regenerate cannot use")
-        if role == "assistant" and not any(t["role"] == "user" for t in turns):
+    for turn in messages(where, raw):
+        if turn["role"] == "assistant" and not any(t["role"] == "user" for t in turns):
             continue
-        read = {"role": role, "content": turn["value"]}
-        keys = ("tool_calls",) if role == "assistant" else ("tool_call_id", "name") if role == "tool" else ()
-        read.update({k: turn[k] for k in keys if k in turn})
-        turns.append(read)
+        turns.append(turn)
     return answer_slots(turns)
 
 

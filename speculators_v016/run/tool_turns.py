@@ -1,10 +1,12 @@
-"""Tool use under ``--regenerate``: a row's tool definitions, tool calls and tool results, and the calls the
-target's regenerated turns make.
+"""Tool use: whether the chat template renders a row's tool definitions and tool turns
+(:func:`template_refusal`, for prefilled samples and ``--regenerate``), and the calls the target's regenerated
+turns make.
 
-Rows (:func:`read_chat`): OpenAI-style ``messages`` (a row-level ``tools`` list of definitions, assistant turns
-with ``tool_calls`` and possibly no ``content``, ``tool`` turns with ``tool_call_id``/``name``) and the ShareGPT
-``conversations`` form (``from: function_call`` whose ``value`` is the call as JSON, ``from: observation`` /
-``tool`` / ``function`` for its result, ``tools`` as a list or as a JSON string of one).
+Rows with tools are read by :mod:`speculators_v016.run.turns` (:func:`read_chat`, re-exported here): OpenAI-style
+``messages`` (a row-level ``tools`` list of definitions, assistant turns with ``tool_calls`` and possibly no
+``content``, ``tool`` turns with ``tool_call_id``/``name``) and the ShareGPT ``conversations`` form
+(``from: function_call`` whose ``value`` is the call as JSON, ``from: observation`` / ``tool`` / ``function`` for
+its result, ``tools`` as a list or as a JSON string of one).
 
 A target's call (:func:`called_names`) is read from the text of its turn decoded with its special tokens, so
 whatever markup the template wraps calls in (``<tool_call>``, ``[TOOL_CALLS]``, a code fence or none): every
@@ -17,95 +19,18 @@ many times each, in any order (no call on both sides included).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
-from speculators_v016.run.dataset import BadRowError, raw_turns
+from speculators_v016.run.turns import CALL_ROLE as CALL_ROLE  # re-exported: the reading of rows is run.turns
+from speculators_v016.run.turns import RESULT_ROLES as RESULT_ROLES
+from speculators_v016.run.turns import ChatRow as ChatRow
+from speculators_v016.run.turns import read_chat as read_chat
 
-#: turn roles (ShareGPT's ``from`` or the chat format's ``role``) that hold a tool's result
-RESULT_ROLES = frozenset({"tool", "observation", "function", "function_response"})
-#: the ShareGPT role of an assistant turn that is a call, its ``value`` the call as JSON
-CALL_ROLE = "function_call"
 #: why a conversation stopped, as regenerated.jsonl and the journal say it
 MISMATCH = "tool_call_mismatch"
+#: the skip reason of a row whose tools or tool turns the chat template cannot render (--skip-bad-rows)
+TOOLS_REFUSED = "the chat template cannot render its tools or tool turns"
 
 _DECODER = json.JSONDecoder()
-
-
-@dataclass
-class ChatRow:
-    """A row's turns (``from``/``value`` dicts, with ``tool_calls``, ``tool_call_id``, ``name`` where given) and
-    its tool definitions (None: none)."""
-
-    turns: list[dict]
-    tools: list[dict] | None = None
-
-
-def _tools(where: str, row: dict) -> list[dict] | None:
-    tools = row.get("tools")
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools) if tools.strip() else None
-        except ValueError:
-            raise BadRowError(f"{where}: 'tools' is a string that is not JSON") from None
-    if tools is None or tools == []:
-        return None
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise BadRowError(f"{where}: 'tools' must be a list of tool definitions (objects)")
-    return tools
-
-
-def _call(where: str, i: int, call) -> dict:
-    """One call as the chat format holds it: ``{"type": "function", "function": {"name", "arguments"}}``."""
-    function = call.get("function", call) if isinstance(call, dict) else None
-    name = function.get("name") if isinstance(function, dict) else None
-    if not isinstance(name, str) or not name:
-        raise BadRowError(f"{where}: turn {i} has a tool call without a string 'name'")
-    arguments = function.get("arguments", function.get("parameters", {}))
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError:
-            pass  # kept as the source wrote it
-    out = {"type": "function", "function": {"name": name, "arguments": arguments}}
-    if isinstance(call, dict) and isinstance(call.get("id"), str):
-        out["id"] = call["id"]
-    return out
-
-
-def _calls(where: str, i: int, turn: dict, role: str, content) -> list[dict] | None:
-    calls = turn.get("tool_calls")
-    if role == CALL_ROLE and calls is None:
-        try:
-            calls = json.loads(content)
-        except (TypeError, ValueError):
-            raise BadRowError(f"{where}: turn {i} ({CALL_ROLE}) does not hold its call as JSON") from None
-        calls = calls if isinstance(calls, list) else [calls]
-    if calls is None:
-        return None
-    if not isinstance(calls, list) or not calls:
-        raise BadRowError(f"{where}: turn {i} has 'tool_calls' that is not a non-empty list")
-    return [_call(where, i, c) for c in calls]
-
-
-def read_chat(where: str, row) -> ChatRow:
-    """The row's turns and tool definitions, or BadRowError naming the row and turn."""
-    out = []
-    for i, (turn, role, content) in enumerate(raw_turns(where, row)):
-        calls = _calls(where, i, turn, role.lower(), content)
-        if role.lower() == CALL_ROLE:
-            content = ""  # the call is its tool_calls
-        if content is None and calls:
-            content = ""
-        if not isinstance(content, str):
-            raise BadRowError(f"{where}: turn {i} needs string 'from'/'role' and 'value'/'content' (or 'tool_calls')")
-        read = {"from": role, "value": content}
-        if calls:
-            read["tool_calls"] = calls
-        for key in ("tool_call_id", "name"):
-            if role.lower() in RESULT_ROLES and isinstance(turn.get(key), str):
-                read[key] = turn[key]
-        out.append(read)
-    return ChatRow(out, _tools(where, row))
 
 
 def expected_names(turn: dict) -> list[str]:

@@ -42,7 +42,7 @@ def test_non_utf8_element_of_a_json_array_is_a_bad_row(tmp_path):
     with pytest.raises(BadRowError, match=rf"{data} row 1: not UTF-8 text"):
         load_rows([str(data)], skip_bad_rows=False, hf_cache_dir=None)
     _, rows, _, skipped = load_rows([str(data)], skip_bad_rows=True, hf_cache_dir=None)
-    assert [turns[0]["value"] for _, turns in rows] == [
+    assert [chat.turns[0]["value"] for _, chat in rows] == [
         chat(0)["conversations"][0]["value"],
         chat(2)["conversations"][0]["value"],
     ]
@@ -133,7 +133,7 @@ def test_a_deeply_nested_array_element_is_a_bad_row(tmp_path, monkeypatch):
         load_rows([str(data)], skip_bad_rows=False, hf_cache_dir=None)
     _, rows, _, skipped = load_rows([str(data)], skip_bad_rows=True, hf_cache_dir=None)
     assert [where for where, _ in rows] == [f"{data} row 0", f"{data} row 2"] and skipped == {"bad row": 1}
-    assert rows[1][1][0]["value"] == chat(2)["conversations"][0]["value"]
+    assert rows[1][1].turns[0]["value"] == chat(2)["conversations"][0]["value"]
 
 
 REJECTING = (
