@@ -31,20 +31,24 @@ def data_file(tmp_path_factory):
 
 
 def test_unusable_rows_are_skipped_by_reason(tmp_path, model_dir):
-    """Empty, template-rejected and no-assistant rows are counted by reason; none at all is an error."""
+    """Empty and no-assistant rows are counted by reason; a row whose role is not read is refused naming it, or
+    with --skip-bad-rows counted by reason (never its turn dropped); none at all is an error."""
     good = conversations(3)
     rows = good + [
         {"conversations": []},
         {"conversations": [{"from": "human", "value": "only a question"}]},
         {"conversations": [{"from": "narrator", "value": "nobody speaks"}]},
     ]
-    result = generate(model_dir, write_jsonl(tmp_path / "mixed.jsonl", rows), tmp_path / "out")
+    data = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    refused = generate(model_dir, data, tmp_path / "refused")
+    assert refused.exit_code == 3 and f"{data}:6: turn 0 has role 'narrator', which is not read" in refused.output
+    result = generate(model_dir, data, tmp_path / "out", "--skip-bad-rows")
     assert result.exit_code == 0, result.output
     assert "skipped:    1 empty conversation" in result.output
     assert "skipped:    1 no assistant (trainable) tokens" in result.output
-    assert "skipped:    1 rejected by the chat template or tokenizer" in result.output
+    assert "skipped:    1 unknown turn role" in result.output
     assert len(Manifest(tmp_path / "out").entries()) == 3
-    nothing = generate(model_dir, write_jsonl(tmp_path / "bad.jsonl", rows[3:]), tmp_path / "none")
+    nothing = generate(model_dir, write_jsonl(tmp_path / "bad.jsonl", rows[3:]), tmp_path / "none", "--skip-bad-rows")
     assert nothing.exit_code == 3 and "no usable sample" in nothing.output
 
 
