@@ -26,6 +26,7 @@ from typing import TextIO
 
 from loguru import logger
 
+from speculators_v016.store import no_links
 from speculators_v016.store.outdir import SHARD_DIR, is_ours
 
 MODES = ("normal", "verbose", "quiet")
@@ -72,7 +73,9 @@ def run_log_path(output_dir: Path, kind: str = "run", suffix: str = "") -> Path:
     out = Path(output_dir)
     try:
         foreign = out.exists() and (
-            not out.is_dir() or any(not is_ours(n) and not SHARD_DIR.match(n) for n in os.listdir(out))
+            not out.is_dir()
+            or any(not is_ours(n) and not SHARD_DIR.match(n) for n in os.listdir(out))
+            or bool(no_links.links_in(out))  # a link (``logs`` among them) is never written through
         )
     except OSError:
         foreign = True
@@ -88,14 +91,22 @@ def scratch_log_path(kind: str) -> Path:
 
 def open_log(path: Path, mode: int = 0o644) -> tuple[int, Path]:
     """(fd, path) of a new log file at ``path``, or ``path`` with ``-2``, ``-3`` ... before ``.log`` where that
-    name exists: never an existing file, never through a symbolic link (O_EXCL | O_NOFOLLOW)."""
+    name exists: never an existing file, never through a symbolic link (O_EXCL | O_NOFOLLOW). Its folder (``logs``
+    of an output folder, or the private one) is made where absent and opened without following a link
+    (``O_DIRECTORY | O_NOFOLLOW``, :func:`speculators_v016.store.no_links.open_subfolder`), the file relative to
+    it: a ``logs`` that is a link to another folder raises, and nothing is made there."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_APPEND | os.O_CLOEXEC
-    for n in range(1, 100):
-        candidate = path if n == 1 else path.with_name(f"{path.stem}-{n}{path.suffix}")
-        try:
-            return os.open(candidate, flags, mode), candidate
-        except FileExistsError:
-            continue
+    path.parent.parent.mkdir(parents=True, exist_ok=True)  # the output folder, as the user named it
+    folder = no_links.open_subfolder(path.parent.parent, path.parent.name)
+    try:
+        for n in range(1, 100):
+            candidate = path if n == 1 else path.with_name(f"{path.stem}-{n}{path.suffix}")
+            try:
+                return os.open(candidate.name, flags, mode, dir_fd=folder), candidate
+            except FileExistsError:
+                continue
+    finally:
+        os.close(folder)
     raise FileExistsError(errno.EEXIST, "too many log files of the same second", str(path))
 
 
@@ -145,7 +156,6 @@ class Console:
         neither works."""
         folder = self.log_file.parent
         try:
-            folder.mkdir(parents=True, exist_ok=True)
             fd, self.log_file = open_log(self.log_file, 0o600 if _private(folder) else 0o644)
             return fd
         except OSError as exc:
@@ -271,8 +281,8 @@ class Console:
 
 def _tail(path: Path, size: int = 16384) -> list[str]:
     try:
-        with open(path, "rb") as fh:
-            fh.seek(max(0, os.path.getsize(path) - size))
+        with no_links.open_to_read(path) as fh:
+            fh.seek(max(0, os.fstat(fh.fileno()).st_size - size))
             return fh.read().decode(errors="replace").splitlines()
     except OSError:
         return []

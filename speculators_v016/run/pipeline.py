@@ -195,7 +195,7 @@ def run(opts: RunConfig, progress_to=None) -> RunSummary:
     summary = RunSummary(str(directory))
     summary.model_args = arg_kinds.model_changing(opts.engine.extra_engine_args, vllm_defaults())
     root = ShardedRoot(Path(opts.output_dir), opts.num_shards) if opts.num_shards > 1 else nullcontext()
-    with root, OutputDir(directory) as out:
+    with root, OutputDir(directory, inside=opts.num_shards > 1) as out:
         if out.removed_leftovers:
             logger.warning("removed {} temporary files left by an interrupted run", len(out.removed_leftovers))
         tokenizer = AutoTokenizer.from_pretrained(

@@ -16,6 +16,7 @@ from speculators_v016.run.dataset import BadRowError
 from speculators_v016.run.pipeline import run
 from speculators_v016.store.atomic_files import WriteError
 from speculators_v016.store.manifest import ManifestError
+from speculators_v016.store.no_links import LinkedEntryError
 from speculators_v016.store.outdir import OutputDirError
 from speculators_v016.store.regenerated import JournalError
 from speculators_v016.store.run_config import ResumeMismatchError
@@ -29,7 +30,7 @@ def exit_code(exc: BaseException) -> ExitCode:
     bad_input = (BadRowError, PromptError, LayerIdError, RemoteCodeError, ContextLengthError, GenerationSetupError)
     if isinstance(exc, bad_input):
         return ExitCode.BAD_INPUT
-    if isinstance(exc, (OutputDirError, ResumeMismatchError, ManifestError, JournalError)):
+    if isinstance(exc, (OutputDirError, ResumeMismatchError, ManifestError, JournalError, LinkedEntryError)):
         return ExitCode.OUTPUT_REFUSED
     if isinstance(exc, WriteError) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)):
         return ExitCode.WRITE_FAILED

@@ -16,7 +16,9 @@ and appends a line to ``published.jsonl`` (file, bytes, the consumer that asked
 for it) *before* the file gets its name. ``.speculators-serve.lock`` holds the
 service's pid, for messages, and is locked too (as services before the folder's
 own lock did). It is never opened through a symlink, and one that is not a regular
-file of one link holding at most a pid is not ours: refused, untouched. Once
+file of one link holding at most a pid is not ours: refused, untouched. Every
+file it makes is created exclusively or opened without following a link
+(:mod:`~speculators_v016.store.no_links`), and a folder holding links is refused. Once
 locked, it must still be the file at its path (else it is taken again); the
 running service looks every second: a lock file deleted is made again, one
 replaced by another file stops the service, and so does the folder's path naming
@@ -51,6 +53,7 @@ from pathlib import Path
 from loguru import logger
 
 from speculators_v016.serve.publications import Publications
+from speculators_v016.store import no_links
 from speculators_v016.store.atomic_files import TMP_PREFIX, WriteError, write_atomic, write_parts
 from speculators_v016.store.checksum import DEFAULT as DEFAULT_CHECKSUM
 from speculators_v016.store.checksum import new as new_digest
@@ -167,7 +170,8 @@ class ServeDir(Publications):
 
     # -- start and stop ----------------------------------------------------------------------------
     def open(self) -> ServeDir:
-        """Take the folder: lock it, reclaim what a dead service's record names, refuse files that are not ours."""
+        """Take the folder: lock it, reclaim what a dead service's record names, refuse files that are not ours
+        and links (the folder itself is taken as named: a link in ``--serve-dir``'s path is followed)."""
         self.path.mkdir(parents=True, exist_ok=True)
         self.path = Path(os.path.realpath(self.path))  # the folder, once: a link swapped later leads nowhere
         folder, self.folder_locked = _lock_folder(self.path)
@@ -184,7 +188,8 @@ class ServeDir(Publications):
             raise
         self._write_pid(fd)
         self._lock_fd, self._folder_fd = fd, folder
-        self._journal = open(self.path / JOURNAL, "a", encoding="utf-8")  # noqa: SIM115 - open while serving
+        journal = no_links.open_in_place(self.path / JOURNAL, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        self._journal = os.fdopen(journal, "a", encoding="utf-8")  # open while serving; never through a link
         return self
 
     def _lock(self) -> int:
@@ -242,6 +247,13 @@ class ServeDir(Publications):
             return "restored"
 
     def _take_over(self) -> None:
+        links = no_links.links_in(self.path)
+        if links:
+            raise ServeDirError(
+                f"--serve-dir {self.path} holds symbolic links ({no_links.describe(self.path, links)}); a service "
+                "writes only files it makes itself, never through a link: remove them (their targets are not "
+                "touched), or use another folder"
+            )
         journal = self.path / JOURNAL
         named: set[str] = set()
         counted = (
@@ -250,7 +262,7 @@ class ServeDir(Publications):
         if journal.is_symlink() or journal.exists() and not journal.is_file():
             raise ServeDirError(f"--serve-dir {self.path}: {JOURNAL} is not a regular file; not ours")
         if journal.exists():
-            for line in journal.read_text(encoding="utf-8", errors="replace").splitlines():
+            for line in no_links.read_bytes(journal).decode("utf-8", errors="replace").splitlines():
                 try:
                     record = json.loads(line)
                 except ValueError:
@@ -309,7 +321,15 @@ class ServeDir(Publications):
         tmp = self.path / f"{TMP_PREFIX}{name}.{os.getpid()}"
         digest = new_digest(self.checksum)
         try:
-            with tmp.open("wb", buffering=0) as fh:
+            fh = open(tmp, "xb", buffering=0, opener=no_links.opener)  # noqa: SIM115 - exclusive, never via a link
+        except no_links.LinkedEntryError:
+            self._unreserve(nbytes)
+            raise  # a name someone else made, named: left as it is
+        except OSError as exc:
+            self._unreserve(nbytes)
+            raise WriteError(exc.errno or errno.EIO, f"cannot write {self.path / name}: {exc.strerror or exc}") from exc
+        try:
+            with fh:
                 size = write_parts(fh, parts, digest)
             os.replace(tmp, self.path / name)
         except OSError as exc:

@@ -15,7 +15,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from speculators_v016.store import checksum
+from speculators_v016.store import checksum, no_links
+from speculators_v016.store.no_links import LinkedEntryError
 
 TMP_PREFIX = ".tmp-"
 
@@ -33,7 +34,7 @@ class ChunkRefused(Exception):
 
 
 def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
@@ -93,7 +94,11 @@ def write_durable(
 
     The file's contents are on disk before it gets its final name, so the name
     never shows a partial file; the rename itself is durable once the folder is
-    fsynced (:func:`fsync_dir`), which callers may do once for many files.
+    fsynced (:func:`fsync_dir`), which callers may do once for many files. The
+    temporary file is created exclusively and never through a link
+    (:mod:`~speculators_v016.store.no_links`): a name someone else made there
+    raises :class:`~speculators_v016.store.no_links.LinkedEntryError` and is
+    left as it is.
     ``drop_cache``: once on disk, the file's pages leave the page cache
     (``POSIX_FADV_DONTNEED``; advice only, never an error). ``scans``: see
     :func:`write_parts`; a refused chunk raises :class:`ChunkRefused` and the
@@ -103,7 +108,13 @@ def write_durable(
     digest = checksum.new(algorithm)  # an unknown algorithm fails before any file is made
     tmp = directory / f"{TMP_PREFIX}{name}.{os.getpid()}"
     try:
-        with tmp.open("wb", buffering=0) as fh:
+        fh = open(tmp, "xb", buffering=0, opener=no_links.opener)  # noqa: SIM115 - closed below
+    except LinkedEntryError:
+        raise  # not ours: left as it is
+    except OSError as exc:
+        raise WriteError(exc.errno, f"cannot write {directory / name}: {exc.strerror or exc}") from exc
+    try:
+        with fh:
             size = write_parts(fh, parts, digest, scans)
             os.fsync(fh.fileno())
             if drop_cache:

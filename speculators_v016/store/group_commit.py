@@ -25,6 +25,7 @@ from pathlib import Path
 
 from speculators_v016.store.atomic_files import WriteError, fsync_dir
 from speculators_v016.store.manifest import Entry, Manifest
+from speculators_v016.store.no_links import LinkedEntryError
 
 #: Seconds between commits at most: under load every commit lists this long's samples.
 DEFAULT_COMMIT_INTERVAL = 0.25
@@ -79,6 +80,8 @@ class GroupCommit:
         try:
             fsync_dir(self.directory)
             self.manifest.append(*batch)
+        except LinkedEntryError:
+            raise  # the manifest is a link or another file: the run stops naming it (the folder refused)
         except OSError as exc:
             raise WriteError(
                 exc.errno, f"cannot record {len(batch)} sample(s) in {self.manifest.path}: {exc.strerror or exc}"

@@ -8,7 +8,9 @@ crash can leave a final file without its line (it is then written again on
 resume) or a torn last line (ignored, and cut off by the next run's
 :meth:`Manifest.reconcile`, even when it is the only line), never the reverse.
 Any other line that is not an entry (garbage, bytes that are not UTF-8) means
-something else changed the file: :class:`ManifestError`, naming the line.
+something else changed the file: :class:`ManifestError`, naming the line. The
+manifest is read and appended to without following a link, and appended to only
+where it is a regular file of one link (:mod:`~speculators_v016.store.no_links`).
 
 A line is ``{"bytes", "file", "index", <algorithm>, "tokens"}``: the key of the
 file's digest names its algorithm (``blake3``, or ``sha256`` as every earlier
@@ -19,11 +21,12 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from speculators_v016.store import checksum
+from speculators_v016.store import checksum, no_links
 from speculators_v016.store.atomic_files import write_atomic
 
 NAME = "manifest.jsonl"
@@ -78,6 +81,15 @@ class Entry:
         return cls(**fields, digest=digest, algorithm=named[0])
 
 
+def _regular_size(path: Path) -> int | None:
+    """The size of the regular file at ``path`` (a link is not followed: None), None where there is none."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    return info.st_size if stat.S_ISREG(info.st_mode) else None
+
+
 class Manifest:
     def __init__(self, directory: Path):
         self.path = Path(directory) / NAME
@@ -94,7 +106,7 @@ class Manifest:
 
     def _parse(self) -> tuple[dict[int, Entry], bool, list[tuple[int, int, int]]]:
         try:
-            data = self.path.read_bytes()
+            data = no_links.read_bytes(self.path)
         except FileNotFoundError:
             return {}, False, []
         except OSError as exc:
@@ -126,11 +138,16 @@ class Manifest:
 
     def append(self, *entries: Entry) -> None:
         """Append the lines of ``entries`` in one write, then fsync (one commit for a batch of files)."""
-        text = "".join(e.line() for e in entries)
-        with self._lock, self.path.open("a") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
+        data = "".join(e.line() for e in entries).encode()
+        with self._lock:
+            fd = no_links.open_in_place(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)  # never through a link
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def reconcile(self) -> dict[int, Entry]:
         """Entries whose files are in place with the recorded size; the manifest is rewritten to exactly
@@ -138,11 +155,7 @@ class Manifest:
         run; appending after a torn line would glue the next entry onto it)."""
         entries, torn = self._read()
         folder = self.path.parent
-        good = {
-            i: e
-            for i, e in entries.items()
-            if (folder / e.file).is_file() and (folder / e.file).stat().st_size == e.bytes
-        }
+        good = {i: e for i, e in entries.items() if _regular_size(folder / e.file) == e.bytes}
         if len(good) != len(entries) or torn:
             self.compact(good)
         return good

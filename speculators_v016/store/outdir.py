@@ -16,6 +16,12 @@ shared lock on the root that an unsharded run's exclusive one excludes.
 A folder that cannot be created or written is refused naming it: exit 4
 (:class:`OutputDirError`: no permission, read-only), or 6 (:class:`WriteError`:
 no space left).
+
+A folder whose entries include symbolic links is refused too, naming them and
+where they point (exit 4): a run never writes through a link
+(:mod:`~speculators_v016.store.no_links`). The folder given as ``--output-dir``
+is taken as the user names it (a link in that path is followed, as for any
+path argument); a shard folder inside it is ours, and must not be a link.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import re
 from pathlib import Path
 
 from speculators_v016.shared.shm_records import RECORDS_PREFIX
+from speculators_v016.store import no_links
 from speculators_v016.store.atomic_files import TMP_PREFIX, WriteError
 from speculators_v016.store.manifest import NAME as MANIFEST
 from speculators_v016.store.sample_format import parse_sample_name
@@ -81,11 +88,23 @@ def cannot_use(path: Path, exc: OSError, what: str = "") -> OSError | OutputDirE
     )
 
 
+def _refuse_links(path: Path) -> None:
+    """OutputDirError naming the entries of ``path`` that are symbolic links, where there are any."""
+    links = no_links.links_in(path)
+    if links:
+        raise OutputDirError(
+            f"--output-dir {path} holds symbolic links ({no_links.describe(path, links)}); a run writes only files "
+            "it makes itself, never through a link: remove them (their targets are not touched), or use another "
+            "folder"
+        )
+
+
 def _lock(path: Path, mode: int) -> tuple[int, int]:
     """The folder ``path`` and its lock file, open and held with ``mode`` (``fcntl.LOCK_EX``/``LOCK_SH``): the
     folder's own lock is what a deleted lock file cannot defeat (another run's lock on the same folder fails
     whatever became of the file; a filesystem that locks no folder, NFSv4, leaves the file's lock alone); the file
-    holds the pid, for messages."""
+    holds the pid, for messages. The lock file is never opened through a link, and only as a regular file of one
+    link (a hard link to another file would have its bytes replaced by our pid)."""
     try:
         folder = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
@@ -98,7 +117,10 @@ def _lock(path: Path, mode: int) -> tuple[int, int]:
     except OSError:
         pass  # no folder locks here: the lock file's, as before
     try:
-        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = no_links.open_in_place(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except no_links.LinkedEntryError as exc:
+        os.close(folder)
+        raise OutputDirError(f"--output-dir: {exc.strerror}") from None
     except OSError as exc:
         os.close(folder)
         raise cannot_use(path / LOCK, exc) from None
@@ -135,12 +157,22 @@ def shard_dir(root: Path, index: int, count: int) -> Path:
 
 
 class OutputDir:
-    def __init__(self, path: Path):
+    """The folder one unsharded run or one shard writes. ``inside``: a folder of ours inside the user's
+    ``--output-dir`` (a shard's), which must not itself be a link."""
+
+    def __init__(self, path: Path, inside: bool = False):
         self.path = Path(path)
+        self.inside = inside
         self._lock_fd: int | None = None
         self._folder_fd: int | None = None
 
     def _check_contents(self) -> None:
+        if self.inside and self.path.is_symlink():
+            raise OutputDirError(
+                f"--output-dir: {self.path} is a symbolic link (-> {os.readlink(self.path)}), not the folder a "
+                "run of ours made: never written through; remove it, or use another --output-dir"
+            )
+        _refuse_links(self.path)
         foreign = sorted(n for n in os.listdir(self.path) if not is_ours(n))
         shards = [n for n in foreign if SHARD_DIR.match(n)]
         if shards:
@@ -212,6 +244,7 @@ class ShardedRoot:
         self._folder_fd: int | None = None
 
     def _check_contents(self) -> None:
+        _refuse_links(self.path)  # a shard folder, logs or the lock as a link among them
         names = os.listdir(self.path)
         unsharded = unsharded_run_files(names)
         if unsharded:

@@ -18,6 +18,7 @@ import json
 import os
 from pathlib import Path
 
+from speculators_v016.store import no_links
 from speculators_v016.store.atomic_files import WriteError, write_atomic
 from speculators_v016.store.sample_format import load_sample
 
@@ -48,9 +49,17 @@ def read_journal(directory: Path, problems: list[str] | None = None) -> dict[int
     naming it; with ``problems`` given (verify), it is appended there instead and the other lines are read."""
     path = directory / JOURNAL
     records: dict[int, dict] = {}
-    if not path.exists():
+    try:
+        fh = no_links.open_to_read(path)  # never through a link
+    except FileNotFoundError:
         return records
-    with path.open("rb") as fh:
+    except OSError as exc:
+        finding = f"{path}: cannot be read ({exc.strerror or exc})"
+        if problems is None:
+            raise JournalError(finding) from None
+        problems.append(finding)
+        return records
+    with fh:
         for number, raw in enumerate(fh, 1):
             if not raw.endswith(b"\n"):
                 break  # the line a killed run was writing
@@ -97,10 +106,13 @@ class Journal:
 
     def __init__(self, directory: Path):
         self.path = directory / JOURNAL
-        try:
-            self._fh = self.path.open("ab")
-            if self._fh.tell() and not _ends_with_newline(self.path):
+        try:  # never through a link, only a regular file of one link (store.no_links)
+            self._fh = os.fdopen(no_links.open_in_place(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT), "ab")
+            end = os.fstat(self._fh.fileno()).st_size
+            if end and not _ends_with_newline(self._fh.fileno(), end):
                 self._fh.write(b"\n")  # end the line a killed run left torn: the next one starts clean
+        except no_links.LinkedEntryError:
+            raise
         except OSError as exc:
             raise WriteError(exc.errno, f"cannot write {self.path}: {exc.strerror or exc}") from exc
 
@@ -117,10 +129,8 @@ class Journal:
         self._fh.close()
 
 
-def _ends_with_newline(path: Path) -> bool:
-    with path.open("rb") as fh:
-        fh.seek(-1, os.SEEK_END)
-        return fh.read(1) == b"\n"
+def _ends_with_newline(fd: int, size: int) -> bool:
+    return os.pread(fd, 1, size - 1) == b"\n"
 
 
 def write_conversations(directory: Path, conversations: list[dict]) -> None:
@@ -162,10 +172,14 @@ def folder_problems(directory: Path, listed: set[int], journal: dict[int, dict],
     """regenerated.jsonl against the journal: every assistant turn names a listed sample (the one holding it) and
     holds its text; ``complete``: every listed sample's turns are in it once."""
     path = directory / CONVERSATIONS
-    if not path.exists():
+    try:
+        text = no_links.read_bytes(path).decode("utf-8")  # never through a link
+    except FileNotFoundError:
         return [f"{path}: missing (a --regenerate run writes it at its end)"] if complete else []
+    except (OSError, UnicodeDecodeError) as exc:
+        return [f"{path}: cannot be read ({getattr(exc, 'strerror', None) or exc})"]
     problems, seen = [], []
-    for number, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for number, raw in enumerate(text.splitlines(), 1):
         try:
             line = json.loads(raw)
             turns = [t for t in line["turns"] if t["role"] == "assistant"]

@@ -27,6 +27,7 @@ import struct
 from pathlib import Path
 
 from speculators_v016.redact import redact, without_secrets
+from speculators_v016.store import no_links
 from speculators_v016.store.atomic_files import write_atomic
 from speculators_v016.store.outdir import CONFIG
 
@@ -172,10 +173,10 @@ def _with_defaults(fingerprint) -> dict:
 
 def load(directory: Path) -> dict | None:
     path = Path(directory) / CONFIG
-    if not path.exists():
-        return None
     try:
-        return json.loads(path.read_bytes().decode("utf-8"))
+        return json.loads(no_links.read_bytes(path).decode("utf-8"))  # never through a link
+    except FileNotFoundError:
+        return None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ResumeMismatchError(f"{path} is not valid JSON ({exc}); not a folder of ours to resume") from exc
     except OSError as exc:

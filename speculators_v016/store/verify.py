@@ -1,8 +1,8 @@
 """``speculators-data-gen verify DIR``: is every sample there, intact, and what the config says?
 
 Checks, per folder (or per shard folder, plus their union): ``data_config.json``
-is present; no temporary leftovers and no foreign files (those are reported,
-never opened); every sample listed once in the manifest; every manifest entry's
+is present; no temporary leftovers, no foreign files and no symbolic links
+(those are reported, never opened or followed); every sample listed once in the manifest; every manifest entry's
 file exists, is a regular file (a link in its place is reported, never
 followed) with the recorded size and
 digest (BLAKE3 or sha256, as the entry names it; one that cannot be read is a
@@ -36,7 +36,7 @@ import torch
 
 from speculators_v016 import fp8
 from speculators_v016.checks.degenerate import degenerate_layers
-from speculators_v016.store import checksum, regenerated
+from speculators_v016.store import checksum, no_links, regenerated
 from speculators_v016.store.atomic_files import TMP_PREFIX
 from speculators_v016.store.manifest import Manifest, ManifestError
 from speculators_v016.store.outdir import CONFIG, SHARD_DIR, is_ours, unsharded_run_files
@@ -103,7 +103,7 @@ def folder_settings(folder: Path) -> FolderSettings | None:
     """The folder's settings from ``data_config.json``; None without one; ConfigError naming the file."""
     path = Path(folder) / CONFIG
     try:
-        raw = path.read_bytes()
+        raw = no_links.read_bytes(path)  # never through a link
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -194,7 +194,11 @@ def _skipped(last_run) -> int:
 
 def _folders(root: Path, report: Report) -> list[Path]:
     """The shard folders of ``root``, or ``root`` itself; a layout mixing both (or shard counts) is a finding."""
-    shards = sorted(p for p in root.iterdir() if p.is_dir() and SHARD_DIR.match(p.name))
+    linked = sorted(p for p in root.iterdir() if SHARD_DIR.match(p.name) and p.is_symlink())
+    report.problems += [
+        f"{p}: a symbolic link (-> {os.readlink(p)}), not a shard folder of ours (not followed)" for p in linked
+    ]
+    shards = sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and SHARD_DIR.match(p.name))
     if shards:
         counts = sorted({SHARD_DIR.match(p.name).group(2) for p in shards})
         if len(counts) > 1:
@@ -332,6 +336,12 @@ def _verify_folder(
     ]
     manifest = Manifest(folder)
     entries = manifest.entries()
+    samples = {e.file for e in entries.values()}  # a listed sample that is a link is named below, with its entry
+    report.problems += [
+        f"{folder / n}: a symbolic link (-> {os.readlink(folder / n)}), not a file this tool wrote (not followed)"
+        for n in no_links.links_in(folder)
+        if n not in samples and not SHARD_DIR.match(n)
+    ]
     report.problems += [
         f"{manifest.path}:{line}: sample {index} listed again (first on line {first})"
         for line, index, first in manifest.duplicates()

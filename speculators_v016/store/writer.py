@@ -24,7 +24,9 @@ once it is durable: a run writes far more than memory holds, and what the
 cache would evict for it (model weights, the dataset) is worth more. The
 queue between the engine and the workers is bounded, so a slow disk slows
 generation instead of filling memory. The first write error stops the run:
-:meth:`SampleWriter.put` raises :class:`WriteError` naming the path. Any other
+:meth:`SampleWriter.put` raises :class:`WriteError` naming the path (or
+:class:`~speculators_v016.store.no_links.LinkedEntryError`, where a name it
+writes was found taken by a link or another file: never written through). Any other
 failure on a writer thread (a ``reject`` or ``done`` callback raising, a bug)
 stops it the same way, as :class:`WriterThreadError`: every exception of a
 worker is caught and handed to the producer, and a producer waiting on a full
@@ -46,6 +48,7 @@ from speculators_v016.store import checksum as checksums
 from speculators_v016.store.atomic_files import ChunkRefused, WriteError, write_durable
 from speculators_v016.store.group_commit import DEFAULT_COMMIT_INTERVAL, GroupCommit
 from speculators_v016.store.manifest import Entry, Manifest
+from speculators_v016.store.no_links import LinkedEntryError
 from speculators_v016.store.sample_format import encode_typed, sample_name
 
 
@@ -193,7 +196,7 @@ class SampleWriter:
             error = WriterThreadError("every sample-writer thread has ended")
         if error is None:
             return
-        if isinstance(error, WriteError):
+        if isinstance(error, (WriteError, LinkedEntryError)):
             raise error
         if isinstance(error, OSError):
             raise WriteError(error.errno, f"writing samples to {self.directory} failed: {error}") from error

@@ -13,6 +13,11 @@ modules carry no fault points: each fault wraps one of their seams here.
 * ``kill-after-rename:n``: SIGKILL right after the ``n``-th sample file got
   its final name, before its group commit (wraps the writer's ``write_durable``):
   files in place that the manifest does not list yet.
+* ``plant-tmp-link:n``: from the ``n``-th sample file on, the temporary name
+  the writer is about to create (``.tmp-data_N.safetensors.<pid>``) is found
+  taken by a symbolic link to ``$SPECULATORS_V016_FAULT_TARGET/data_N...``, as
+  if someone with write access to the folder planted it while the run wrote
+  (wraps the writer's ``write_durable``): a run must never write through it.
 * ``kill-before-manifest:n``: SIGKILL after the ``n``-th file is in place and
   before its manifest line; the lines before it in its batch are written
   first (wraps :meth:`Manifest.append`).
@@ -93,6 +98,7 @@ from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.sample_format import parse_sample_name
 
 VARIABLE = "SPECULATORS_V016_FAULT"
+TARGET = "SPECULATORS_V016_FAULT_TARGET"  # the folder a planted link points into (plant-tmp-link)
 COMMAND = "speculators-data-gen"
 _passed: Counter = Counter()
 _lock = threading.Lock()  # writer threads pass points concurrently
@@ -153,6 +159,18 @@ def install() -> None:
             if _armed(point):
                 _kill()
             return result
+
+        writer.write_durable = write_durable
+    elif point == "plant-tmp-link":
+        original_durable = writer.write_durable
+        planting = []
+
+        def write_durable(directory, name, parts, **options):
+            if planting or _armed(point):
+                planting.append(name)
+                tmp = Path(directory) / f"{atomic_files.TMP_PREFIX}{name}.{os.getpid()}"
+                tmp.symlink_to(Path(os.environ[TARGET]) / name)
+            return original_durable(directory, name, parts, **options)
 
         writer.write_durable = write_durable
     elif point in ("kill-before-manifest", "kill-mid-commit", "kill-after-commit"):
