@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from loguru import logger
 
 from speculators_v016.engine.generation import Generated, Generation, sample_seed
 from speculators_v016.run import tool_turns
@@ -318,16 +319,27 @@ class Regeneration:
         if source["content"] is None:  # no source answer to compare with
             return None
         text = self.tokenizer.decode(list(sampled), skip_special_tokens=False)
-        stop = tool_turns.mismatch(tool_turns.expected_names(source), tool_turns.called_names(text))
+        expected = tool_turns.expected_names(source)
+        try:
+            stop = tool_turns.mismatch(expected, tool_turns.called_names(text))
+        except tool_turns.CallsUnreadable as exc:  # bounded: the conversation stops here, named and counted
+            stop = {"reason": tool_turns.UNREADABLE, "expected": expected, "got": None, "detail": str(exc)}
         if stop is None:
             return None
         stop["turn"] = state.turn
         state.end = state.turn + 1
         self.stops[stop["reason"]] = self.stops.get(stop["reason"], 0) + 1
-        why = (
-            f"{regenerated.TOOL_STOP}: turn {state.turn} of {conv.where} calls {stop['got']}, "
-            f"the source's {stop['expected']}"
-        )
+        if stop["reason"] == tool_turns.UNREADABLE:
+            why = (
+                f"{regenerated.TOOL_UNREADABLE}: turn {state.turn} of {conv.where}: its calls cannot be read "
+                f"({stop['detail']})"
+            )
+            logger.warning("{}; the conversation stops there (counted)", why)
+        else:
+            why = (
+                f"{regenerated.TOOL_STOP}: turn {state.turn} of {conv.where} calls {stop['got']}, "
+                f"the source's {stop['expected']}"
+            )
         self.cut.extend((i, why) for i in range(index + 1, conv.first_index + conv.answers + self.start_idx))
         return stop
 

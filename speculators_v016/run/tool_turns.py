@@ -14,11 +14,18 @@ JSON object in the text with a string ``"name"`` and an ``"arguments"`` or ``"pa
 that name (at any depth: ``{"function": {"name": ..., "arguments": ...}}`` counts, a call's own arguments are
 not searched). A regenerated turn matches its source turn (:func:`mismatch`) when both call the same names, as
 many times each, in any order (no call on both sides included).
+
+The text is the target's own, so its search is bounded: before a value is decoded, a scan of its brackets
+(strings skipped, in the regular-expression engine) measures how deep it nests; a turn whose text nests deeper
+than :data:`MAX_DEPTH` (a real call nests a few levels; 1,100 ``[`` would exhaust the JSON decoder's recursion)
+raises :class:`CallsUnreadable` instead of being decoded, and its conversation stops there (:data:`UNREADABLE`,
+counted as other stops are).
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 from speculators_v016.run.turns import CALL_ROLE as CALL_ROLE  # re-exported: the reading of rows is run.turns
 from speculators_v016.run.turns import RESULT_ROLES as RESULT_ROLES
@@ -29,8 +36,16 @@ from speculators_v016.run.turns import read_chat as read_chat
 MISMATCH = "tool_call_mismatch"
 #: the skip reason of a row whose tools or tool turns the chat template cannot render (--skip-bad-rows)
 TOOLS_REFUSED = "the chat template cannot render its tools or tool turns"
+UNREADABLE = "tool_call_unreadable"  # its text nests JSON deeper than MAX_DEPTH: its calls are not read
+#: the deepest JSON nesting a turn's text may hold for its calls to be read
+MAX_DEPTH = 64
 
 _DECODER = json.JSONDecoder()
+_STRUCTURE = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')  # a JSON string (skipped whole), or a bracket
+
+
+class CallsUnreadable(ValueError):
+    """A turn's text nests JSON deeper than :data:`MAX_DEPTH`: its calls are not read (the message says where)."""
 
 
 def expected_names(turn: dict) -> list[str]:
@@ -48,13 +63,34 @@ def called_names(text: str) -> list[str]:
         if not starts:
             return names
         at = min(starts)
+        if _nests_deeper(text, at, MAX_DEPTH):
+            raise CallsUnreadable(f"JSON nested deeper than {MAX_DEPTH} levels at character {at} of {len(text)}")
         try:
             value, end = _DECODER.raw_decode(text, at)
         except ValueError:
             at += 1
             continue
+        except RecursionError:  # not reached after the scan above; never a crash if it were
+            raise CallsUnreadable(f"JSON nested too deeply to decode at character {at} of {len(text)}") from None
         _collect(value, names)
         at = end
+
+
+def _nests_deeper(text: str, start: int, limit: int) -> bool:
+    """Does the bracket at ``start`` open more than ``limit`` levels before it closes (JSON strings skipped)? Stops
+    at the first level past ``limit``, or where it closes: a decode from ``start`` reads no deeper than this."""
+    depth = 0
+    for match in _STRUCTURE.finditer(text, start):
+        token = match.group()
+        if token in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif token in "]}":
+            depth -= 1
+            if depth == 0:
+                return False
+    return False
 
 
 def _collect(value, names: list[str]) -> None:

@@ -30,16 +30,21 @@ NOT_GENERATED = "turn not generated (prompt reaches --seq-length)"
 #: them as skipped); the log line of each such turn starts with TOOL_STOP
 STOPPED = "turn not generated (conversation stopped at a tool call other than the source's)"
 TOOL_STOP = "tool_call_mismatch"
+#: the log line's start for turns after one whose calls cannot be read (JSON nested too deeply): counted as STOPPED
+TOOL_UNREADABLE = "tool_call_unreadable"
 
 
 def not_generated(why: str) -> str:
     """The run summary's skip reason of a turn not generated, by the log line's ``why``."""
-    return STOPPED if why.startswith(TOOL_STOP) else NOT_GENERATED
+    return STOPPED if why.startswith((TOOL_STOP, TOOL_UNREADABLE)) else NOT_GENERATED
 
 
 class JournalError(ValueError):
     """The journal is not one this tool wrote as it is (a line that is not a record, a listed sample without its
     line): the message names the file and line. A run refuses the folder (exit 4); verify names it."""
+
+
+_TOO_DEEP = object()  # a journal line nested past the JSON decoder's recursion
 
 
 def read_journal(directory: Path, problems: list[str] | None = None) -> dict[int, dict]:
@@ -67,7 +72,9 @@ def read_journal(directory: Path, problems: list[str] | None = None) -> dict[int
                 record = json.loads(raw)
             except ValueError:
                 continue  # a line a killed run left torn, ended by the next run (its sample is not listed)
-            why = _not_a_record(record)
+            except RecursionError:  # no record of ours nests: a line written by something else
+                record = _TOO_DEEP
+            why = "JSON nested too deeply" if record is _TOO_DEEP else _not_a_record(record)
             if why:
                 finding = f"{path}:{number}: not a record this tool writes ({why})"
                 if problems is None:

@@ -167,3 +167,33 @@ def test_a_template_that_cannot_render_tools_refuses_the_row(model_dir, tmp_path
     summary = json.loads((tmp_path / "b" / "out" / "data_config.json").read_text())["speculators_v016"]["last_run"]
     assert summary["skipped"] == {"the chat template cannot render its tools or tool turns": 1}
     assert summary["written"] == 1
+
+
+def test_a_turn_of_1100_nested_brackets_stops_its_conversation_and_the_run_goes_on(tools_model, tmp_path):
+    """The engine forced to write 1,100 nested ``[`` as a tool conversation's first turn: that conversation stops
+    there (tool_call_unreadable, its row named in the log and on the terminal, its turns after it counted), the
+    plain conversation beside it is written whole, exit 0, verified; the run again is a no-op (no recursion)."""
+    tokenizer = AutoTokenizer.from_pretrained(tools_model)
+    force = tokenizer("[" * 1100, add_special_tokens=False)["input_ids"] + [
+        tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ]
+    unless = tokenizer("<|im_start|>tool", add_special_tokens=False)["input_ids"]
+    env = {forced_tokens.VARIABLE: json.dumps({"force": force, "unless_prompt_has": unless})}
+    plain = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]}
+    out, longer = tmp_path / "out", ["--seq-length", 2048, "--max-new-tokens", 1200]
+    result = run(tools_model, [tool_chat("get_weather"), plain], out, *longer, env=env)
+    assert result.exit_code == 0, result.output
+    assert "tool_call_unreadable: turn 0 of " in result.output and "chats.jsonl:1: its calls cannot be read" in (
+        result.output
+    ), result.output
+    assert "stopped:    1 conversations at a tool call (1 tool_call_unreadable)" in result.output
+    assert "verify:     ok" in result.output, result.output
+    lines = {line["source"].rsplit(":", 1)[1]: line for line in map(json.loads, (out / "regenerated.jsonl").open())}
+    assert lines["1"]["stopped"]["reason"] == "tool_call_unreadable" and lines["1"]["stopped"]["turn"] == 0
+    assert lines["2"]["turns"][-1]["content"] == "[" * 1100 and "stopped" not in lines["2"]  # no tools: not read
+    summary = json.loads((out / "data_config.json").read_text())["speculators_v016"]["last_run"]
+    assert summary["skipped"] == {STOPPED: 2} and summary["stopped"] == {"tool_call_unreadable": 1}
+    assert len(load_all(out)) == 2  # the plain turn, and the tool conversation's turn 0 (kept, as a stopping turn is)
+    again = run(tools_model, out.parent / "chats.jsonl", out, *longer, env=env)
+    assert again.exit_code == 0 and "nothing to generate: the 2 turns not written" in again.output, again.output
+    assert "verify:     ok" in again.output, again.output

@@ -8,7 +8,15 @@ import pytest
 from speculators_v016.engine.generation import Generated
 from speculators_v016.run.dataset import BadRowError, load_rows
 from speculators_v016.run.regenerate import Regeneration, Sampling, plan, records_by_conversation
-from speculators_v016.run.tool_turns import called_names, mismatch, read_chat, template_refusal
+from speculators_v016.run.tool_turns import (
+    MAX_DEPTH,
+    CallsUnreadable,
+    called_names,
+    mismatch,
+    read_chat,
+    template_refusal,
+)
+from speculators_v016.store import regenerated
 from speculators_v016.testing.tiny_models import train_tokenizer
 
 TOOLS_TEMPLATE = (
@@ -152,3 +160,35 @@ def test_a_different_call_stops_the_conversation_with_its_record(tokenizer):
     assert line["stopped"]["kept_turns"] == 3 and line["tools"] == [WEATHER]
     resumed = Regeneration(tokenizer, convs, sampling(), frozenset(), 512, {0: record})
     assert list(resumed.feed()) == [] and resumed.cut == regen.cut  # a resume stops there again, from the ids
+
+
+@pytest.mark.parametrize("text", ["[" * 1100, '{"a": ' * 1100, "<call>" + "[" * 1100 + "]" * 1100 + "</call>"])
+def test_calls_in_text_nested_past_the_bound_are_unreadable_not_a_crash(text):
+    """1,100 nested brackets (closed or not, arrays or objects): CallsUnreadable saying where, never RecursionError;
+    nesting within MAX_DEPTH, brackets inside strings included, is read as before."""
+    with pytest.raises(CallsUnreadable, match=rf"JSON nested deeper than {MAX_DEPTH} levels at character \d+"):
+        called_names(text)
+    deep = "[" * (MAX_DEPTH - 2) + '{"name": "a", "arguments": {}}' + "]" * (MAX_DEPTH - 2)  # MAX_DEPTH levels
+    assert called_names(deep) == ["a"]
+    assert called_names('{"name": "b", "arguments": {"q": "' + "[" * 5000 + '"}}') == ["b"]
+
+
+def test_a_turn_whose_calls_cannot_be_read_stops_its_conversation_named_and_counted(tokenizer):
+    """A generated turn of 1,100 nested brackets in a tool conversation: the conversation stops there (reason
+    tool_call_unreadable, the row and turn named), the rest cut and counted; a resume stops there again."""
+    convs, _ = plan([("chats.jsonl:7", read_chat("chats.jsonl:7", chat("get_weather")))], False, tokenizer)
+    regen = Regeneration(tokenizer, convs, sampling(), frozenset(), 4096, {})
+    feed = regen.feed()
+    index, prompt, _ = next(feed)
+    brackets = tokenizer("[" * 1100, add_special_tokens=False)["input_ids"]
+    record = regen.complete(index, Generated(len(prompt), brackets, "stop"))
+    assert record["stop"]["reason"] == "tool_call_unreadable" and record["stop"]["turn"] == 0
+    assert record["stop"]["expected"] == ["get_weather"] and record["stop"]["got"] is None
+    ((cut, why),) = regen.cut
+    assert cut == 1 and why.startswith("tool_call_unreadable: turn 0 of chats.jsonl:7: its calls cannot be read")
+    assert regenerated.not_generated(why) == regenerated.STOPPED
+    assert list(feed) == [] and regen.stops == {"tool_call_unreadable": 1}
+    (line,) = records_by_conversation({0: record}, convs, sampling())
+    assert line["stopped"]["reason"] == "tool_call_unreadable" and line["stopped"]["kept_turns"] == 3
+    resumed = Regeneration(tokenizer, convs, sampling(), frozenset(), 4096, {0: record})
+    assert list(resumed.feed()) == [] and resumed.cut == regen.cut
