@@ -28,10 +28,9 @@ generated (:mod:`speculators_v016.store.regenerated` keeps those records on disk
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,8 @@ from speculators_v016.run import tool_turns
 from speculators_v016.run.dataset import BadRowError, load_rows, run_order
 from speculators_v016.run.turns import messages
 from speculators_v016.store import regenerated
+from speculators_v016.store.regenerated import prompt_digest
+from speculators_v016.store.sample_format import read_input_ids
 from speculators_v016.target import GenerationSetupError
 
 
@@ -251,6 +252,18 @@ class _Open:
             self.end = self.conversation.answers
 
 
+@dataclass
+class Written:
+    """What a resume checks the records it takes as history against: the samples the manifest lists.
+
+    ``ids(index)``: the input ids of listed sample ``index`` (read from its file); ``holders``: the listed sample
+    holding each folded turn, by index; ``offset``: index + offset is a sample's name (``--start-idx``)."""
+
+    ids: Callable[[int], list[int]]
+    holders: dict[int, int]
+    offset: int = 0
+
+
 class Regeneration:
     """The feed of a regenerating run: each conversation's next turn once its previous one is generated.
 
@@ -258,6 +271,11 @@ class Regeneration:
     rest wait for a turn in flight; :meth:`complete` takes a generated turn and returns its record.
     ``done``: records of samples already written (a resume), by index: their turns are not generated again,
     their text is the history. A conversation whose prompt leaves no room for a new token is cut there.
+
+    ``written`` (a resume): each record taken as history must still be what was written (:meth:`_check_record`):
+    its text what its sampled ids decode to, and the prompt rendered from the history before it + its sampled ids
+    what the listed sample holding it holds; else JournalError (the folder is refused). Without it (the unit
+    tests' plans) records are taken as they are.
     """
 
     def __init__(
@@ -271,10 +289,12 @@ class Regeneration:
         start_idx: int = 0,
         logprobs_for=None,
         per_turn: bool = True,
+        written: Written | None = None,
     ):
         self.tokenizer, self.sampling, self.stop_ids, self.seq_length = tokenizer, sampling, stop_ids, seq_length
         self.start_idx, self.logprobs_for = start_idx, logprobs_for or (lambda index: False)
         self.per_turn = per_turn
+        self.written = written
         self.shapes: dict[str, int] = {}  # finished conversations by how their turns went into samples
         self.stops: dict[str, int] = {}  # conversations stopped at a tool call, by why
         self._ready: deque[_Open] = deque()
@@ -293,8 +313,10 @@ class Regeneration:
             record = done[index]
             if record.get("in_later_sample"):  # its tokens are in the journal; its states come with a later turn
                 prompt = self._prompt(state)
-                if record.get("prompt_sha256") != prompt_digest(prompt):
+                holder = self.written.holders.get(index) if self.written is not None else None
+                if record.get("prompt_sha256") != prompt_digest(prompt) and holder is None:
                     break  # generated under a history a killed run's resume has since regenerated: again
+                self._check_record(index, record, prompt, holder)
                 self._advance(state, record["text"])
                 if not self._folds(state, prompt, record["token_ids"]):
                     raise regenerated.JournalError(
@@ -303,11 +325,57 @@ class Regeneration:
                     )
                 state.folded.append(index)
             else:
+                if self.written is not None:
+                    prompt = state.prompt if state.prompt is not None else self._prompt(state)
+                    self._check_record(index, record, prompt, index)
                 if conv.uses_tools:  # the journal keeps every turn's sampled ids
                     self._check_call(state, index, record["token_ids"])
                 self._advance(state, record["text"])
                 state.prompt, state.folded, state.samples = None, [], state.samples + 1
         return state
+
+    def _check_record(self, index: int, record: dict, prompt: list[int], holder: int | None) -> None:
+        """A written turn's record, before a resume takes it as history: its text is what its sampled ids decode
+        to; ``holder`` (the listed sample holding it, itself where it has its own file) holds ``prompt`` (rendered
+        from the source and the turns before it as recorded) then the sampled ids, and a folded turn's
+        ``prompt_sha256`` is that prompt's digest. JournalError naming the record where not: an edited record
+        would prompt the next turns with text the target never wrote (or mask ids it did not sample)."""
+        if self.written is None:
+            return
+        name = index + self.written.offset
+        where = f"the {regenerated.JOURNAL} record of sample {name}"
+        tokens = record.get("token_ids")
+        if not isinstance(tokens, list) or record.get("text") != self.text_of_ids(tokens):
+            raise regenerated.JournalError(
+                f"{where}: its text is not what its sampled ids decode to (an edited record?); a resume would "
+                "prompt the conversation's next turns with it: not a folder this tool wrote as it is"
+            )
+        if holder is None:
+            return  # a folded turn no listed sample holds yet (a killed run's): its prompt's digest matched
+        held = f"listed sample {holder + self.written.offset}"
+        if record.get("in_later_sample") and record.get("prompt_sha256") != prompt_digest(prompt):
+            raise regenerated.JournalError(
+                f"{where}, a turn folded into {held}, no longer matches its digest: prompt_sha256 is not the digest "
+                "of its prompt as rendered from the source and the turns before it as recorded (this record or an "
+                "earlier one was edited): not a folder this tool wrote as it is"
+            )
+        ids, start = self.written.ids(holder), len(prompt)
+        own = holder == index
+        if (
+            record.get("prompt_tokens") != start
+            or ids[:start] != prompt
+            or ids[start : start + len(tokens)] != tokens
+            or (own and len(ids) != start + len(tokens))
+        ):
+            raise regenerated.JournalError(
+                f"{where} does not match {held}: the file does not hold its prompt (rendered from the source and "
+                "the turns before it as recorded) followed by its sampled ids (this record or an earlier one was "
+                "edited): not a folder this tool wrote as it is"
+            )
+
+    def text_of_ids(self, token_ids: list[int]) -> str:
+        """The text of sampled ids as a record keeps it (:meth:`text_of`)."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _check_call(self, state: _Open, index: int, sampled: list[int]) -> dict | None:
         """Where turn ``state.turn`` (sample ``index``) calls other tools than its source turn did: the
@@ -403,16 +471,14 @@ class Regeneration:
             yield index, prompt, generation
 
     def prompt_ids(self, history: list[dict], tools: list[dict] | None = None) -> list[int]:
-        extra = {"tools": tools} if tools else {}  # a conversation without tools renders as it always did
-        ids = self.tokenizer.apply_chat_template(history, tokenize=True, add_generation_prompt=True, **extra)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return regenerated.render_prompt(self.tokenizer, history, tools)
 
     def _prompt(self, state: _Open) -> list[int]:
         return self.prompt_ids(state.history, state.conversation.tools)
 
     def text_of(self, generated: Generated) -> str:
         """The turn's text as a server returns it: special tokens (the stop among them) left out."""
-        return self.tokenizer.decode(generated.token_ids, skip_special_tokens=True)
+        return self.text_of_ids(generated.token_ids)
 
     def complete(self, index: int, generated: Generated) -> dict:
         """Sample ``index`` generated: its record (what the JSONL keeps), and its conversation's next turn queued."""
@@ -606,10 +672,33 @@ class RegenerationWork:
             )
         self.records = {name: journal[name] for name in names}
         self.records.update(_folded_records(journal, names))
-        by_index = {name - self.start_idx: record for name, record in self.records.items()}
+        self.regeneration = self._resumed(directory, pending, done, self.records, logprobs_for)
+        self.journal = regenerated.Journal(directory)
+
+    def _resumed(self, directory: Path, pending: list[int], done: dict, records: dict, logprobs_for=None):
+        """The Regeneration of ``pending``'s conversations, the written turns' ``records`` (by name) their history,
+        each checked against the listed sample holding it (:meth:`Regeneration._check_record`)."""
+        names = {int(name) for name in done}
+        by_index = {name - self.start_idx: record for name, record in records.items()}
+        holders = {
+            turn - self.start_idx: name - self.start_idx
+            for name in names
+            for turn in regenerated.folded_into([name], records)
+        }
+
+        def ids(index: int) -> list[int]:
+            path = directory / done[index + self.start_idx].file
+            try:
+                return read_input_ids(path)
+            except Exception as exc:  # noqa: BLE001 - any unreadable file is named, and the folder refused
+                raise regenerated.JournalError(
+                    f"{path}: cannot be read to check the history a resume takes from it ({type(exc).__name__}: "
+                    f"{str(exc)[:200]})"
+                ) from exc
+
         mine = set(pending)
         convs = [c for c in self.conversations if any(c.first_index + t in mine for t in range(c.answers))]
-        self.regeneration = Regeneration(
+        return Regeneration(
             self.tokenizer,
             convs,
             self.sampling,
@@ -618,8 +707,8 @@ class RegenerationWork:
             by_index,
             logprobs_for=logprobs_for,
             per_turn=self.per_turn,
+            written=Written(ids, holders, self.start_idx),
         )
-        self.journal = regenerated.Journal(directory)
 
     def settled(self, directory: Path, done: dict) -> set[int]:
         """Sample names with no file of their own that are done: turns folded into a listed sample."""
@@ -633,13 +722,9 @@ class RegenerationWork:
         names = {int(name) for name in done}
         if names - set(journal) or any(not isinstance(journal[n].get("text"), str) for n in names):
             return None  # begin() names that folder
-        by_index = {name - self.start_idx: journal[name] for name in names}
-        by_index.update({name - self.start_idx: r for name, r in _folded_records(journal, names).items()})
-        mine = set(pending)
-        convs = [c for c in self.conversations if any(c.first_index + t in mine for t in range(c.answers))]
-        trial = Regeneration(
-            self.tokenizer, convs, self.sampling, self.stop_ids, self.seq_length, by_index, per_turn=self.per_turn
-        )
+        records = {name: journal[name] for name in names}
+        records.update(_folded_records(journal, names))
+        trial = self._resumed(directory, pending, done, records)
         for _turn in trial.feed():
             return None
         self._stops_found = dict(trial.stops)
@@ -705,8 +790,3 @@ def _folded_records(records: dict[int, dict], listed) -> dict[int, dict]:
         for name, r in records.items()
         if name not in listed and r.get("in_later_sample") and isinstance(r.get("text"), str)
     }
-
-
-def prompt_digest(ids: list[int]) -> str:
-    """A folded turn's prompt, as its record keeps it: a resume takes the turn only under the same prompt."""
-    return hashlib.sha256(json.dumps(list(ids)).encode()).hexdigest()[:32]

@@ -14,13 +14,14 @@ what is written, so a resumed run's file equals an uninterrupted run's.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 
 from speculators_v016.store import no_links
 from speculators_v016.store.atomic_files import WriteError, write_atomic
-from speculators_v016.store.sample_format import load_sample
+from speculators_v016.store.sample_format import load_sample, read_input_ids
 
 JOURNAL = "regenerated.journal.jsonl"
 CONVERSATIONS = "regenerated.jsonl"
@@ -169,6 +170,11 @@ def sample_problems(path: Path, record: dict | None, journal: dict[int, dict] | 
         if start + len(held) > prompt or ids[start : start + len(held)] != held:
             problems.append(f"{path}: the ids of turn {turn} folded into it differ from its {JOURNAL} record")
             continue
+        if folded.get("prompt_sha256") != prompt_digest(ids[:start]):
+            problems.append(
+                f"{path}: turn {turn} folded into it: its {JOURNAL} record's prompt_sha256 is not the digest of "
+                "the ids before it here (its prompt)"
+            )
         expected[start : start + len(held)] = [1] * len(held)
     if mask != expected:
         problems.append(f"{path}: loss_mask is not 1 on exactly the generated ids")
@@ -217,3 +223,60 @@ def folded_into(listed, journal: dict[int, dict]) -> set[int]:
         if isinstance(earlier, list):
             out.update(e for e in earlier if isinstance(e, int))
     return out
+
+
+def prompt_digest(ids: list[int]) -> str:
+    """A folded turn's prompt, as its record keeps it (``prompt_sha256``): a resume takes the turn only under the
+    same prompt, and verify finds it before the turn in the sample holding it."""
+    return hashlib.sha256(json.dumps(list(ids)).encode()).hexdigest()[:32]
+
+
+def render_prompt(tokenizer, history: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The prompt of a turn: ``history`` rendered by the target's chat template with its generation prompt (the
+    tool definitions passed where the conversation has them), as the run renders it."""
+    extra = {"tools": tools} if tools else {}  # a conversation without tools renders as it always did
+    ids = tokenizer.apply_chat_template(history, tokenize=True, add_generation_prompt=True, **extra)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def history_problems(directory: Path, journal: dict[int, dict], readable: dict[int, Path], tokenizer) -> list[str]:
+    """Each turn's prompt, in the sample holding it, against its conversation's history as the target wrote it:
+    regenerated.jsonl's turns of the source (system, user, tool results), the earlier turns' *sampled ids*
+    decoded (never their recorded text), rendered by the chat template as the run renders them. A sample whose
+    prompt holds other text (a resume that took an edited record as history) has the states of another text: named.
+    ``readable``: the listed samples that passed their other checks, by name (the others are named already)."""
+    path = directory / CONVERSATIONS
+    try:
+        text = no_links.read_bytes(path).decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return []  # folder_problems names it
+    problems = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        try:
+            line = json.loads(raw)
+            tools, history, ids_of = line.get("tools") or None, [], {}
+            for turn in line["turns"]:
+                if turn["role"] != "assistant":
+                    history.append({k: v for k, v in turn.items() if k in ("role", "content", "tool_call_id", "name")})
+                    continue
+                own, sample = turn.get("turn_index", turn["sample"]), turn["sample"]
+                record = journal.get(own)
+                if sample not in readable or not isinstance(record, dict):
+                    break  # named by folder_problems or the sample's own checks
+                if sample not in ids_of:
+                    ids_of[sample] = read_input_ids(readable[sample])
+                start = record["prompt_tokens"]
+                if ids_of[sample][:start] != render_prompt(tokenizer, history, tools):
+                    problems.append(
+                        f"{readable[sample]}: the prompt of turn {own} is not its conversation's history as the "
+                        f"target wrote it ({CONVERSATIONS}:{number}'s source turns, the earlier turns' sampled ids "
+                        "decoded): its states are those of another text"
+                    )
+                    break
+                content = tokenizer.decode(record["token_ids"], skip_special_tokens=True)
+                history.append({"role": "assistant", "content": content})
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue  # folder_problems names the line
+        except Exception as exc:  # noqa: BLE001 - a history the template or tokenizer refuses is a finding
+            problems.append(f"{path}:{number}: its history cannot be rendered again ({type(exc).__name__}: {exc})")
+    return problems

@@ -168,6 +168,16 @@ def encode_typed(
     raise ValueError(f"unknown sample format {fmt!r}; choose from {sorted(FORMATS)}")
 
 
+def read_input_ids(path: str | Path) -> list[int]:
+    """A sample file's ``input_ids`` alone (safetensors: that tensor only; ``.pt``: memory-mapped, ``weights_only``)."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        with safe_open(str(path), framework="pt") as fh:
+            return fh.get_tensor("input_ids").tolist()
+    data = load_sample(path)
+    return data["input_ids"].tolist()
+
+
 def load_sample(path: str | Path, dequantize_to: torch.dtype | None = torch.float32) -> dict:
     """Read a sample file (either format) into upstream's dict layout, without unpickling code.
 

@@ -357,6 +357,7 @@ def _verify_folder(
             finding = f"{folder / name}: sample file not in the manifest (or of another format)"
             # a crash between rename and manifest line leaves one; the next run rewrites it
             (report.notes if partial and parsed[1] == fmt else report.problems).append(finding)
+    readable: dict[int, Path] = {}  # listed samples whose checks passed: their prompts are checked too
     for index, entry in sorted(entries.items()):
         path = folder / entry.file
         if parse_sample_name(entry.file) != (index, fmt):
@@ -397,11 +398,15 @@ def _verify_folder(
             if not found and tokenizer is not None:
                 for turn in [index, *held]:
                     found += regenerated.text_problems(path, journal[turn], tokenizer)
+                if not found:
+                    readable[index] = path
             report.problems += found
         if length != entry.tokens and not problems:
             report.problems.append(f"{path}: {length} tokens, the manifest says {entry.tokens}")
         report.samples += 1
         report.tokens += length
+    if readable:  # a regenerated folder, read deep, its target's tokenizer here
+        report.problems += regenerated.history_problems(folder, journal, readable, tokenizer)
     return settings
 
 

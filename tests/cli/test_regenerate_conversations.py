@@ -195,3 +195,91 @@ def test_the_default_dtype_checks_and_verifies(tmp_path, tiny_model, data_file):
     assert "bfloat16" in result.output and "logit check: ok (" in result.output, result.output
     assert f"regenerated: {TURNS} turns" in result.output and "verify:     ok" in result.output
     rebuilt(out, model)
+
+
+def cut_after_a_folded_turn(run_out, where):
+    """A copy of the run as a run killed mid-conversation leaves it: a conversation whose listed sample S holds a
+    folded turn F, its turns after S not written (files, manifest lines and journal lines gone). Returns (F, S,
+    the turns removed)."""
+    shutil.copytree(run_out, where)
+    journal = journal_of(where)
+    for holder in sorted(journal.values(), key=lambda r: r["index"]):
+        later = [r["index"] for r in journal.values()
+                 if r["conversation"] == holder["conversation"] and r["turn"] > holder["turn"]]  # fmt: skip
+        if holder.get("earlier_turns") and later:
+            break
+    else:
+        raise AssertionError("no conversation with a folded turn held by a sample before its last turn")
+    manifest = Manifest(where)
+    kept = {i: e for i, e in manifest.entries().items() if i not in later}
+    for index in set(manifest.entries()) - set(kept):
+        (where / manifest.entries()[index].file).unlink()
+    manifest.compact(kept)
+    lines = [line for line in (where / "regenerated.journal.jsonl").read_text().splitlines()
+             if json.loads(line)["index"] not in later]  # fmt: skip
+    (where / "regenerated.journal.jsonl").write_text("".join(line + "\n" for line in lines))
+    return holder["earlier_turns"][0], holder["index"], later
+
+
+def edit_journal(out, index, edit):
+    lines = [json.loads(x) for x in (out / "regenerated.journal.jsonl").read_text().splitlines()]
+    for record in lines:
+        if record["index"] == index:
+            edit(record)
+    (out / "regenerated.journal.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (None, None),
+        (lambda r: r.update(text=r["text"] + " INJECTED"), "its text is not what its sampled ids decode to"),
+        (lambda r: r.update(prompt_sha256="0" * 32), "no longer matches its digest"),
+    ],
+)
+def test_a_resume_refuses_an_edited_record_of_a_finished_folded_turn(runs, tmp_path, data_file, edit, message):
+    """A conversation cut after the listed sample holding folded turn F: untouched, the resume writes its later turns
+    as the uninterrupted run did; with F's record edited (its text, its prompt_sha256), the resume is refused (exit
+    4) naming F's record, never prompting the next turn with it; the samples written stay as they were."""
+    run = runs["llama"]
+    out = tmp_path / "out"
+    folded, holder, later = cut_after_a_folded_turn(run["out"], out)
+    if edit is not None:
+        edit_journal(out, folded, edit)
+    before = {p.name: p.read_bytes() for p in out.glob("data_*.safetensors")}
+    result = invoke(*args(run["model"], data_file, out))
+    if edit is None:
+        assert result.exit_code == 0, result.output
+        reference, resumed = load_all(run["out"]), load_all(out)
+        assert sorted(resumed) == sorted(reference)
+        for i in reference:
+            assert torch.equal(resumed[i]["input_ids"], reference[i]["input_ids"]), f"sample {i}"
+        return
+    assert result.exit_code == 4, result.output
+    assert f"the regenerated.journal.jsonl record of sample {folded}" in result.output and message in result.output
+    assert {p.name: p.read_bytes() for p in out.glob("data_*.safetensors")} == before
+    assert not any((out / f"data_{i}.safetensors").exists() for i in later)
+
+
+def test_verify_names_an_edited_prompt_digest_and_prompts_that_are_not_the_history(runs, tmp_path):
+    """A folded turn's prompt_sha256 edited: verify names the sample holding it. A user turn edited in
+    regenerated.jsonl: verify names the samples whose prompts hold the original (not the history it lists)."""
+    run = runs["llama"]
+    journal = journal_of(run["out"])
+    folded = next(r for r in journal.values() if r.get("in_later_sample"))
+    digest = tmp_path / "digest"
+    shutil.copytree(run["out"], digest)
+    edit_journal(digest, folded["index"], lambda r: r.update(prompt_sha256="0" * 32))
+    result = invoke("verify", digest)
+    finding = f"turn {folded['index']} folded into it: its regenerated.journal.jsonl record's prompt_sha256 is not"
+    assert result.exit_code == 1 and finding in result.output, result.output
+    history = tmp_path / "history"
+    shutil.copytree(run["out"], history)
+    lines = [json.loads(x) for x in (history / "regenerated.jsonl").read_text().splitlines()]
+    user = next(t for t in lines[0]["turns"] if t["role"] == "user")
+    user["content"] += " EDITED"
+    (history / "regenerated.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = invoke("verify", history)
+    assert result.exit_code == 1 and "is not its conversation's history as the target wrote it" in result.output, (
+        result.output
+    )

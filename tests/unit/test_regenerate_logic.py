@@ -17,6 +17,7 @@ from speculators_v016.run.dataset import BadRowError
 from speculators_v016.run.regenerate import (
     Regeneration,
     Sampling,
+    Written,
     answer_slots,
     check_generation_prompt,
     end_of_turn_ids,
@@ -27,6 +28,8 @@ from speculators_v016.run.regenerate import (
     sample_seed,
 )
 from speculators_v016.store import regenerated
+from speculators_v016.store.atomic_files import write_atomic
+from speculators_v016.store.sample_format import encode_parts
 from speculators_v016.target import GenerationSetupError
 from speculators_v016.testing.tiny_models import train_tokenizer
 from speculators_v016.worker.cpu_seeds import ScratchGenerator, discarded_generators_aside
@@ -394,3 +397,109 @@ def test_a_folded_checked_sample_hands_its_check_to_the_turn_holding_it():
     assert hold.awaiting == {4} and put == []
     hold.forget([4])
     assert put == [(9, {"x": 1})]
+
+
+def written_conversation(tokenizer):
+    """Three exchanges, per --regenerate-samples auto: turn 0 folded into sample 1 (listed, its own file), turn 2 not
+    written yet. Returns the plan, the two records, and sample 1's file ids."""
+    convs, _ = plan(exchange(3), False)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pieces = [tokenizer.convert_tokens_to_ids(c) for c in "thanks"]  # its text tokenizes otherwise: not folded
+    regen = Regeneration(tokenizer, convs, sampling(), frozenset({end}), 200, {}, per_turn=False)
+    feed, records, prompts = regen.feed(), [], []
+    for answer in (canonical(tokenizer, "fine thanks") + [end], pieces + [end]):
+        index, prompt, _ = next(feed)
+        prompts.append(prompt)
+        records.append(regen.complete(index, Generated(len(prompt), answer, "stop")))
+    assert records[0]["in_later_sample"] and records[1]["earlier_turns"] == [0]
+    return convs, end, records, prompts[1] + records[1]["token_ids"]
+
+
+def resumed(tokenizer, convs, end, records, file_ids, holders=None):
+    written = Written({1: file_ids}.__getitem__, {0: 1} if holders is None else holders)
+    done = {r["index"]: r for r in records}
+    return Regeneration(tokenizer, convs, sampling(), frozenset({end}), 200, done, per_turn=False, written=written)
+
+
+def test_a_resume_takes_written_turns_that_still_match_their_sample(tokenizer):
+    """Untouched records: the resume goes on at turn 2, its prompt holding turn 0's and turn 1's text."""
+    convs, end, records, file_ids = written_conversation(tokenizer)
+    index, prompt, _ = next(resumed(tokenizer, convs, end, records, file_ids).feed())
+    start = records[1]["prompt_tokens"]  # turn 1's prompt (turn 0 in it as sampled) starts turn 2's
+    assert index == 2 and prompt[:start] == file_ids[:start] and "thanks" in tokenizer.decode(prompt[start:])
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda r, t: r[0].update(text=r[0]["text"] + " INJECTED"), "sample 0: its text is not what its sampled ids"),
+        (lambda r, t: r[0].update(prompt_sha256="0" * 32), "sample 0, a turn folded into listed sample 1, no longer"),
+        (
+            lambda r, t: r[0].update(text="fine thanks INJECTED", token_ids=canonical(t, "fine thanks INJECTED")),
+            "record of sample 0 does not match listed sample 1",
+        ),
+        (lambda r, t: r[1].update(text="thanks INJECTED"), "sample 1: its text is not what its sampled ids decode to"),
+        (lambda r, t: r[0].update(prompt_tokens=r[0]["prompt_tokens"] + 1), "sample 0 does not match listed sample 1"),
+    ],
+)
+def test_a_resume_refuses_a_written_turn_whose_record_was_edited(tokenizer, edit, message):
+    """A folded turn held by a listed sample, or a listed turn, whose record was edited (its text, its prompt digest,
+    text and ids together, its prompt length): JournalError naming the record, never a next prompt holding it."""
+    convs, end, records, file_ids = written_conversation(tokenizer)
+    edit(records, tokenizer)
+    with pytest.raises(regenerated.JournalError, match=message):
+        resumed(tokenizer, convs, end, records, file_ids)
+
+
+def test_a_resume_refuses_a_listed_sample_that_no_longer_holds_its_history(tokenizer):
+    """Sample 1's file holding other prompt ids than the history rendered from the records: refused naming both."""
+    convs, end, records, file_ids = written_conversation(tokenizer)
+    changed = list(file_ids)
+    changed[3] = changed[3] + 1
+    with pytest.raises(regenerated.JournalError, match="sample 0 does not match listed sample 1"):
+        resumed(tokenizer, convs, end, records, changed)
+
+
+def test_a_folded_turn_no_listed_sample_holds_is_generated_again_under_another_prompt(tokenizer):
+    """A killed run's folded turn (no listed sample holds it) whose prompt digest differs: generated again, as
+    before; its text is still checked."""
+    convs, end, records, file_ids = written_conversation(tokenizer)
+    stale = {**records[0], "prompt_sha256": "0" * 32}
+    again = resumed(tokenizer, convs, end, [stale], file_ids, holders={})
+    assert next(again.feed())[0] == 0
+    with pytest.raises(regenerated.JournalError, match="sample 0: its text is not what"):
+        resumed(tokenizer, convs, end, [{**records[0], "text": "edited"}], file_ids, holders={})
+
+
+def test_verify_names_an_edited_prompt_digest_and_a_prompt_built_on_an_edited_turn(tokenizer, tmp_path):
+    """Sample 1 (holding folded turn 0) and sample 2 written as a resume that took turn 0's edited text as history
+    would write them: sample_problems names turn 0's edited prompt_sha256; history_problems names sample 2, whose
+    prompt (and so its states) holds text the target never wrote, and nothing in the untouched folder."""
+    convs, end, records, file_ids = written_conversation(tokenizer)
+    edited = "fine thanks INJECTED"
+    history = [{"role": "user", "content": "hello there 0"}, {"role": "assistant", "content": edited}]
+    history += [{"role": "user", "content": "hello there 1"}, {"role": "assistant", "content": "thanks"}]
+    history += [{"role": "user", "content": "hello there 2"}]
+    prompt2 = tokenizer.apply_chat_template(history, add_generation_prompt=True)
+    third = {**records[1], "index": 2, "turn": 2, "prompt_tokens": len(prompt2), "token_ids": [end], "text": ""}
+    third.pop("earlier_turns")
+    journal = {0: records[0], 1: records[1], 2: third}
+    paths = {}
+    for index, ids in ((1, file_ids), (2, prompt2 + [end])):
+        mask = torch.zeros(len(ids), dtype=torch.long)
+        for record in [journal[index], *(journal[i] for i in journal[index].get("earlier_turns", []))]:
+            mask[record["prompt_tokens"] : record["prompt_tokens"] + len(record["token_ids"])] = 1
+        sample = {"input_ids": torch.tensor(ids), "loss_mask": mask, "hidden_states": [torch.ones(len(ids), 4)]}
+        write_atomic(tmp_path, f"data_{index}.safetensors", encode_parts(sample, "safetensors", [1]))
+        paths[index] = tmp_path / f"data_{index}.safetensors"
+    lines = records_by_conversation({1: records[1], 0: records[0]}, convs, sampling())
+    regenerated.write_conversations(tmp_path, lines)
+    assert regenerated.history_problems(tmp_path, journal, {1: paths[1]}, tokenizer) == []
+    lines = records_by_conversation({**journal, 0: {**records[0], "text": edited}}, convs, sampling())
+    regenerated.write_conversations(tmp_path, lines)
+    (problem,) = regenerated.history_problems(tmp_path, journal, paths, tokenizer)
+    assert problem.startswith(f"{paths[2]}: the prompt of turn 2 is not its conversation's history as the target")
+    assert regenerated.sample_problems(paths[1], records[1], journal) == []
+    stale = {**journal, 0: {**records[0], "prompt_sha256": "0" * 32}}
+    assert any("turn 0 folded into it: its regenerated.journal.jsonl record's prompt_sha256 is not" in p
+               for p in regenerated.sample_problems(paths[1], records[1], stale))  # fmt: skip
