@@ -16,6 +16,9 @@ py=${PYTHON:-.venv/bin/python}
 workers=${TEST_WORKERS:-2}
 "$py" -m ruff check --quiet .
 "$py" -m ruff format --check --quiet .
+# pytest imports test files by basename (no packages under tests/): two files of one name stop collection.
+dupes=$(find tests -name 'test_*.py' -printf '%f\n' | sort | uniq -d)
+[ -z "$dupes" ] || { echo "test files share a name: $dupes" >&2; exit 1; }
 mkdir -p build
 "$py" tests/helpers/peer_venv.py > build/peer-venv.log 2>&1 &
 peer=$!
