@@ -83,6 +83,8 @@ class EngineStats:
     truncated: int = 0
     steps: int = 0
     max_in_flight: int = 0
+    waited: float = 0.0  # s the caller's thread waited for a step's output (the GPU or the workers set the pace)
+    copied: float = 0.0  # s it spent handing steps' rows to the assembler (the copies out of the ring)
 
 
 @dataclass
@@ -387,6 +389,7 @@ class CaptureEngine:
         return _Step(so, executed, output, number=self._step)
 
     def _retire(self, step: _Step, assembler: Assembler, keep: bool = True) -> None:
+        began = time.perf_counter()
         try:
             output = step.output.result()
         except Exception:
@@ -396,7 +399,10 @@ class CaptureEngine:
         if output is None:  # execute_model failed: raise its error
             self._raise_execute_model_failure(step)
             raise RuntimeError("vLLM returned no model output for a step")
+        ready = time.perf_counter()
         self._consume(capture, assembler, keep)
+        self.stats.waited += ready - began
+        self.stats.copied += time.perf_counter() - ready
         outputs = self.scheduler.update_from_output(step.scheduler_output, output)
         if self._logprob_keys:
             self._keep_prompt_logprobs(outputs)

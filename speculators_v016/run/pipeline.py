@@ -85,6 +85,7 @@ class RunSummary:
     conversations: dict = field(default_factory=dict)  # --regenerate: conversations by how they went into samples
     stopped: dict = field(default_factory=dict)  # --regenerate: conversations stopped at a tool call, by why
     model_args: dict = field(default_factory=dict)  # --engine-args that change the model (engine.arg_kinds)
+    host: dict = field(default_factory=dict)  # where the generation's time went on the host (host_line)
 
     def lines(self) -> list[str]:
         rate = self.tokens / self.generation_seconds if self.generation_seconds else 0.0
@@ -108,6 +109,8 @@ class RunSummary:
         if self.stopped:
             why = ", ".join(f"{n} {reason}" for reason, n in sorted(self.stopped.items()))
             out.append(f"stopped:    {sum(self.stopped.values())} conversations at a tool call ({why})")
+        if self.host:
+            out.append(f"host path:  {host_line(self.host)}")
         if self.logit_check:
             out.append(f"logit check: {self.logit_check['line']}")
         return out
@@ -338,6 +341,16 @@ def _announce(generator, opts: RunConfig, pending: int, done: int, model_args: d
     )
 
 
+def host_line(host: dict) -> str:
+    """Where a run's generation time went on the host: what the engine's thread waited for, and the writers' load."""
+    return (
+        f"the engine's thread waited {host['engine_waited']:.1f} s for steps, copied rows for "
+        f"{host['engine_copied']:.1f} s and waited {host['waited']:.1f} s for the writers (queue full); "
+        f"{host['workers']} write workers busy {host['busy']:.0%} of the time; buffer pool: {host['blocks_made']} "
+        f"blocks made, {host['blocks_reused']} reused"
+    )
+
+
 def _generate(
     generator,
     work,
@@ -361,6 +374,8 @@ def _generate(
     if checked:
         engine.warm_prompt_logprobs()  # vLLM compiles its prompt-logprobs kernel here, not in the first step
     pool = BufferPool()  # each sample's states: one block, back to the pool once its file is written
+    stats = engine.stats  # the engine's thread's time, counted from here
+    before = (stats.waited, stats.copied)
 
     writer = SampleWriter(
         directory,
@@ -436,6 +451,11 @@ def _generate(
         finally:
             summary.generation_seconds = summary.generation_seconds or time.monotonic() - started
             summary.written, summary.bytes = writer.written, writer.bytes
+            waited, copied = stats.waited - before[0], stats.copied - before[1]
+            summary.host = {**writer.load(), "engine_waited": round(waited, 3), "engine_copied": round(copied, 3),
+                            "blocks_made": pool.allocated, "blocks_reused": pool.reused}  # fmt: skip
+            summary.host["busy"] = round(summary.host["busy"], 3)
+            summary.host["waited"] = round(summary.host["waited"], 3)
             bar.set_description(f"{writer.written}/{len(pending)} samples")
             bar.close()
     _note_rejected(writer.take_rejected(), summary, opts)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,9 @@ class SampleWriter:
         self.error: BaseException | None = None
         self.written = 0  # samples committed (file durable, manifest line fsynced)
         self.bytes = 0
+        self.waited = 0.0  # seconds :meth:`put` waited on a full queue (the producer held up by the writers)
+        self.busy = 0.0  # thread-seconds the workers spent on samples (check, encode, hash, write, fsync)
+        self.started = time.monotonic()
         self._rejected: list[tuple[int, Any]] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -134,11 +138,14 @@ class SampleWriter:
             self._fail(exc)
         while (job := self.queue.get()) is not None:
             index, sample, done = job
+            began = time.monotonic()
             try:
                 if self.error is None:
                     self._write(index, sample)
             except BaseException as exc:  # noqa: BLE001 - handed to the producer
                 self._fail(exc)
+            with self._lock:
+                self.busy += time.monotonic() - began
             try:
                 if done is not None:
                     done()
@@ -184,6 +191,14 @@ class SampleWriter:
             self.written += len(batch)
             self.bytes += sum(e.bytes for e in batch)
 
+    def load(self) -> dict:
+        """What the host path did so far: ``workers``, ``busy`` (their share of the time since the writer was
+        made), ``waited`` (s the producer waited on a full queue: the writers set the pace there)."""
+        with self._lock:
+            busy = self.busy
+        span = max(time.monotonic() - self.started, 1e-9)
+        return {"workers": len(self._threads), "busy": busy / (span * len(self._threads)), "waited": self.waited}
+
     def take_rejected(self) -> list[tuple[int, Any]]:
         """Samples ``reject`` or the NaN/Inf check refused since the last call: ``(index, reason)``."""
         with self._lock:
@@ -210,13 +225,22 @@ class SampleWriter:
 
         ``done()`` runs once the writer no longer needs the sample's memory.
         """
-        while True:
-            self._raise_if_failed()
-            try:
-                self.queue.put((index, sample, done), timeout=0.5)
-                return
-            except queue.Full:
-                continue
+        self._raise_if_failed()
+        try:
+            self.queue.put_nowait((index, sample, done))
+            return
+        except queue.Full:
+            began = time.monotonic()
+        try:
+            while True:
+                self._raise_if_failed()
+                try:
+                    self.queue.put((index, sample, done), timeout=0.5)
+                    return
+                except queue.Full:
+                    continue
+        finally:
+            self.waited += time.monotonic() - began
 
     def close(self) -> None:
         """Wait for every queued sample and commit every written one; raise the first write error."""

@@ -337,3 +337,21 @@ def test_a_float_type_without_a_bit_test_is_still_checked(tmp_path, monkeypatch)
     writer.put(1, sample(1, tokens=9, hidden=5))
     writer.close()
     assert writer.take_rejected() == [(0, [1])] and sorted(Manifest(tmp_path).entries()) == [1]
+
+
+def test_load_says_whether_the_writers_set_the_pace(tmp_path):
+    """A slow writer behind a queue of one: put() waits (counted), the worker busy most of the time; a fast one: no wait."""
+    (tmp_path / "slow").mkdir()
+    slow = SampleWriter(tmp_path / "slow", "safetensors", [1, 2], workers=1, bound=1,
+                        reject=lambda s: time.sleep(0.2))  # fmt: skip
+    for i in range(4):
+        slow.put(i, sample(i))
+    slow.close()
+    load = slow.load()
+    assert load["workers"] == 1 and load["waited"] >= 0.15 and 0.5 < load["busy"] <= 1.0
+    (tmp_path / "fast").mkdir()
+    fast = SampleWriter(tmp_path / "fast", "safetensors", [1, 2], workers=2)
+    for i in range(4):
+        fast.put(i, sample(i))
+    fast.close()
+    assert fast.load()["waited"] == 0.0 and len(Manifest(tmp_path / "fast").entries()) == 4

@@ -231,9 +231,19 @@ def write_rate(folder: Path, gib: int = 4) -> float:
     return gib / seconds
 
 
-def cli_rate(model: str, data: Path, out: Path, args: dict, workers: int | None = None) -> float:
+def cli_rate(
+    model: str,
+    data: Path,
+    out: Path,
+    args: dict,
+    workers: int | None = None,
+    dtype: str = "auto",
+    py_spy: Path | None = None,
+) -> tuple[float, str]:
     """speculators-data-gen writing every sample (default options, the GPU build's engine arguments): its
-    tokens/s from the first step to the last file made durable (the writers drained), from the summary."""
+    tokens/s from the first step to the last file made durable (the writers drained), from the summary, and
+    its summary's ``host path`` line. ``py_spy``: run it under ``py-spy record`` (every thread, its GIL
+    holder marked), the profile written there as speedscope JSON (a profiled run is slower: not a figure)."""
     settings = engine_settings(args)
     extra = {k: v for k, v in settings.items() if k not in OURS}
     module = "speculators_v016.testing.gpu_kit" if args.get("kimi") else "speculators_v016.run.cli"  # kimi: stand-ins
@@ -243,14 +253,19 @@ def cli_rate(model: str, data: Path, out: Path, args: dict, workers: int | None 
            "--gpu-memory-utilization", str(args["memory"]), "--max-num-seqs", str(args["max_num_seqs"]),
            "--max-num-batched-tokens", str(args["batched_tokens"]), "--token-freq-path", "", "--logit-check-samples",
            "0", "--no-progress", *(["--enforce-eager"] if args["eager"] else []),
-           *(["--write-workers", str(workers)] if workers else [])]  # fmt: skip
+           "--hidden-states-dtype", dtype, *(["--write-workers", str(workers)] if workers else [])]  # fmt: skip
+    if py_spy is not None:
+        py_spy.parent.mkdir(parents=True, exist_ok=True)
+        cmd = ["py-spy", "record", "--threads", "--gil", "--idle", "--rate", "100", "--format", "speedscope",
+               "--output", str(py_spy), "--", *cmd]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     print(f"CLI, {workers or 'default'} write workers, under {out.parent}:\n{proc.stdout[-2500:]}", file=sys.stderr)
     subprocess.run(["rm", "-rf", str(out)], check=False)
     found = re.search(r"\(([\d,]+) tokens/s", proc.stdout + proc.stderr)
     if proc.returncode != 0 or not found:
         raise RuntimeError(f"the CLI failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return float(found.group(1).replace(",", ""))
+    host = re.search(r"host path:\s+(.*)", proc.stdout + proc.stderr)
+    return float(found.group(1).replace(",", "")), host.group(1).strip() if host else ""
 
 
 def main() -> None:
@@ -264,12 +279,21 @@ def main() -> None:
     ap.add_argument("--batched-tokens", type=int, default=8192)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--memory", type=float, help="each side's gpu_memory_utilization (default 0.25, kimi 0.4)")
-    ap.add_argument("--cli", action="store_true", help="also the CLI writing files (first shape), against uni")
+    ap.add_argument("--cli", action="store_true", help="also the CLI writing files (every shape), against uni")
     ap.add_argument("--cli-runs", type=int, default=2, help="runs of the CLI (--cli)")
     ap.add_argument("--cli-out", nargs="+", type=Path, help="folders the CLI writes under, each in turn "
                     "(--cli; default: under --where), with the rate one thread writes there")  # fmt: skip
     ap.add_argument("--cli-write-workers", type=int, nargs="+", help="the CLI's --write-workers, each in turn "
                     "(--cli; default: the CLI's default)")  # fmt: skip
+    ap.add_argument(
+        "--cli-dtypes",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "fp8_e4m3"],
+        help="the CLI's --hidden-states-dtype, each in turn (--cli)",
+    )
+    ap.add_argument("--cli-py-spy", type=Path, help="also one CLI run per shape and dtype under py-spy (every "
+                    "thread, GIL marked), its speedscope profile gzipped into this folder (not timed)")  # fmt: skip
     ap.add_argument("--profile", action="store_true", help="GPU time in our copies (torch profiler, uni side)")
     ap.add_argument("--eager", action="store_true", help="eager engines (a trial; measurements are compiled)")
     ap.add_argument("--where", default="/tmp/speculators-v016-gpu-bench")
@@ -298,15 +322,22 @@ def main() -> None:
             running.close()
         print(f"hidden {hidden}: {json.dumps(rates)} profile {json.dumps(prof)}", file=sys.stderr, flush=True)
         cli = []
-        if opts.cli and hidden == opts.shapes[0]:
+        if opts.cli:
             data = Path(opts.where) / f"prompts-{hidden}.jsonl"
             batch = prompts(opts.prompts, opts.low, high, s["vocab"])
             data.write_text("".join(json.dumps({"input_ids": p, "loss_mask": [1] * len(p)}) + "\n" for p in batch))
             for parent in opts.cli_out or [Path(opts.where)]:
                 disk = write_rate(parent)
-                for workers in opts.cli_write_workers or [None]:
-                    runs = [cli_rate(model, data, parent / "cli-out", args, workers) for _ in range(opts.cli_runs)]
-                    cli.append((parent, disk, workers, runs))
+                for dtype in opts.cli_dtypes:
+                    for workers in opts.cli_write_workers or [None]:
+                        done = [cli_rate(model, data, parent / "cli-out", args, workers, dtype)
+                                for _ in range(opts.cli_runs)]  # fmt: skip
+                        cli.append((parent, disk, dtype, workers, [r for r, _ in done], done[-1][1]))
+                    if opts.cli_py_spy:
+                        profiled = opts.cli_py_spy / f"cli-{hidden}-{dtype}.speedscope.json"
+                        _, host = cli_rate(model, data, parent / "cli-out", args, None, dtype, profiled)
+                        subprocess.run(["gzip", "-f", str(profiled)], check=False)
+                        print(f"py-spy profile {profiled}.gz; host path: {host}", file=sys.stderr, flush=True)
         lines.append((hidden, s, rates, cli, prof, high, memory, memory_lines))
     with recording(__file__):
         print(f"{opts.prompts} prompts a pass, bf16, {'eager' if opts.eager else 'compiled (CUDA graphs)'}, "
@@ -329,11 +360,14 @@ def main() -> None:
                     per_round = [a / b for a, b in zip(rates[name], rates["vllm"])]
                     print(f"  ratio {name} / vllm: {med[name] / med['vllm']:.3f}x (per round: "
                           f"{', '.join(f'{r:.3f}' for r in per_round)})")  # fmt: skip
-            for parent, disk, workers, runs in cli if "uni" in med else []:
-                print(f"  CLI writing files under {parent} (one thread writes {disk:.2f} GiB/s there), "
-                      f"{workers or 'default'} write workers: {statistics.median(runs):,.0f} tokens/s to the last durable file "
-                      f"(runs: {', '.join(f'{v:,.0f}' for v in runs)}); ratio CLI / uni: "
+            for parent, disk, dtype, workers, runs, host in cli if "uni" in med else []:
+                stored = "bf16" if dtype == "auto" else dtype
+                print(f"  CLI writing files under {parent} (one thread writes {disk:.2f} GiB/s there), {stored} "
+                      f"stored, {workers or 'default'} write workers: {statistics.median(runs):,.0f} tokens/s to the "
+                      f"last durable file (runs: {', '.join(f'{v:,.0f}' for v in runs)}); ratio CLI / uni: "
                       f"{statistics.median(runs) / med['uni']:.3f}x")  # fmt: skip
+                if host:
+                    print(f"    host path (last run's summary): {host}")
             if prof:
                 share = ", ".join(f"{k} {v:.2%}" for k, v in sorted(prof["share"].items()))
                 print(f"  GPU time of one uni pass by kind (torch profiler): {share}")
