@@ -58,6 +58,7 @@ from speculators_v016.serve.service import RequestError, ServiceStopped
 
 SAMPLE_FIELDS = ("index", "input_ids", "loss_mask", "consumer", "request_id")
 DISCARD_BYTES = 64 << 20  # a refused request's body read and dropped, at most (its client then gets the answer)
+STOP_POLL = 0.05  # seconds: how often the serving loop looks for stop() (the standard library's 0.5 held every stop)
 MAX_HOST = 255  # characters of consumer.host (a DNS name at most)
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
@@ -321,7 +322,9 @@ class HttpFront:
         handler = type("Handler", (_Handler,), limits)
         self.server = BoundedHTTPServer((host, port), handler, max_connections)
         self.host, self.port = self.server.server_address[:2]
-        self._thread = threading.Thread(target=self.server.serve_forever, name="serve-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": STOP_POLL}, name="serve-http", daemon=True
+        )
 
     @classmethod
     def for_config(cls, service, config: ServeConfig, api_key: str | None) -> HttpFront:

@@ -69,7 +69,7 @@ class StubProducer:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()  # stop: 0.05 s
 
     def answer(self, *handles: dict) -> None:
         self.handles = [{"handle": h} for h in handles]
