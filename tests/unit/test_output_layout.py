@@ -5,8 +5,8 @@ import os
 from pathlib import Path
 
 import pytest
-from test_verify_findings import make_folder  # a folder as a run writes it
 
+from helpers.folders import make_folder  # a folder as a run writes it
 from speculators_v016.shared.shm_records import records_path
 from speculators_v016.store.outdir import LOCK, OutputDir, OutputDirError, ShardedRoot, shard_dir, unsharded_run_files
 from speculators_v016.store.verify import verify

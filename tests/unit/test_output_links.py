@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_verify_findings import make_folder  # a folder as a run writes it
 
+from helpers.folders import make_folder  # a folder as a run writes it
 from speculators_v016.exit_codes import ExitCode
 from speculators_v016.run.console import Console, open_log, run_log_path
 from speculators_v016.run.run_report import exit_code
