@@ -15,7 +15,7 @@ Each stand-in writes its ``out`` argument as the kernel does, ``out`` ``[..., d]
 ``input`` ``[..., 2 * d]`` (the ``*_and_mul`` ops: the activated half first, ``mul_and_silu``
 the other way round, ``swigluoai_and_mul`` gate and up interleaved) or ``[...]`` from ``[...]``;
 the activation in float32, rounded to the tensors' dtype (the gated ones: then multiplied in
-that dtype, as the kernels). Checked against the plain formulas in ``tests/unit/test_act_ops.py``
+that dtype, as the kernels). Checked against the plain formulas in ``tests/engine/test_act_ops.py``
 and, where vLLM's CPU build has the kernel, against it. Pure torch, no host synchronization.
 :func:`install` registers them as ``torch.library`` ops (traced by torch.compile where vLLM's
 custom ops are on: they only write ``out``, so their fake implementation is trivial), only where

@@ -26,8 +26,8 @@ valid for this configuration. Reason: ['kv_cache_dtype not supported']", and ``T
 itself "TritonMLA V1 with FP8 KV cache not yet supported"), and the kit has none of the MLA
 backends that take one; the stand-ins refuse ``fp8`` cache dtypes by name.
 
-Each stand-in is pure torch, checked against plain loops in ``tests/unit/test_moe_ops.py`` and
-``tests/unit/test_mla_ops.py``, and never synchronizes with the host (decode steps run inside full
+Each stand-in is pure torch, checked against plain loops in ``tests/engine/test_moe_ops.py`` and
+``tests/engine/test_mla_ops.py``, and never synchronizes with the host (decode steps run inside full
 CUDA graphs; the prefill ops run outside them, attention being a graph split, and read only host
 values vLLM hands them: ``num_tokens``). All are called only inside vLLM's opaque attention op,
 never traced, so :func:`install` sets them on the ``torch.ops`` namespaces as the kit sets its

@@ -24,7 +24,7 @@ INT4 experts (compressed-tensors W4A16) reach ``_moe_C.moe_wna16_gemm`` and, on 
 Marlin: :mod:`speculators_v016.testing.wna16_ops`.
 
 Each stand-in below is pure torch, computes what the kernel computes (checked against
-plain loops in ``tests/unit/test_moe_ops.py``) and never synchronizes with the host,
+plain loops in ``tests/engine/test_moe_ops.py``) and never synchronizes with the host,
 so it can be captured in a CUDA graph (vLLM captures MoE layers inside its graphs).
 :func:`install` registers them under the kernels' names, only where no compiled op of
 that name is loaded (a real vLLM build keeps its kernels;

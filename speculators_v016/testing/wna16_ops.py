@@ -25,7 +25,7 @@ vLLM's fused MoE with them: its Triton kernel ``fused_moe_kernel_gptq_awq``, exc
   the test kit calls it, in the processes that build the model (see
   :mod:`speculators_v016.testing.moe_ops` for where that is).
 
-Both are tested on CPU (``tests/unit/test_wna16_ops.py``): the GEMM against a dequantize-then-matmul
+Both are tested on CPU (``tests/engine/test_wna16_ops.py``): the GEMM against a dequantize-then-matmul
 loop and through vLLM's own ``invoke_fused_moe_wna16_cuda_kernel``; the steering through vLLM's own
 ``get_moe_method``, with a registered Marlin op left alone. This module is a test kit: no run imports it.
 """

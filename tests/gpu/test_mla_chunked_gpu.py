@@ -6,7 +6,7 @@ A prompt longer than what a step has room for continues in the next steps; there
 workspace (``_C_cache_ops.gather_and_maybe_dequant_cache``), attends to them without a mask and merges
 that with the new tokens' causal attention by their log-sum-exps (``_C.merge_attn_states``): the torch
 stand-ins of :mod:`speculators_v016.testing.mla_ops`, checked against loops in
-``tests/unit/test_mla_ops.py``; everything else as in ``tests/gpu/test_moe_mla_gpu.py`` (the routing,
+``tests/engine/test_mla_ops.py``; everything else as in ``tests/gpu/test_moe_mla_gpu.py`` (the routing,
 alignment and activation stand-ins of :mod:`~speculators_v016.testing.moe_ops` and
 :mod:`~speculators_v016.testing.act_ops`; vLLM's Triton MoE GEMMs, MLA decode kernel and its own
 scheduler). 256 tokens a step, prompts of 2,800 and 2,100 tokens beside 45, 7 and 300 (the longest over

@@ -6,7 +6,7 @@ log-sum-exps). Each is checked on the CPU against a loop, laid out as vLLM 0.16'
 a batch out (several prefills, some without context, scattered blocks, chunks starting past position 0,
 padding), and called through vLLM's own wrappers (``vllm._custom_ops``); a merge of partial attentions
 equals attention over all keys at once. The concatenation into the cache and the FA2 stand-in are checked
-in ``tests/unit/test_moe_ops.py``.
+in ``tests/engine/test_moe_ops.py``.
 """
 
 import pytest

@@ -1,7 +1,7 @@
 """The torch stand-ins for vLLM's compiled MoE and MLA kernels (GPU tests only), each against plain loops.
 
-(The activation kernels: ``tests/unit/test_act_ops.py``; MLA's prefill with earlier context:
-``tests/unit/test_mla_ops.py``; INT4 experts: ``tests/unit/test_wna16_ops.py``.)
+(The activation kernels: ``tests/engine/test_act_ops.py``; MLA's prefill with earlier context:
+``tests/engine/test_mla_ops.py``; INT4 experts: ``tests/engine/test_wna16_ops.py``.)
 
 :mod:`speculators_v016.testing.moe_ops` and :mod:`speculators_v016.testing.mla_ops` stand in for
 kernels the GPU kit lacks; here each one is checked on the CPU against a loop that spells out what
