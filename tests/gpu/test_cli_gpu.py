@@ -22,9 +22,9 @@ from speculators.train.data import Eagle3SampleFileDataset
 from helpers.cli import conversations, load_all, write_jsonl
 from helpers.families import MEDIAN_BOUND
 from helpers.gpu import command_env, engine_args, invoke_gpu, requires_vllm_gpu, save_figures
+from helpers.layer_rows import fp8_worst_error
 from speculators_v016.checks.fidelity import row_errors
 from speculators_v016.online import OnlineSampleDataset
-from speculators_v016.store.sample_format import load_sample
 
 pytestmark = requires_vllm_gpu
 
@@ -123,13 +123,7 @@ def test_fp8_storage_is_within_its_bound_of_the_bf16_run(tmp_path, model_dir, da
     out = tmp_path / "out"
     result = run(model_dir, data_file, out, "--hidden-states-dtype", "fp8_e4m3")
     assert_ok(result)
-    reference, worst = load_all(default_run), 0.0
-    for entry in sorted(out.glob("data_*.safetensors")):
-        index = int(entry.stem.split("_")[1])
-        stored = load_sample(entry, dequantize_to=None)["hidden_states"]
-        for got, rows in zip(stored, reference[index]["hidden_states"]):
-            amax = rows.float().abs().amax(dim=-1, keepdim=True)
-            worst = max(worst, ((got.dequantize() - rows.float()).abs() / amax).max().item())
+    worst = fp8_worst_error(out, default_run)
     save_figures("cli-fp8-vs-bf16", {"worst_error_over_row_amax": worst})
     assert worst <= 2**-4
 

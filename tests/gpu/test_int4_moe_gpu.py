@@ -42,18 +42,18 @@ from test_cli_gpu import COUNT, assert_ok
 from test_cli_gpu import run as run_cli
 from test_moe_mla_gpu import family_engine_args
 
+from helpers import layer_rows
 from helpers.cli import conversations, load_all, write_jsonl
 from helpers.families import vllm_layer_outputs
 from helpers.gpu import save_figures, vllm_loop, vllm_on_cuda
+from helpers.layer_rows import MEDIAN_BOUND
 from helpers.reference import hf_layer_outputs, random_prompts
-from speculators_v016.checks.fidelity import FLIPPED_ROWS, ROW_BOUNDS, row_errors
+from speculators_v016.checks.fidelity import FLIPPED_ROWS
 from speculators_v016.checks.logit_check import LogitChecker
 from speculators_v016.engine.generation import Generation
 from speculators_v016.generator import VllmHiddenStatesGenerator
-from speculators_v016.store.sample_format import load_sample
 from speculators_v016.testing import gpu_kit
 from speculators_v016.testing.tiny_quant import build_tiny_w4a16_moe
-from speculators_v016.worker.stream_proof import DIFFERENT_FACTOR
 
 SKIP = vllm_on_cuda()
 pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
@@ -64,8 +64,6 @@ if SKIP is None:
 
 LAYERS = 4
 LENGTHS = [40, 200, 3, 90]  # 333 tokens: one step (prompts across steps are the MLA tier's)
-MEDIAN_BOUND, ROW_BOUND = ROW_BOUNDS["bfloat16"]
-SEPARATION = 8
 NEW = 24  # greedy tokens per prompt: 4 decode tokens a step, 16/16 = 1 <= 6 (tokens x top-k / experts): moe_wna16_gemm
 ENGINE = dict(layer_ids=list(range(LAYERS)), max_model_len=512, dtype="bfloat16", max_num_batched_tokens=512,
               max_num_seqs=4, gpu_memory_utilization=0.25)  # fmt: skip
@@ -144,19 +142,6 @@ def run(request, stand_ins, int4):
                 prefill=prefill, decode_calls=decode_calls, calls=wna16_calls())  # fmt: skip
 
 
-def layer_figures(states, reference, layer: int) -> dict:
-    """One layer's rows against transformers: median, worst, share past the row bound, and the same rows against
-    the reference one position off and one layer off (medians)."""
-    rows = torch.cat([row_errors(s[layer], ref[layer]) for s, ref in zip(states, reference)])
-    shifted = torch.cat([row_errors(s[layer][1:], ref[layer][:-1]) for s, ref in zip(states, reference)
-                         if len(ref[layer]) > 1])  # fmt: skip
-    other = layer - 1 if layer else layer + 1
-    wrong = torch.cat([row_errors(s[layer], ref[other]) for s, ref in zip(states, reference)])
-    return dict(layer=layer, median_row=rows.median().item(), worst_row=rows.max().item(),
-                past_row_bound=(rows > ROW_BOUND).float().mean().item(), rows=len(rows),
-                row_one_off_median=shifted.median().item(), layer_one_off_median=wrong.median().item())  # fmt: skip
-
-
 def test_vllm_runs_the_experts_through_its_triton_wna16_method(run, stand_ins):
     """Every MoE layer is quantized by CompressedTensorsWNA16MoEMethod (Marlin steered away: the kit has none);
     attention is TRITON_MLA; the states come back bf16, one per prompt and layer."""
@@ -171,35 +156,23 @@ def test_states_match_the_twin_in_transformers_per_row(run, reference, record_ar
     """Every layer (the last included) within the bf16 bounds of fp32 transformers on the dequantized twin; a row
     or a layer off far outside; the stream proof's margins; the logit check."""
     info = run["info"]
-    for line in info["stream_margins"].values():
-        assert line.startswith(("layer", "final norm")), line
-        if "margin" in line:
-            assert float(line.rsplit("margin ", 1)[1].rstrip("x")) >= DIFFERENT_FACTOR, line
-    layers = [layer_figures(run["results"], reference, layer) for layer in range(LAYERS)]
+    layer_rows.assert_stream_margins(info)
+    layers = [layer_rows.layer_figures(run["results"], reference, layer) for layer in range(LAYERS)]
     figures = {"mode": run["mode"], "backend": run["backend"], "moe_methods": run["methods"],
                "model_class": info["model_class"], "stream_margins": info["stream_margins"], "layers": layers,
                "logit_check": run["logit"].line()}  # fmt: skip
     print(f"\nINT4 W4A16 ({run['mode']}): logit check {figures['logit_check']}")
-    for f in layers:
-        print(f"  layer {f['layer']}: rows median {f['median_row']:.2e}, worst {f['worst_row']:.2e}, "
-              f"{f['past_row_bound']:.1%} past {ROW_BOUND:g}; one row off {f['row_one_off_median']:.2f}, "
-              f"one layer off {f['layer_one_off_median']:.2f}")  # fmt: skip
+    layer_rows.print_layers(layers)
     save_figures(f"int4-moe-{run['mode']}", figures)
     assert run["logit"].ok and run["logit"].samples > 0, run["logit"].line()
-    for f in layers:
-        assert f["median_row"] <= MEDIAN_BOUND, f
-        assert f["past_row_bound"] <= FLIPPED_ROWS, f
-        assert f["row_one_off_median"] >= SEPARATION * MEDIAN_BOUND, f
-        assert f["layer_one_off_median"] >= SEPARATION * MEDIAN_BOUND, f
+    layer_rows.assert_layers_within_bounds(layers)
     record_architecture(
         "INT4 MoE (Kimi-K2.5 class)",
         info["model_class"],
         "built-in" if info["builtin_ids"] else "taps",
         f"H200, {run['mode']}",
         note=f"W4A16 pack-quantized group 32 (Kimi-K2.5's format), {METHOD} (Triton; moe_wna16_gemm stood in), "
-        f"vs the dequantized twin: rows median {max(f['median_row'] for f in layers):.1e}, worst "
-        f"{max(f['worst_row'] for f in layers):.1e}, {max(f['past_row_bound'] for f in layers):.1%} past "
-        f"{ROW_BOUND:g} (routing flips), MLA on (TRITON_MLA)",
+        f"vs the dequantized twin: rows {layer_rows.layers_note(layers)}, MLA on (TRITON_MLA)",
         dtype="bfloat16",
         device=f"cuda-{run['mode']}",
     )
@@ -229,8 +202,8 @@ def test_decode_steps_run_moe_wna16_gemm_and_match_a_prefill(run):
     reference = hf_layer_outputs(run["twin"], run["finals"])
     figures = {"mode": run["mode"], "decode_calls": run["decode_calls"], "calls": run["calls"], "layers": []}
     for layer in range(LAYERS):
-        vs_prefill = layer_figures(decoded, run["prefill"], layer)
-        vs_twin = layer_figures(decoded, reference, layer)
+        vs_prefill = layer_rows.layer_figures(decoded, run["prefill"], layer)
+        vs_twin = layer_rows.layer_figures(decoded, reference, layer)
         figures["layers"].append({"layer": layer, "vs_prefill": vs_prefill, "vs_transformers": vs_twin})
         for f in (vs_prefill, vs_twin):
             assert f["median_row"] <= MEDIAN_BOUND and f["past_row_bound"] <= FLIPPED_ROWS, (layer, f)
@@ -287,13 +260,7 @@ def test_cli_fp8_storage_is_within_its_bound(tmp_path, int4, data_file, cli_defa
     out = tmp_path / "out"
     result = run_cli(int4[0], data_file, out, "--hidden-states-dtype", "fp8_e4m3", stand_ins=True, env=cli_env())
     assert_ok(result)
-    reference, worst = load_all(cli_default), 0.0
-    for entry in sorted(out.glob("data_*.safetensors")):
-        index = int(entry.stem.split("_")[1])
-        stored = load_sample(entry, dequantize_to=None)["hidden_states"]
-        for got, rows in zip(stored, reference[index]["hidden_states"]):
-            amax = rows.float().abs().amax(dim=-1, keepdim=True)
-            worst = max(worst, ((got.dequantize() - rows.float()).abs() / amax).max().item())
+    worst = layer_rows.fp8_worst_error(out, cli_default)
     save_figures("int4-moe-cli-fp8-vs-bf16", {"worst_error_over_row_amax": worst})
     assert worst <= 2**-4
 

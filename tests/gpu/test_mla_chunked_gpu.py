@@ -39,6 +39,7 @@ import torch
 
 from helpers.families import LAYERS, MEDIAN_BOUND, ROW_BOUND, SEPARATION, judge
 from helpers.gpu import engine_args, save_figures, vllm_loop, vllm_on_cuda
+from helpers.layer_rows import judged
 from helpers.reference import hf_layer_outputs, random_prompts
 from speculators_v016.checks.fidelity import FLIPPED_ROWS, row_errors
 from speculators_v016.checks.logit_check import LogitChecker
@@ -271,13 +272,6 @@ def test_a_row_planted_at_each_chunk_boundary_fails_exactly_there(eager, referen
     for f in figures:
         assert f["boundary_min"] > ROW and f["boundary_median"] >= SEPARATION * MEDIAN, f
         assert f["other_median"] <= MEDIAN and f["other_past_row_bound"] <= FLIPPED_ROWS, f
-
-
-def judged(states: list[list[torch.Tensor]], reference: list[list[torch.Tensor]], layer: int) -> dict:
-    """One layer's rows against a reference: the median, the worst and the share past the row bound."""
-    rows = torch.cat([row_errors(s[layer], ref[layer]) for s, ref in zip(states, reference)])
-    return dict(median_row=rows.median().item(), worst_row=rows.max().item(),
-                past_row_bound=(rows > ROW).float().mean().item())  # fmt: skip
 
 
 def test_greedy_after_long_prompts_is_vllms_loop(compiled, mla_model, tmp_path):

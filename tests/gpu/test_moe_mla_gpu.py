@@ -42,10 +42,12 @@ import os
 import pytest
 import torch
 
+from helpers import layer_rows
 from helpers.families import vllm_layer_outputs
 from helpers.gpu import engine_args, save_figures, vllm_loop, vllm_on_cuda
+from helpers.layer_rows import MEDIAN_BOUND, ROW_BOUND, SEPARATION
 from helpers.reference import hf_layer_outputs, random_prompts
-from speculators_v016.checks.fidelity import FLIPPED_ROWS, ROW_BOUNDS, row_errors
+from speculators_v016.checks.fidelity import FLIPPED_ROWS, row_errors
 from speculators_v016.checks.logit_check import LogitChecker
 from speculators_v016.engine import core as engine_core
 from speculators_v016.engine.generation import Generation
@@ -53,7 +55,6 @@ from speculators_v016.engine.stages import StagePlanError
 from speculators_v016.generator import VllmHiddenStatesGenerator
 from speculators_v016.testing import act_ops, mla_ops, moe_ops
 from speculators_v016.worker import capture as worker_capture
-from speculators_v016.worker.stream_proof import DIFFERENT_FACTOR
 
 SKIP = vllm_on_cuda()
 pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
@@ -65,8 +66,6 @@ if SKIP is None:
 
 LAYERS = 4
 LENGTHS = [40, 200, 3, 90]  # 333 tokens: one step (max_num_batched_tokens below); across steps: test_mla_chunked_gpu
-MEDIAN_BOUND, ROW_BOUND = ROW_BOUNDS["bfloat16"]
-SEPARATION = 8
 ENGINE = dict(layer_ids=list(range(LAYERS)), max_model_len=512, dtype="bfloat16", max_num_batched_tokens=512,
               max_num_seqs=4, gpu_memory_utilization=0.25)  # fmt: skip
 #: family -> (tiny architecture, attention backend)
@@ -178,41 +177,15 @@ def test_states_match_transformers_per_row(run, references, record_architecture)
         assert run["backend"] == wanted, run["backend"]
     figures = {"family": family, "mode": mode, "backend": run["backend"], "model_class": info["model_class"],
                "aux_source": "built-in" if info["builtin_ids"] else "taps", "layers": []}  # fmt: skip
-    for line in info["stream_margins"].values():  # the proof held, with the margin it reports
-        assert line.startswith(("layer", "final norm")), line
-        if "margin" in line:
-            assert float(line.rsplit("margin ", 1)[1].rstrip("x")) >= DIFFERENT_FACTOR, line
+    layer_rows.assert_stream_margins(info)  # the proof held, with the margin it reports
     figures["stream_margins"] = info["stream_margins"]
-    for layer in range(LAYERS):
-        rows = torch.cat([row_errors(s[layer], ref[layer]) for s, ref in zip(run["results"], reference)])
-        shifted = torch.cat([row_errors(s[layer][1:], ref[layer][:-1]) for s, ref in zip(run["results"], reference)
-                             if len(ref[layer]) > 1])  # fmt: skip
-        other = layer - 1 if layer else layer + 1
-        wrong = torch.cat([row_errors(s[layer], ref[other]) for s, ref in zip(run["results"], reference)])
-        figures["layers"].append(
-            dict(
-                layer=layer,
-                median_row=rows.median().item(),
-                worst_row=rows.max().item(),
-                past_row_bound=(rows > ROW_BOUND).float().mean().item(),
-                rows=len(rows),
-                row_one_off_median=shifted.median().item(),
-                layer_one_off_median=wrong.median().item(),
-            )  # fmt: skip
-        )
+    figures["layers"] = [layer_rows.layer_figures(run["results"], reference, layer) for layer in range(LAYERS)]
     figures["logit_check"] = run["logit"].line()
     print(f"\n{family} ({mode}, {run['backend']}): logit check {figures['logit_check']}")
-    for f in figures["layers"]:
-        print(f"  layer {f['layer']}: rows median {f['median_row']:.2e}, worst {f['worst_row']:.2e}, "
-              f"{f['past_row_bound']:.1%} past {ROW_BOUND:g} (routing flips); one row off {f['row_one_off_median']:.2f}, "
-              f"one layer off {f['layer_one_off_median']:.2f}")  # fmt: skip
+    layer_rows.print_layers(figures["layers"], " (routing flips)")
     save_figures(f"moe-mla-{family}-{mode}", figures)
     assert run["logit"].ok and run["logit"].samples > 0, run["logit"].line()
-    for f in figures["layers"]:
-        assert f["median_row"] <= MEDIAN_BOUND, f
-        assert f["past_row_bound"] <= FLIPPED_ROWS, f
-        assert f["row_one_off_median"] >= SEPARATION * MEDIAN_BOUND, f
-        assert f["layer_one_off_median"] >= SEPARATION * MEDIAN_BOUND, f
+    layer_rows.assert_layers_within_bounds(figures["layers"])
     layers = figures["layers"]
     mla = ", MLA on (TRITON_MLA)" if run["backend"] == "TRITON_MLA" else ""
     record_architecture(
@@ -220,8 +193,7 @@ def test_states_match_transformers_per_row(run, references, record_architecture)
         info["model_class"],
         figures["aux_source"],
         f"H200, {mode}",
-        note=f"rows: median {max(f['median_row'] for f in layers):.1e}, worst {max(f['worst_row'] for f in layers):.1e}, "
-        f"{max(f['past_row_bound'] for f in layers):.1%} past {ROW_BOUND:g} (routing flips){mla}",
+        note=f"rows: {layer_rows.layers_note(layers)}{mla}",
         dtype="bfloat16",
         device=f"cuda-{mode}",
     )
@@ -249,13 +221,6 @@ def test_bf16_states_and_cases(run):
         assert len(states) == LAYERS and all(s.dtype == torch.bfloat16 and s.shape[0] == len(ids) for s in states)
 
 
-def judged(states: list[list[torch.Tensor]], reference: list[list[torch.Tensor]], layer: int) -> dict:
-    """One layer's rows against a reference: the median, the worst and the share past the row bound."""
-    rows = torch.cat([row_errors(s[layer], ref[layer]) for s, ref in zip(states, reference)])
-    return dict(median_row=rows.median().item(), worst_row=rows.max().item(),
-                past_row_bound=(rows > ROW_BOUND).float().mean().item())  # fmt: skip
-
-
 @pytest.mark.parametrize("family", GREEDY)
 def test_greedy_is_vllms_loop_and_decode_states_equal_a_prefill(family, stand_ins, tiny_models, tmp_path):
     """Compiled: greedy tokens are LLMEngine's; states captured while decoding within the bounds of a prefill."""
@@ -277,7 +242,7 @@ def test_greedy_is_vllms_loop_and_decode_states_equal_a_prefill(family, stand_in
     reference = hf_layer_outputs(model_dir, finals)
     figures = {"family": family, "prompts": len(prompts), "new_tokens": NEW, "layers": []}
     for layer in range(LAYERS):
-        vs_prefill, vs_hf = judged(decoded, prefill, layer), judged(decoded, reference, layer)
+        vs_prefill, vs_hf = layer_rows.judged(decoded, prefill, layer), layer_rows.judged(decoded, reference, layer)
         figures["layers"].append({"layer": layer, "vs_prefill": vs_prefill, "vs_transformers": vs_hf})
     figures["tokens_equal"] = [ours[i][2].token_ids == tokens for i, tokens in enumerate(theirs)]
     save_figures(f"moe-mla-greedy-{family}", figures)
@@ -307,7 +272,7 @@ def test_a_deepseek_tap_planted_one_layer_off_lands_outside_the_bounds(stand_ins
                                    **engine) as gen:  # fmt: skip
         assert gen.engine.capture_info[0]["tap_ids"] == [2, 3, 4]  # the fault is in place
         states = [[s.cpu() for s in r["hidden_states"]] for r in gen.generate(random_prompts(LENGTHS, seed=3))]
-    figures = [judged(states, references["deepseek_v3_mla"], layer) for layer in planted]
+    figures = [layer_rows.judged(states, references["deepseek_v3_mla"], layer) for layer in planted]
     save_figures("moe-mla-planted-tap-one-layer-late", {"layers": figures})
     for f in figures:
         assert f["median_row"] >= SEPARATION * MEDIAN_BOUND, f
