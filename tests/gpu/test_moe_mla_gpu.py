@@ -3,7 +3,7 @@
 Runs with ``../shared/gpu-vllm`` (vLLM's Python code without its compiled libraries): the
 compiled kernels of the fused-MoE and MLA paths are stood in for by torch
 (:mod:`speculators_v016.testing.moe_ops`, :mod:`speculators_v016.testing.mla_ops`,
-:mod:`speculators_v016.testing.act_ops`, each checked against loops in ``tests/unit``), installed in this process
+:mod:`speculators_v016.testing.act_ops`, each checked against loops in ``tests/engine``), installed in this process
 before any engine starts (the uniprocess executor: the worker is this process). Around
 them everything is vLLM's: its routers (DeepSeek's grouped ``noaux_tc`` routing compiled
 by torch.compile), its Triton fused-MoE GEMMs, MLA with ``TRITON_MLA`` (absorbed decode

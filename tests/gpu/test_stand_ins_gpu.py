@@ -3,7 +3,7 @@ Triton kernels where vLLM has one, and without a host synchronization (they run 
 
 :mod:`speculators_v016.testing.mla_ops` (``gather_and_maybe_dequant_cache``, ``merge_attn_states``),
 :mod:`~speculators_v016.testing.wna16_ops` (``moe_wna16_gemm``) and :mod:`~speculators_v016.testing.act_ops`
-are checked against loops on CPU in ``tests/unit``; here, on CUDA tensors: the merge reached through vLLM's own
+are checked against loops on CPU in ``tests/engine``; here, on CUDA tensors: the merge reached through vLLM's own
 dispatcher (its CUDA route: the stand-in) equals vLLM's Triton merge kernel on padded views as MLA passes them;
 vLLM's fused MoE with W4A16 experts (Kimi-K2.5's format) gives the same through the stand-in (its CUDA branch,
 decode-sized) as through vLLM's Triton ``fused_moe_kernel_gptq_awq``, and both that of the dequantized weights;
