@@ -494,9 +494,11 @@ class RunConfig:
     engine: EngineConfig
     train_data_path: tuple[str, ...] = setting(
         MISSING,
-        "Dataset: .json/.jsonl file (ShareGPT 'conversations', 'messages', or pre-tokenized "
-        "'input_ids'+'loss_mask' rows) or a dataset name upstream knows (sharegpt, ultrachat). "
-        "Repeat to combine.",
+        "Dataset (ShareGPT 'conversations', 'messages', or pre-tokenized 'input_ids'+'loss_mask' rows): a "
+        ".json/.jsonl/.jsonl.gz/.jsonl.zst/.parquet file, a folder of .parquet files or of datasets' save_to_disk "
+        "(FOLDER@SPLIT for one split), a dataset name upstream knows (sharegpt, ultrachat), or a hub dataset "
+        "ORG/NAME@SPLIT or ORG/NAME:CONFIG@SPLIT (from --hf-cache-dir where no hub is reachable). Repeat to "
+        "combine; VALUE#max=N keeps a source's first N rows, in its order, before the shuffle.",
         section=INPUT,
         cli_default=(),
     )
@@ -521,6 +523,12 @@ class RunConfig:
     hf_cache_dir: str | None = setting(None, "Cache folder for hub datasets.", section=INPUT)
     num_preprocessing_workers: int = setting(8, "Processes for tokenization.", section=INPUT, min=1)
     skip_bad_rows: bool = setting(False, "Skip (and count) malformed dataset rows instead of failing.", section=INPUT)
+    keep_duplicate_rows: bool = setting(
+        False,
+        "Keep rows whose content is exactly an earlier row's (default: the first is kept, the others dropped and "
+        "counted as 'duplicate row'); e.g. a source given twice to weigh it twice.",
+        section=INPUT,
+    )
     regenerate: bool = setting(
         False,
         "The target writes every assistant turn (conditioned on the history regenerated so far) and the same "

@@ -11,8 +11,8 @@ Local files are read as a stream (JSON Lines line by line, a ``.json`` array
 element by element through a 1 MiB window), so reading needs memory for the
 largest row, not for the file; the rows kept are the dataset itself. A line
 that is not UTF-8, or nested deeper than Python's recursion limit, is a bad row
-like one that is not JSON (named, skippable with ``skip_bad_rows``). A folder, a file of another kind or a name upstream does not
-know is refused, naming it.
+like one that is not JSON (named, skippable with ``skip_bad_rows``). What each input may be (compressed JSON
+Lines, Parquet, ``datasets`` folders and ids, per-source caps) and duplicate rows: :mod:`speculators_v016.run.sources`.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from pathlib import Path
 from loguru import logger
 
 from speculators_v016.run import chat_samples
+from speculators_v016.run import sources as input_sources
 from speculators_v016.run.turns import BadRowError as BadRowError  # re-exported: the dataset's error
 from speculators_v016.run.turns import raw_turns as raw_turns
 from speculators_v016.run.turns import read_chat
-from speculators_v016.store.run_config import file_sha256
 
 
 @dataclass
@@ -224,39 +224,18 @@ def _pretokenized(where: str, row) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
-def load_rows(paths: list[str], skip_bad_rows: bool, hf_cache_dir: str | None, reader=read_chat):
-    """(kind, rows, sources, skipped) from every input, in order; ``reader(where, row)`` reads a conversation row
-    (its turns, tool definitions and tool turns: :func:`speculators_v016.run.turns.read_chat`)."""
+def load_rows(
+    paths: list[str], skip_bad_rows: bool, hf_cache_dir: str | None, reader=read_chat, keep_duplicates: bool = False
+):
+    """(kind, rows, sources, skipped) from every input, in order (:mod:`speculators_v016.run.sources`: the kinds of
+    input, per-source caps, duplicate rows dropped unless ``keep_duplicates``); ``reader(where, row)`` reads a
+    conversation row (its turns, tool definitions and tool turns: :func:`speculators_v016.run.turns.read_chat`)."""
     rows, sources, skipped, kinds = [], [], Counter(), set()
-    for given in paths:
-        path = Path(given)
-        if path.is_dir():
-            raise BadRowError(
-                f"--train-data-path {given}: is a folder; give .json or .jsonl files (repeat the option for several)"
-            )
-        if path.suffix not in (".json", ".jsonl"):
-            if path.exists():
-                raise BadRowError(f"--train-data-path {given}: not a .json or .jsonl file")
-            from speculators.data_generation.preprocessing import (  # noqa: PLC0415 - upstream is slow to import
-                DATASET_CONFIGS,
-                load_raw_dataset,
-            )
-
-            if given not in DATASET_CONFIGS:
-                raise BadRowError(
-                    f"--train-data-path {given}: no such file, and not a dataset name upstream "
-                    f"knows ({', '.join(sorted(DATASET_CONFIGS))})"
-                )
-            logger.info("loading dataset {} with upstream's loader", given)
-            data = load_raw_dataset(given, cache_dir=hf_cache_dir)
-            sources.append({"name": given})
-            kinds.add("conversations")
-            rows.extend((f"{given} row {i}", reader(f"{given} row {i}", r)) for i, r in enumerate(data))
-            continue
-        if not path.is_file():
-            raise BadRowError(f"--train-data-path {given}: no such file")
-        sources.append({"path": str(path.resolve()), "sha256": file_sha256(path)})
-        for where, row in _read_rows(path):
+    readers = input_sources.JsonReaders(_read_rows, _line_rows)
+    opened = [input_sources.open_source(given, hf_cache_dir, readers) for given in paths]  # all checked first
+    duplicates = input_sources.Duplicates(keep=keep_duplicates)
+    for source in opened:
+        for where, row in source.rows(duplicates):
             try:
                 if isinstance(row, Exception):
                     raise row
@@ -279,6 +258,8 @@ def load_rows(paths: list[str], skip_bad_rows: bool, hf_cache_dir: str | None, r
                     raise
                 logger.warning("skipping bad row {}", where)
                 skipped["bad row"] += 1
+        sources.append(source.describe())
+        skipped.update(source.skipped)
     if len(kinds) > 1:
         raise BadRowError("the inputs mix pre-tokenized rows (input_ids) and conversations: use one kind")
     return (kinds.pop() if kinds else "conversations"), rows, sources, skipped
@@ -306,13 +287,14 @@ def prepare_samples(
     turn_dropout: bool = False,
     hf_cache_dir: str | None = None,
     skip_bad_rows: bool = False,
+    keep_duplicates: bool = False,
 ) -> PreparedSamples:
     """Load, validate, shuffle, cut and tokenize the inputs into samples."""
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"max_samples must be at least 1 (or None for all), got {max_samples}")
     if seq_length < 1:
         raise ValueError(f"seq_length must be at least 1, got {seq_length}")
-    kind, rows, sources, skipped = load_rows(paths, skip_bad_rows, hf_cache_dir)
+    kind, rows, sources, skipped = load_rows(paths, skip_bad_rows, hf_cache_dir, keep_duplicates=keep_duplicates)
     order = run_order(len(rows), seed, max_samples)
     picked = [rows[i] for i in order]
     if kind == "pretokenized":

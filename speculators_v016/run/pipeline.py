@@ -219,6 +219,7 @@ def run(opts: RunConfig, progress_to=None) -> RunSummary:
                     turn_dropout=opts.turn_dropout,
                     hf_cache_dir=opts.hf_cache_dir,
                     skip_bad_rows=opts.skip_bad_rows,
+                    keep_duplicates=opts.keep_duplicate_rows,
                 )
             )
         summary.skipped, summary.truncated = dict(work.skipped), work.truncated

@@ -608,7 +608,11 @@ class RegenerationWork:
     @classmethod
     def prepare(cls, opts, tokenizer) -> RegenerationWork:
         kind, rows, sources, skipped = load_rows(
-            list(opts.train_data_path), opts.skip_bad_rows, opts.hf_cache_dir, reader=tool_turns.read_chat
+            list(opts.train_data_path),
+            opts.skip_bad_rows,
+            opts.hf_cache_dir,
+            reader=tool_turns.read_chat,
+            keep_duplicates=opts.keep_duplicate_rows,
         )
         if kind != "conversations":
             raise BadRowError(

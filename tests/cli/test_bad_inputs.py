@@ -145,10 +145,14 @@ def test_a_non_utf8_dataset_names_file_and_line(tmp_path, model_dir):
 
 
 @pytest.mark.parametrize(
-    "given, message", [("folder", "is a folder"), ("sharegtp", "no such file, and not a dataset name upstream knows")]
+    "given, message",
+    [
+        ("folder", "a folder holding no *.parquet files and not a datasets save_to_disk folder"),
+        ("sharegtp", "no such file, and not a dataset name upstream knows"),
+    ],
 )
 def test_a_folder_or_unknown_dataset_name_is_bad_input(tmp_path, model_dir, given, message):
-    """A folder or a misspelt dataset name: exit 3 naming it (was: exit 5)."""
+    """An empty folder or a misspelt dataset name: exit 3 naming it (was: exit 5)."""
     (tmp_path / "folder").mkdir()
     data = tmp_path / given if given == "folder" else given
     result = invoke(*run_args(model_dir, data, tmp_path / "out"))

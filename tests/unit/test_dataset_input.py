@@ -58,7 +58,7 @@ def test_json_array_rows_across_block_boundaries_read_exactly(tmp_path, monkeypa
     ] * 5
     data = tmp_path / "tok.json"
     data.write_text("\ufeff [\n" + ",\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n]\n")
-    kind, read, _, skipped = load_rows([str(data)], skip_bad_rows=False, hf_cache_dir=None)
+    kind, read, _, skipped = load_rows([str(data)], skip_bad_rows=False, hf_cache_dir=None, keep_duplicates=True)
     assert kind == "pretokenized" and not skipped
     assert [ids for _, (ids, _mask) in read] == [r["input_ids"] for r in rows]
     data.write_text("[" + json.dumps(rows[0]) + ", {bad}, " + json.dumps(rows[1]) + "]")
@@ -69,13 +69,15 @@ def test_json_array_rows_across_block_boundaries_read_exactly(tmp_path, monkeypa
 @pytest.mark.parametrize(
     "given, message",
     [
-        ("folder", "is a folder; give .json or .jsonl files"),
-        ("notes.txt", "not a .json or .jsonl file"),
+        ("folder", "a folder holding no *.parquet files and not a datasets save_to_disk folder"),
+        ("notes.txt", "not a .json, .jsonl, .jsonl.gz, .jsonl.zst or .parquet file"),
         ("sharegtp", "no such file, and not a dataset name upstream knows (sharegpt, "),
+        ("chats.jsonl", "no such file"),
     ],
 )
 def test_folders_other_files_and_unknown_names_are_bad_input(tmp_path, given, message):
-    """A folder, a file of another kind, or a misspelt dataset name: BadRowError naming it (exit 3)."""
+    """An empty folder, a file of another kind, a misspelt dataset name, a missing file: BadRowError naming it
+    (exit 3)."""
     (tmp_path / "folder").mkdir()
     (tmp_path / "notes.txt").write_text("hello")
     path = str(tmp_path / given) if given != "sharegtp" else given
