@@ -13,7 +13,8 @@ A value is ``WHAT[#max=N]``; ``WHAT`` is, in this order:
 * a hub dataset, ``ORG/NAME@SPLIT`` or ``ORG/NAME:CONFIG@SPLIT`` (the ``datasets`` library's path, config name and
   split), loaded with ``datasets.load_dataset`` into ``--hf-cache-dir``; where no hub is reachable (or
   ``HF_HUB_OFFLINE=1``) ``datasets`` takes the copy in that cache, and an id it has no copy of is an error naming
-  it. No loading script runs (``datasets`` 4 has none) and nothing is unpickled.
+  it. No loading script runs (``datasets`` 4 has none) and nothing is unpickled: only the builders of
+  :data:`HUB_BUILDERS` (data files) may read a hub dataset.
 
 ``#max=N`` keeps the source's first ``N`` rows in its own order (file order; blank lines are not rows, a bad row
 skipped with ``--skip-bad-rows`` counts, a duplicate dropped does not), before the run's shuffle and
@@ -115,8 +116,6 @@ class Source:
     def rows(self, duplicates: Duplicates) -> Iterator[tuple[str, object]]:
         """(where, row or BadRowError): the source's rows up to its cap, duplicates dropped and counted."""
         taken = 0
-        if self.max_rows == 0:
-            return
         for where, row in self.read():
             if duplicates.seen(row):
                 self.skipped[DUPLICATE] += 1
@@ -172,6 +171,8 @@ def split_cap(given: str) -> tuple[str, int | None]:
         if "#max" in given:
             raise SourceError(f"--train-data-path {given}: a cap is written WHAT#max=N, N a whole number")
         return given, None
+    if int(match.group(1)) < 1:
+        raise SourceError(f"--train-data-path {given}: a cap keeps at least 1 row (#max=N, N at least 1)")
     return given[: match.start()], int(match.group(1))
 
 
@@ -491,6 +492,8 @@ def _hub(given: str, what: str, hf_cache_dir: str | None):
     """``ORG/NAME[:CONFIG]@SPLIT`` through ``datasets.load_dataset`` (its cache where no hub is reachable)."""
     base, _, split = what.rpartition("@")
     name, _, config = base.partition(":")
+    if Path(base).exists():
+        raise SourceError(f"--train-data-path {given}: {base} is a file: a split (@{split}) names a folder's")
     _split_name(given, split)
     if not _DATASET_ID.fullmatch(name) or ".." in name or (config and not _CONFIG.fullmatch(config)):
         raise SourceError(
@@ -500,8 +503,12 @@ def _hub(given: str, what: str, hf_cache_dir: str | None):
     import datasets  # noqa: PLC0415 - datasets is slow to import; only these inputs need it
 
     logger.info("loading dataset {} (config {}, split {}) with datasets", name, config or "default", split)
-    try:
-        dataset = datasets.load_dataset(name, config or None, split=split, cache_dir=hf_cache_dir)
+    builder, dataset = None, None
+    try:  # load_dataset's steps, the builder checked before it reads anything
+        builder = datasets.load_dataset_builder(name, config or None, cache_dir=hf_cache_dir)
+        if _builder_kind(builder) in HUB_BUILDERS:
+            builder.download_and_prepare()
+            dataset = builder.as_dataset(split=split)
     except Exception as exc:  # datasets raises many kinds: the id, the config, the split, the hub, the cache
         cache = hf_cache_dir or datasets.config.HF_DATASETS_CACHE
         raise SourceError(
@@ -509,6 +516,11 @@ def _hub(given: str, what: str, hf_cache_dir: str | None):
             f"split {split}) cannot be loaded: no hub reachable that has it and not in the datasets cache {cache}, "
             f"or no such config or split ({type(exc).__name__}: {exc})"
         ) from None
+    if dataset is None:
+        raise SourceError(
+            f"--train-data-path {given}: dataset {name!r} would be read by datasets' {_builder_kind(builder)!r} "
+            f"builder; its rows are read from {', '.join(sorted(HUB_BUILDERS))} files only"
+        )
     if not isinstance(dataset, datasets.Dataset):
         raise SourceError(f"--train-data-path {given}: {name} split {split} is not one dataset")
     columns = _needed(dataset.column_names, f"--train-data-path {given}")
@@ -523,6 +535,17 @@ def _hub(given: str, what: str, hf_cache_dir: str | None):
         }
 
     return (lambda: _arrow_rows(f"{base}@{split}", dataset, columns)), description
+
+
+#: the builders of ``datasets`` a hub dataset may be read by: data files that are data, never code or pickles
+#: (``cache``: a copy in the datasets cache, Arrow files)
+HUB_BUILDERS = frozenset({"arrow", "cache", "csv", "json", "parquet"})
+
+
+def _builder_kind(builder) -> str:
+    """The packaged module a ``datasets`` builder comes from (``parquet``, ``json``, ``cache``...)."""
+    module = type(builder).__module__
+    return module.rsplit(".", 1)[-1] if module.startswith("datasets.packaged_modules.") else module
 
 
 def _upstream(given: str, name: str, hf_cache_dir: str | None):

@@ -362,6 +362,8 @@ def test_a_cap_keeps_each_sources_first_rows_before_the_shuffle(tmp_path, tok):
     assert capped.input_ids == alone.input_ids and capped.loss_masks == alone.loss_masks
     with pytest.raises(SourceError, match=r"a cap is written WHAT#max=N"):
         load_rows([f"{tmp_path / 'a.jsonl'}#max=all"], False, None)
+    with pytest.raises(SourceError, match=r"a cap keeps at least 1 row"):
+        load_rows([f"{tmp_path / 'a.jsonl'}#max=0"], False, None)
 
 
 def test_duplicate_rows_are_dropped_first_one_kept_and_counted(tmp_path):
@@ -413,3 +415,20 @@ def test_every_source_is_checked_before_any_is_read(tmp_path, monkeypatch):
     with pytest.raises(BadRowError, match="no such file"):
         load_rows([str(good), str(tmp_path / "missing.parquet")], False, None)
     assert read == []
+
+
+def test_a_hub_dataset_is_read_only_by_a_data_files_builder(hub_cache, monkeypatch):
+    """A hub dataset whose builder is not one that reads data files (a pickle reader, say) is refused naming the
+    builder, before it reads anything: here the cache's own builder taken off the list."""
+    import speculators_v016.run.sources as sources  # noqa: PLC0415 - the module whose list is shortened
+
+    monkeypatch.setattr(sources, "HUB_BUILDERS", frozenset({"parquet", "json"}))
+    with pytest.raises(SourceError, match=r"would be read by datasets' 'cache' builder; its rows are read from json, "):
+        load_rows(["org/chats@train"], False, str(hub_cache))
+
+
+def test_a_file_with_a_split_is_refused(tmp_path):
+    """chats.json@train: a split names a folder's, never a file's (nor the file sent to datasets as an id)."""
+    (tmp_path / "chats.json").write_text("[]")
+    with pytest.raises(SourceError, match=r"chats.json is a file: a split \(@train\) names a folder's"):
+        load_rows([f"{tmp_path / 'chats.json'}@train"], False, None)
