@@ -444,11 +444,11 @@ def _saved(given: str, folder: Path, split: str | None):
         if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
             raise SourceError(f"--train-data-path {given}: {folder}/dataset_dict.json lists no splits")
         if split is None or split not in splits:
-            why = "holds several splits" if split is None else f"has no split {split!r}"
+            why = "is a DatasetDict: name a split" if split is None else f"has no split {split!r}"
             splits = sorted(splits)
             raise SourceError(
-                f"--train-data-path {given}: {folder} (datasets' save_to_disk) {why}: "
-                f"{', '.join(splits)}; name one: {folder}@{splits[0] if splits else 'SPLIT'}"
+                f"--train-data-path {given}: {folder} (datasets' save_to_disk) {why} (splits: {', '.join(splits)}), "
+                f"e.g. {folder}@{splits[0] if splits else 'SPLIT'}"
             )
         folder = folder / split
         if folder.is_symlink() or not folder.is_dir():

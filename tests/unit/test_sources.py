@@ -281,9 +281,11 @@ def test_zstandard_input_without_the_package_names_it(tmp_path, monkeypatch):
 def test_a_save_to_disk_dataset_dict_needs_a_split_and_names_those_present(tmp_path):
     """A DatasetDict folder without @SPLIT, or with one it lacks: SourceError naming the splits present."""
     folder = save_to_disk(tmp_path / "dict", None, {"train": chats(3), "test": chats(1, offset=9)})
-    with pytest.raises(SourceError, match=r"holds several splits: test, train; name one: "):
+    with pytest.raises(
+        SourceError, match=rf"is a DatasetDict: name a split \(splits: test, train\), e.g. {folder}@test$"
+    ):
         load_rows([str(folder)], False, None)
-    with pytest.raises(SourceError, match=r"has no split 'valid': test, train"):
+    with pytest.raises(SourceError, match=r"has no split 'valid' \(splits: test, train\)"):
         load_rows([f"{folder}@valid"], False, None)
     _, read, sources, _ = load_rows([f"{folder}@test"], False, None)
     assert [w for w, _ in read] == [f"{folder}@test row 0"]
