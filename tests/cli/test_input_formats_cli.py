@@ -9,6 +9,7 @@ from transformers import AutoTokenizer
 from helpers.cli import conversations, invoke, load_all, write_jsonl
 from speculators_v016.run.dataset import prepare_samples
 from speculators_v016.store.manifest import Manifest
+from speculators_v016.store.outdir import LOCK
 from speculators_v016.store.run_config import file_sha256
 
 
@@ -43,7 +44,7 @@ def test_a_parquet_input_gives_the_samples_of_its_rows(tmp_path, model_dir):
     ]
 
     # the same folder again with a truncated .jsonl.gz added: refused naming it, before anything is written
-    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != LOCK}  # the lock: the pid
     cut = tmp_path / "cut.jsonl.gz"
     whole = gzip.compress("".join(json.dumps(r) + "\n" for r in conversations(50, seed=13)).encode())
     cut.write_bytes(whole[: len(whole) // 2])
@@ -53,5 +54,5 @@ def test_a_parquet_input_gives_the_samples_of_its_rows(tmp_path, model_dir):
     )  # fmt: skip
     assert refused.exit_code == 3, refused.output
     assert f"error: {cut}: not a readable gzip archive" in refused.output, refused.output
-    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != LOCK} == before
     assert len(Manifest(out).entries()) == 8
