@@ -12,7 +12,9 @@ through upstream's generate()), ``sync`` (async scheduling off), ``mp``
 (multiprocess, pipeline parallel 2: each stage captures its own layers; sync
 scheduling, the engine's choice under PP), ``pp2-async`` (the same with
 ``pipeline_async_scheduling``),
-``llm``, ``llm-pp2`` (LLM.generate under PP 2). With ``pp2`` the script also
+``llm``, ``llm-pp2`` (LLM.generate under PP 2), ``cli`` (the real command on the same prompts,
+as pre-tokenized rows, writing its files to a temporary folder: its own summary's tokens/s of
+generation, which has no warm-up pass and includes the last files made durable). With ``pp2`` the script also
 prints the ring's bytes per stage (each stage writes its layers' rows of a slot).
 ``--pipeline`` measures pp2 against mp and llm-pp2 (its page: pipeline_parallel.md). vLLM 0.16's own
 ``LLM`` at PP 2 on CPU leaves its CPU communicator's shared memory (``<port>-pp:0-[0-1]-cpushm_*``,
@@ -24,6 +26,8 @@ MLP 64) on which moving the states weighs more than computing them.
     python tools/benchmarks/generator_vs_llm.py --shape wide --length 512 --batched-tokens 2048 \
         --modes async mp tp2 llm
     python tools/benchmarks/generator_vs_llm.py --pipeline [--eager] [--rounds 2]
+    python tools/benchmarks/generator_vs_llm.py --shape wide --length 512 --batched-tokens 2048 --eager \
+        --modes async llm cli --rounds 3        # the wide CPU row: generator / LLM.generate, CLI / generator
 """
 
 from __future__ import annotations
@@ -31,15 +35,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import bench_model, child, peak_rss_mib, prompts  # noqa: E402
+from common import bench_model, child, engine_env, peak_rss_mib, prompts  # noqa: E402
 from report import recording  # noqa: E402
 
 LAYERS = [2, 4, 5, 7]
@@ -70,6 +78,7 @@ LABELS = {
     "pp2-async": "generator, multiprocess PP=2, async",
     "llm": "LLM.generate(max_tokens=1)",
     "llm-pp2": "LLM.generate(max_tokens=1), PP=2",
+    "cli": "speculators-data-gen (files written)",
 }
 PIPELINE_MODES = ["mp", "pp2", "pp2-async", "llm-pp2"]
 
@@ -92,9 +101,62 @@ def ring_per_stage(engine) -> dict:
     }
 
 
+def cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and of its live descendants (vLLM's engine core process
+    under ``LLM``, the workers of a multiprocess executor, the CLI): read before and after the timed pass, the
+    difference is the CPU the pass cost, which another tenant of the machine moves far less than the rate."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    total = usage.ru_utime + usage.ru_stime
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    mine, grew = {os.getpid()}, True
+    while grew:
+        found = {pid for pid, parent in parents.items() if parent in mine} - mine
+        mine |= found
+        grew = bool(found)
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in mine - {os.getpid()}:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        except (OSError, IndexError, ValueError):
+            continue  # ended meanwhile
+    return total
+
+
+def cli_rate(args: dict, batch: list[list[int]]) -> dict:
+    """The real command on ``batch`` (pre-tokenized rows, every token in the loss mask), this process's
+    environment and code; its summary's generation rate (from its engine's first step to its last file
+    made durable)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "rows.jsonl"
+        data.write_text("".join(json.dumps({"input_ids": p, "loss_mask": [1] * len(p)}) + "\n" for p in batch))
+        cmd = [sys.executable, "-m", "speculators_v016.cli", "--target-model-path", args["model"]]
+        cmd += ["--train-data-path", str(data), "--output-dir", f"{tmp}/out", "--seq-length", str(args["length"] + 7)]
+        cmd += ["--dtype", "float32", "--token-freq-path", "", "--no-progress", "--num-preprocessing-workers", "1"]
+        cmd += ["--layer-ids", " ".join(map(str, args["layer_ids"])), "--max-num-seqs", str(args["max_num_seqs"])]
+        cmd += ["--max-num-batched-tokens", str(args["batched_tokens"])] + (
+            ["--enforce-eager"] if args["eager"] else []
+        )
+        # cwd: `python -m` puts the working folder first on sys.path, ahead of the PYTHONPATH given
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=engine_env(), cwd=tmp)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the CLI failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    tokens, seconds = re.search(r"tokens:\s+(\d+) in ([\d.]+) s of generation", proc.stdout).groups()
+    if int(tokens) != len(batch) * args["length"]:
+        raise RuntimeError(f"the CLI wrote {tokens} tokens of {len(batch) * args['length']}:\n{proc.stdout}")
+    return {"tokens_per_s": int(tokens) / float(seconds), "peak_rss_mib": None, "ring": None, "cpu_per_k": None}
+
+
 def measure(args: dict) -> dict:
     """In the child: start the engine, warm up, then time one pass over the prompts."""
     batch = prompts(args["prompts"], args["length"])
+    if args["mode"] == "cli":
+        return cli_rate(args, batch)
     warm = prompts(4, args["length"], seed=1)
     engine = dict(
         max_model_len=args["length"] + 8,
@@ -116,7 +178,7 @@ def measure(args: dict) -> dict:
         params = SamplingParams(max_tokens=1, temperature=0.0)
         as_prompts = [{"prompt_token_ids": p} for p in batch]
         llm.generate([{"prompt_token_ids": p} for p in warm], params, use_tqdm=False)
-        start = time.perf_counter()
+        cpu, start = cpu_seconds(), time.perf_counter()
         llm.generate(as_prompts, params, use_tqdm=False)
     else:
         from speculators_v016.generator import (  # noqa: PLC0415 - each mode's child imports what it measures
@@ -129,29 +191,35 @@ def measure(args: dict) -> dict:
             args["model"],
             layer_ids=args["layer_ids"],
             async_scheduling=mode != "sync",
-            pipeline_async_scheduling=mode == "pp2-async",
             executor="mp" if mode in ("mp", "tp2", "pp2", "pp2-async") else "uni",
             tensor_parallel_size=2 if mode == "tp2" else 1,
-            pipeline_parallel_size=2 if mode.startswith("pp2") else 1,
             **engine,
+            # only where used: a --before checkout older than pipeline parallelism has no such options
+            **(
+                dict(pipeline_parallel_size=2, pipeline_async_scheduling=mode == "pp2-async")
+                if mode.startswith("pp2")
+                else {}
+            ),
         )
         if mode.startswith("pp2"):
             ring = ring_per_stage(gen.engine)
         gen.generate(warm)
-        start = time.perf_counter()
+        cpu, start = cpu_seconds(), time.perf_counter()
         if mode == "generate":
             gen.generate(batch)
         else:
             for _ in gen.stream(batch):  # dropped, as a writer would after saving
                 pass
     seconds = time.perf_counter() - start
+    cpu = cpu_seconds() - cpu
     rss = peak_rss_mib()
     # shut the engine down: workers killed at exit leave vLLM's CPU shared memory (PP/TP groups) in /dev/shm
     if mode in ("llm", "llm-pp2"):
         llm.llm_engine.engine_core.shutdown()
     else:
         gen.shutdown()
-    return {"tokens_per_s": len(batch) * args["length"] / seconds, "peak_rss_mib": rss, "ring": ring}
+    tokens = len(batch) * args["length"]
+    return {"tokens_per_s": tokens / seconds, "peak_rss_mib": rss, "ring": ring, "cpu_per_k": cpu / tokens * 1000}
 
 
 def main() -> None:
@@ -193,12 +261,15 @@ def main() -> None:
     if opts.before:
         runs += [(mode, opts.before) for mode in opts.modes if mode != "llm"]
     rates: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
     ring = None
     for _ in range(opts.rounds):
         for mode, code in runs:
             key = mode if code is None else f"{mode} (before)"
             got = child(__file__, {**base, "mode": mode, "prompts": opts.prompts}, code_from=code)
             rates.setdefault(key, []).append(got["tokens_per_s"])
+            if got.get("cpu_per_k") is not None:
+                cpu.setdefault(key, []).append(got["cpu_per_k"])
             ring = got.get("ring") or ring
     med = {k: statistics.median(v) for k, v in rates.items()}
     shape_text = {k: v for k, v in SHAPES[opts.shape].items() if k != "capture"}
@@ -234,8 +305,18 @@ def main() -> None:
             print(f"  {label:39} {med[key]:10,.0f} tokens/s   (runs: {', '.join(f'{r:,.0f}' for r in rates[key])})")
         for key in rates:
             for ref in ("llm", "async", "async (before)"):
+                if key == "cli" and ref == "llm":
+                    continue  # the CLI against the generator: what writing the files costs
                 if key != ref and ref in med and key != "llm" and (ref != "async" or not key.endswith("(before)")):
                     print(f"  ratio {key:>16} / {ref:<15} {med[key] / med[ref]:.2f}x")
+        if cpu:
+            print("  CPU time of the timed pass (user + system, the engine's processes included), per 1,000 tokens:")
+            for key, values in cpu.items():
+                label = LABELS[key.split(" ")[0]] + (" [before]" if key.endswith("(before)") else "")
+                line = f"    {label:39} {statistics.median(values):6.3f} CPU-s (runs: {', '.join(f'{v:.3f}' for v in values)})"
+                if key != "llm" and "llm" in cpu:
+                    line += f"; LLM.generate / this {statistics.median(cpu['llm']) / statistics.median(values):.2f}x"
+                print(line)
         if opts.rss:
             n, n4 = opts.prompts, 4 * opts.prompts
             rss = {k: child(__file__, {**base, "mode": "async", "prompts": k})["peak_rss_mib"] for k in (n, n4)}
