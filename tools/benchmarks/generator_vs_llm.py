@@ -308,14 +308,23 @@ def main() -> None:
                 if key == "cli" and ref == "llm":
                     continue  # the CLI against the generator: what writing the files costs
                 if key != ref and ref in med and key != "llm" and (ref != "async" or not key.endswith("(before)")):
-                    print(f"  ratio {key:>16} / {ref:<15} {med[key] / med[ref]:.2f}x")
+                    # each round's runs side by side (one machine state): the ratio noise moves least
+                    rounds = [mine / theirs for mine, theirs in zip(rates[key], rates[ref])]
+                    print(
+                        f"  ratio {key:>16} / {ref:<15} {med[key] / med[ref]:.2f}x of the medians; per round "
+                        f"{', '.join(f'{r:.2f}' for r in rounds)}: median {statistics.median(rounds):.2f}x"
+                    )
         if cpu:
             print("  CPU time of the timed pass (user + system, the engine's processes included), per 1,000 tokens:")
             for key, values in cpu.items():
                 label = LABELS[key.split(" ")[0]] + (" [before]" if key.endswith("(before)") else "")
                 line = f"    {label:39} {statistics.median(values):6.3f} CPU-s (runs: {', '.join(f'{v:.3f}' for v in values)})"
                 if key != "llm" and "llm" in cpu:
-                    line += f"; LLM.generate / this {statistics.median(cpu['llm']) / statistics.median(values):.2f}x"
+                    rounds = [theirs / mine for mine, theirs in zip(values, cpu["llm"])]
+                    line += (
+                        f"; LLM.generate / this {statistics.median(cpu['llm']) / statistics.median(values):.2f}x, per "
+                        f"round {', '.join(f'{r:.2f}' for r in rounds)}: median {statistics.median(rounds):.2f}x"
+                    )
                 print(line)
         if opts.rss:
             n, n4 = opts.prompts, 4 * opts.prompts
