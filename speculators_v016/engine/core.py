@@ -83,7 +83,8 @@ class EngineStats:
     truncated: int = 0
     steps: int = 0
     max_in_flight: int = 0
-    waited: float = 0.0  # s the caller's thread waited for a step's output (the GPU or the workers set the pace)
+    stepped: float = 0.0  # s the caller's thread spent in vLLM's steps: scheduling and running or launching them,
+    # then waiting for their output (where the GPU, the workers or a CPU forward set the pace)
     copied: float = 0.0  # s it spent handing steps' rows to the assembler (the copies out of the ring)
 
 
@@ -377,16 +378,20 @@ class CaptureEngine:
 
     # -- steps ------------------------------------------------------------
     def _launch(self, assembler: Assembler) -> _Step:
-        so = self.scheduler.schedule()
-        executed = self.executor.execute_model(so, non_block=True)
-        if so.total_num_scheduled_tokens == 0:  # still carries finished request ids to the workers
-            return _Step(so, executed, executed, captured=False)
-        self._step += 1
-        self.stats.steps += 1
-        assembler.expect(self._step, expected_rows(so))
-        slot = self.ring.acquire() if self.ring is not None else None
-        output = self.executor.capture_and_sample(self._step, slot, self.scheduler.get_grammar_bitmask(so))
-        return _Step(so, executed, output, number=self._step)
+        began = time.perf_counter()  # a uniprocess CPU engine runs the forward here; a GPU one launches it
+        try:
+            so = self.scheduler.schedule()
+            executed = self.executor.execute_model(so, non_block=True)
+            if so.total_num_scheduled_tokens == 0:  # still carries finished request ids to the workers
+                return _Step(so, executed, executed, captured=False)
+            self._step += 1
+            self.stats.steps += 1
+            assembler.expect(self._step, expected_rows(so))
+            slot = self.ring.acquire() if self.ring is not None else None
+            output = self.executor.capture_and_sample(self._step, slot, self.scheduler.get_grammar_bitmask(so))
+            return _Step(so, executed, output, number=self._step)
+        finally:
+            self.stats.stepped += time.perf_counter() - began
 
     def _retire(self, step: _Step, assembler: Assembler, keep: bool = True) -> None:
         began = time.perf_counter()
@@ -401,7 +406,7 @@ class CaptureEngine:
             raise RuntimeError("vLLM returned no model output for a step")
         ready = time.perf_counter()
         self._consume(capture, assembler, keep)
-        self.stats.waited += ready - began
+        self.stats.stepped += ready - began
         self.stats.copied += time.perf_counter() - ready
         outputs = self.scheduler.update_from_output(step.scheduler_output, output)
         if self._logprob_keys:

@@ -345,7 +345,7 @@ def _announce(generator, opts: RunConfig, pending: int, done: int, model_args: d
 def host_line(host: dict) -> str:
     """Where a run's generation time went on the host: what the engine's thread waited for, and the writers' load."""
     return (
-        f"the engine's thread waited {host['engine_waited']:.1f} s for steps, copied rows for "
+        f"the engine's thread spent {host['engine_stepped']:.1f} s in vLLM's steps, copied rows for "
         f"{host['engine_copied']:.1f} s and waited {host['waited']:.1f} s for the writers (queue full); "
         f"{host['workers']} write workers busy {host['busy']:.0%} of the time; buffer pool: {host['blocks_made']} "
         f"blocks made, {host['blocks_reused']} reused"
@@ -376,7 +376,7 @@ def _generate(
         engine.warm_prompt_logprobs()  # vLLM compiles its prompt-logprobs kernel here, not in the first step
     pool = BufferPool()  # each sample's states: one block, back to the pool once its file is written
     stats = engine.stats  # the engine's thread's time, counted from here
-    before = (stats.waited, stats.copied)
+    before = (stats.stepped, stats.copied)
 
     writer = SampleWriter(
         directory,
@@ -452,11 +452,9 @@ def _generate(
         finally:
             summary.generation_seconds = summary.generation_seconds or time.monotonic() - started
             summary.written, summary.bytes = writer.written, writer.bytes
-            waited, copied = stats.waited - before[0], stats.copied - before[1]
-            summary.host = {**writer.load(), "engine_waited": round(waited, 3), "engine_copied": round(copied, 3),
-                            "blocks_made": pool.allocated, "blocks_reused": pool.reused}  # fmt: skip
-            summary.host["busy"] = round(summary.host["busy"], 3)
-            summary.host["waited"] = round(summary.host["waited"], 3)
+            host = {**writer.load(), "engine_stepped": stats.stepped - before[0], "engine_copied": stats.copied - before[1],
+                    "blocks_made": pool.allocated, "blocks_reused": pool.reused}  # fmt: skip
+            summary.host = {k: round(v, 3) if isinstance(v, float) else v for k, v in host.items()}
             bar.set_description(f"{writer.written}/{len(pending)} samples")
             bar.close()
     _note_rejected(writer.take_rejected(), summary, opts)

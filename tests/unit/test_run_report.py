@@ -73,8 +73,8 @@ def test_the_summary_says_where_the_host_time_went(tmp_path):
     """The summary's host line names the engine thread's waits and copies, the writers' load and the pool's blocks."""
     summary = RunSummary(str(tmp_path))
     assert not [line for line in summary.lines() if line.startswith("host path:")]
-    summary.host = {"engine_waited": 3.25, "engine_copied": 1.5, "waited": 0.4, "workers": 8, "busy": 0.625,
+    summary.host = {"engine_stepped": 3.25, "engine_copied": 1.5, "waited": 0.4, "workers": 8, "busy": 0.625,
                     "blocks_made": 20, "blocks_reused": 236}  # fmt: skip
     (line,) = [line for line in summary.lines() if line.startswith("host path:")]
-    assert "waited 3.2 s for steps, copied rows for 1.5 s and waited 0.4 s for the writers" in line
+    assert "spent 3.2 s in vLLM's steps, copied rows for 1.5 s and waited 0.4 s for the writers" in line
     assert "8 write workers busy 62% of the time; buffer pool: 20 blocks made, 236 reused" in line
