@@ -95,13 +95,24 @@ PREFAULT_THREADS = 4
 
 
 def default_write_workers(cores: int) -> int:
-    """Threads writing sample files: 4 (tools/benchmarks/host_path.py: 2 leave part of a disk idle, 4 reach it),
-    up to 8 with half the cores (a writer hashes and writes about 1 GiB per CPU-second; on an H200 host, files in
-    RAM, the CLI ran at 0.849x of the generator with 4 and 0.958x with 8: tools/benchmarks/gpu_generator.py)."""
+    """Threads publishing ``serve``'s sample files: 4 (tools/benchmarks/host_path.py: 2 leave part of a disk idle,
+    4 reach it), up to 8 with half the cores."""
     return max(4, min(8, cores // 2))
 
 
 DEFAULT_WRITE_WORKERS = default_write_workers(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 4)
+#: A run's writer threads, when --write-workers is not given: one per this many bytes a token weighs on disk.
+WRITER_TOKEN_BYTES = 4096
+
+
+def write_workers_for(cores: int, token_bytes: int) -> int:
+    """A run's writer threads from the bytes a token weighs on disk and the cores: one per 4 KiB (a writer checks,
+    hashes and writes about 1 GiB per CPU-second, tools/benchmarks/host_path.py; an H200 computes ~120-160k
+    tokens/s at hidden 4096-7168, 32-56 KiB a token with 4 layers in bf16: 3.7-8.7 GiB/s), at least 4 (a disk's
+    worth of concurrent writes), at most three quarters of the cores (the rest: vLLM's engine thread, the copy
+    threads). A 16-core host: 8 at hidden 4096 and 12 at 7168 in bf16, 7 at 7168 in FP8; 2 cores: 4."""
+    return max(4, min(round(token_bytes / WRITER_TOKEN_BYTES), cores * 3 // 4))
+
 
 # -- help sections, in --help's order -----------------------------------------
 INPUT, OUTPUT, ENGINE, CHECKS, TERMINAL = "Input", "Output", "Engine (vLLM)", "Self-check", "Terminal"
@@ -595,8 +606,12 @@ class RunConfig:
         "terminal) exceed the folder's free space.",
         section=OUTPUT,
     )
-    write_workers: int = setting(
-        DEFAULT_WRITE_WORKERS, "Threads writing sample files (half the cores, from 4 to 8).", section=OUTPUT, min=1
+    write_workers: int | None = setting(
+        None,
+        "Threads writing sample files (default: one per 4 KiB a token weighs on disk, from 4 to three quarters "
+        "of the cores; the summary's host path line says how many).",
+        section=OUTPUT,
+        min=1,
     )
     checksum: Checksum | None = setting(
         None,

@@ -23,7 +23,7 @@ import errno
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import datasets
@@ -39,7 +39,7 @@ from speculators_v016.checks.logit_check import LogitChecker
 from speculators_v016.checks.self_check import HoldBack, NonFiniteError
 from speculators_v016.checks.self_check import SelfCheckError as SelfCheckError  # re-exported: callers import it here
 from speculators_v016.checks.zero_embeddings import zero_embedding_ids
-from speculators_v016.config import RunConfig
+from speculators_v016.config import RunConfig, write_workers_for
 from speculators_v016.engine import arg_kinds
 from speculators_v016.engine.buffer_pool import BufferPool
 from speculators_v016.engine.engine_args import check_engine_args, vllm_defaults
@@ -265,6 +265,11 @@ def run(opts: RunConfig, progress_to=None) -> RunSummary:
         _forecast_disk(directory, work.tokens(pending), len(plan.layer_ids), model_config, opts)
         zero_ids = zero_embedding_rows(opts.engine.model, target.vocab_size)
         cpus = os.sched_getaffinity(0)  # before vLLM's CPU worker pins this thread to one core
+        if opts.write_workers is None:  # from the bytes a token weighs and the cores (said in the host path line)
+            weight = disk_forecast.stored_token_bytes(
+                len(plan.layer_ids), model_config.get_hidden_size(), model_config.dtype.itemsize, opts.engine.fp8
+            )
+            opts = replace(opts, write_workers=write_workers_for(len(cpus), weight))
         generator = VllmHiddenStatesGenerator.from_config(opts.engine, plan)
         try:
             config = existing or _new_config(generator, opts, work, fp, len(mine))

@@ -35,8 +35,7 @@ class DiskForecast:
 
     @property
     def bytes(self) -> int:
-        per_token = self.layers * (self.hidden * self.value_bytes + self.row_extra_bytes) + ID_AND_MASK_BYTES
-        return self.tokens * per_token
+        return self.tokens * token_bytes(self.layers, self.hidden, self.value_bytes, self.row_extra_bytes)
 
     @property
     def fits(self) -> bool:
@@ -47,6 +46,16 @@ class DiskForecast:
             f"{self.bytes / GIB:,.2f} GiB to write ({self.tokens:,} tokens x {self.layers} layers x {self.hidden} x "
             f"{self.value_bytes} B), {self.free / GIB:,.2f} GiB free"
         )
+
+
+def token_bytes(layers: int, hidden: int, value_bytes: int, row_extra_bytes: int = 0) -> int:
+    """Bytes one token weighs in a sample file: its rows of every layer, its id and mask."""
+    return layers * (hidden * value_bytes + row_extra_bytes) + ID_AND_MASK_BYTES
+
+
+def stored_token_bytes(layers: int, hidden: int, value_bytes: int, fp8: bool) -> int:
+    """:func:`token_bytes` as stored: FP8 codes (one byte) and a scale a row, else the model's dtype."""
+    return token_bytes(layers, hidden, 1, FP8_SCALE_BYTES) if fp8 else token_bytes(layers, hidden, value_bytes)
 
 
 def forecast(directory: Path, tokens: int, layers: int, hidden: int, value_bytes: int, fp8: bool) -> DiskForecast:

@@ -23,6 +23,7 @@ from speculators_v016.config import (
 )
 from speculators_v016.run import cli as cli_module
 from speculators_v016.run.cli import _join_multi_value, cli
+from speculators_v016.store import disk_forecast
 
 REQUIRED = {
     "target_model_path": "--target-model-path",
@@ -340,6 +341,26 @@ def test_the_tokenizer_passed_to_vllm_is_the_one_the_dataset_is_tokenized_with()
 
 
 @pytest.mark.parametrize(("cores", "workers"), [(1, 4), (2, 4), (10, 5), (16, 8), (128, 8)])
-def test_write_workers_follow_the_cores(cores, workers):
-    """Writer threads default to half the cores, from 4 (a disk's worth) to 8 (an H200 host's files in RAM)."""
+def test_serve_write_workers_follow_the_cores(cores, workers):
+    """serve's publishing threads default to half the cores, from 4 (a disk's worth) to 8."""
     assert config.default_write_workers(cores) == workers
+
+
+@pytest.mark.parametrize(
+    ("cores", "hidden", "fp8", "workers"),
+    [(16, 7168, False, 12), (16, 4096, False, 8), (16, 7168, True, 7), (16, 4096, True, 4), (2, 7168, False, 4),
+     (2, 512, False, 4), (64, 7168, False, 14), (64, 512, False, 4)],
+)  # fmt: skip
+def test_run_write_workers_follow_the_width_and_the_cores(cores, hidden, fp8, workers):
+    """A run's writers default to one per 4 KiB a stored token weighs (4 layers), from 4 to 3/4 of the cores."""
+    weight = disk_forecast.stored_token_bytes(4, hidden, 2, fp8)
+    assert config.write_workers_for(cores, weight) == workers
+
+
+def test_run_write_workers_default_is_resolved_by_the_run():
+    """--write-workers left out is None in the config (the run resolves it from the model), given is kept."""
+    assert RunConfig(engine=EngineConfig(model="m"), train_data_path=("d",), output_dir="o").write_workers is None
+    assert (
+        RunConfig(engine=EngineConfig(model="m"), train_data_path=("d",), output_dir="o", write_workers=3).write_workers
+        == 3
+    )

@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -190,6 +191,23 @@ def profile(one_pass, batch) -> dict:
     return {"gpu_ms": {k: v / 1e3 for k, v in kinds.items()}, "share": {k: v / total for k, v in kinds.items()}}
 
 
+def side_py_spy(running: Side, path: Path) -> None:
+    """One more pass of a side while py-spy samples it and its children without pausing them (not timed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    spy = subprocess.Popen(["py-spy", "record", "--pid", str(running.proc.pid), "--subprocesses", "--nonblocking",
+                            "--threads", "--idle", "--rate", "200", "--format", "speedscope", "--output", str(path)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(1.0)  # py-spy attached
+    rate = running.ask()["tokens_per_s"]
+    spy.send_signal(signal.SIGINT)
+    try:
+        spy.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+    subprocess.run(["gzip", "-f", str(path)], check=False)
+    print(f"py-spy of side {running.name}: {path}.gz ({rate:,.0f} tokens/s while sampled)", file=sys.stderr, flush=True)
+
+
 class Side:
     """A running side: start it, ask it for passes."""
 
@@ -294,6 +312,10 @@ def main() -> None:
     )
     ap.add_argument("--cli-py-spy", type=Path, help="also one CLI run per shape and dtype under py-spy (every "
                     "thread, GIL marked), its speedscope profile gzipped into this folder (not timed)")  # fmt: skip
+    ap.add_argument("--cli-py-spy-at", type=shape_key, nargs="+", help="--cli-py-spy at these shapes only")
+    ap.add_argument("--side-py-spy", type=Path, help="after the timed rounds, one more pass of every side under "
+                    "py-spy (--nonblocking: the process is not paused; its child processes too), the speedscope "
+                    "profiles gzipped into this folder (not timed)")  # fmt: skip
     ap.add_argument("--profile", action="store_true", help="GPU time in our copies (torch profiler, uni side)")
     ap.add_argument("--eager", action="store_true", help="eager engines (a trial; measurements are compiled)")
     ap.add_argument("--where", default="/tmp/speculators-v016-gpu-bench")
@@ -318,6 +340,8 @@ def main() -> None:
             for running in sides:
                 rates[running.name].append(running.ask()["tokens_per_s"])
         prof = next((x.ask("profile") for x in sides if x.name == "uni"), None) if opts.profile else None
+        for running in sides if opts.side_py_spy else []:
+            side_py_spy(running, opts.side_py_spy / f"side-{hidden}-{running.name}.speedscope.json")
         for running in sides:
             running.close()
         print(f"hidden {hidden}: {json.dumps(rates)} profile {json.dumps(prof)}", file=sys.stderr, flush=True)
@@ -333,7 +357,7 @@ def main() -> None:
                         done = [cli_rate(model, data, parent / "cli-out", args, workers, dtype)
                                 for _ in range(opts.cli_runs)]  # fmt: skip
                         cli.append((parent, disk, dtype, workers, [r for r, _ in done], done[-1][1]))
-                    if opts.cli_py_spy:
+                    if opts.cli_py_spy and hidden in (opts.cli_py_spy_at or [hidden]):
                         profiled = opts.cli_py_spy / f"cli-{hidden}-{dtype}.speedscope.json"
                         _, host = cli_rate(model, data, parent / "cli-out", args, None, dtype, profiled)
                         subprocess.run(["gzip", "-f", str(profiled)], check=False)
