@@ -175,7 +175,10 @@ def profile(one_pass, batch) -> dict:
     from torch.profiler import ProfilerActivity  # noqa: PLC0415 - the same
 
     with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
         one_pass(batch)
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3
     kinds: dict[str, float] = {}
     for event in prof.events():
         us = getattr(event, "device_time", 0.0) or getattr(event, "cuda_time", 0.0) or 0.0
@@ -188,7 +191,8 @@ def profile(one_pass, batch) -> dict:
                 else "fp8 quantize" if "quantize" in name.lower() else "compute")  # fmt: skip
         kinds[kind] = kinds.get(kind, 0.0) + us
     total = sum(kinds.values()) or 1.0
-    return {"gpu_ms": {k: v / 1e3 for k, v in kinds.items()}, "share": {k: v / total for k, v in kinds.items()}}
+    return {"gpu_ms": {k: v / 1e3 for k, v in kinds.items()}, "share": {k: v / total for k, v in kinds.items()},
+            "wall_ms": wall_ms, "compute_busy": kinds.get("compute", 0.0) / 1e3 / wall_ms}  # fmt: skip
 
 
 def side_py_spy(running: Side, path: Path) -> None:
@@ -394,7 +398,8 @@ def main() -> None:
                     print(f"    host path (last run's summary): {host}")
             if prof:
                 share = ", ".join(f"{k} {v:.2%}" for k, v in sorted(prof["share"].items()))
-                print(f"  GPU time of one uni pass by kind (torch profiler): {share}")
+                print(f"  GPU time of one uni pass by kind (torch profiler): {share}; compute kernels busy "
+                      f"{prof['compute_busy']:.1%} of the pass's {prof['wall_ms']:,.0f} ms")  # fmt: skip
             for name, m in memory_lines.items():
                 staging = m["staging"]
                 print(f"  {name}: capture ring {m['ring']} (host memory; on a GPU the output worker registers it as pinned memory: "
