@@ -103,6 +103,10 @@ def default_write_workers(cores: int) -> int:
 DEFAULT_WRITE_WORKERS = default_write_workers(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 4)
 #: A run's writer threads, when --write-workers is not given: one per this many bytes a token weighs on disk.
 WRITER_TOKEN_BYTES = 4096
+#: ... and at most this many: on an H200 host (16 cores, files in RAM) 8 writers wrote 8.24 GiB/s on 8.4 cores,
+#: 12 and 16 wrote 7.65 and 7.69 GiB/s on 8.6 cores (tools/benchmarks/host_path.py, 2026-12-04): more threads
+#: only contend.
+MAX_WRITE_WORKERS = 8
 
 
 def write_workers_for(cores: int, token_bytes: int) -> int:
@@ -110,8 +114,9 @@ def write_workers_for(cores: int, token_bytes: int) -> int:
     hashes and writes about 1 GiB per CPU-second, tools/benchmarks/host_path.py; an H200 computes ~120-160k
     tokens/s at hidden 4096-7168, 32-56 KiB a token with 4 layers in bf16: 3.7-8.7 GiB/s), at least 4 (a disk's
     worth of concurrent writes), at most three quarters of the cores (the rest: vLLM's engine thread, the copy
-    threads). A 16-core host: 8 at hidden 4096 and 12 at 7168 in bf16, 7 at 7168 in FP8; 2 cores: 4."""
-    return max(4, min(round(token_bytes / WRITER_TOKEN_BYTES), cores * 3 // 4))
+    threads) and :data:`MAX_WRITE_WORKERS`. A 16-core host: 8 at hidden 4096 and 7168 in bf16, 7 at 7168 and 4 at
+    4096 in FP8; 2 cores: 4."""
+    return max(4, min(round(token_bytes / WRITER_TOKEN_BYTES), cores * 3 // 4, MAX_WRITE_WORKERS))
 
 
 # -- help sections, in --help's order -----------------------------------------
@@ -608,8 +613,8 @@ class RunConfig:
     )
     write_workers: int | None = setting(
         None,
-        "Threads writing sample files (default: one per 4 KiB a token weighs on disk, from 4 to three quarters "
-        "of the cores; the summary's host path line says how many).",
+        "Threads writing sample files (default: one per 4 KiB a token weighs on disk, from 4 to 8 and at most "
+        "three quarters of the cores; the summary's host path line says how many).",
         section=OUTPUT,
         min=1,
     )

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from loguru import logger
@@ -95,6 +95,13 @@ class _Step:
     output: Any  # future of (ModelRunnerOutput, the previous step's capture), or of execute_model's output
     captured: bool = True  # output carries a capture (not for a step without scheduled tokens)
     number: int = 0  # our step count (0: a step without scheduled tokens)
+
+
+class _Waited(NamedTuple):
+    """A step whose output the scheduler has, and whose rows still sit in their ring slot."""
+
+    capture: Any  # StepCapture, or None (a step without scheduled tokens)
+    outputs: dict  # the scheduler's engine-core outputs of the step
 
 
 #: Engine starts tried when vLLM's rendezvous port is taken under it (see :func:`port_taken`).
@@ -394,6 +401,12 @@ class CaptureEngine:
             self.stats.stepped += time.perf_counter() - began
 
     def _retire(self, step: _Step, assembler: Assembler, keep: bool = True) -> None:
+        """Wait for ``step``, hand its output to the scheduler and its rows to ``assembler``."""
+        self._finish(self._wait(step, assembler), assembler, keep)
+
+    def _wait(self, step: _Step, assembler: Assembler) -> _Waited:
+        """Wait for ``step``'s output and hand it to the scheduler; its rows stay in their ring slot until
+        :meth:`_finish` (so the next step can be launched first, see :meth:`stream`)."""
         began = time.perf_counter()
         try:
             output = step.output.result()
@@ -401,18 +414,27 @@ class CaptureEngine:
             self._raise_execute_model_failure(step)
             raise
         output, capture = output if step.captured else (output, None)
-        if output is None:  # execute_model failed: raise its error
-            self._raise_execute_model_failure(step)
-            raise RuntimeError("vLLM returned no model output for a step")
-        ready = time.perf_counter()
-        self._consume(capture, assembler, keep)
-        self.stats.stepped += ready - began
-        self.stats.copied += time.perf_counter() - ready
-        outputs = self.scheduler.update_from_output(step.scheduler_output, output)
+        self.stats.stepped += time.perf_counter() - began
+        try:
+            if output is None:  # execute_model failed: raise its error
+                self._raise_execute_model_failure(step)
+                raise RuntimeError("vLLM returned no model output for a step")
+            outputs = self.scheduler.update_from_output(step.scheduler_output, output)
+        except BaseException:
+            self._consume(capture, assembler, keep=False)  # its slot goes back
+            raise
+        return _Waited(capture, outputs)
+
+    def _finish(self, waited: _Waited, assembler: Assembler, keep: bool = True) -> None:
+        """A waited step's rows to ``assembler`` (its slot back to the ring), then its sampled tokens and
+        prompt logprobs (in this order: a generating request grows only after its step's rows are in)."""
+        began = time.perf_counter()
+        self._consume(waited.capture, assembler, keep)
+        self.stats.copied += time.perf_counter() - began
         if self._logprob_keys:
-            self._keep_prompt_logprobs(outputs)
+            self._keep_prompt_logprobs(waited.outputs)
         if self._decoding:
-            self._take_sampled(outputs, assembler)
+            self._take_sampled(waited.outputs, assembler)
 
     @staticmethod
     def _raise_execute_model_failure(step: _Step) -> None:
@@ -504,7 +526,13 @@ class CaptureEngine:
                     if len(in_flight) < self.depth and not in_flight[-1].output.done():
                         continue  # keep the pipeline full before waiting on the oldest step
                 if in_flight:
-                    self._retire(in_flight.pop(), assembler)
+                    waited = self._wait(in_flight.pop(), assembler)
+                    try:  # the next step goes to the device before this one's rows are copied out of the ring
+                        if self.scheduler.has_requests() and len(in_flight) < self.depth and self._slot_free():
+                            in_flight.appendleft(self._launch(assembler))
+                            self.stats.max_in_flight = max(self.stats.max_in_flight, len(in_flight))
+                    finally:
+                        self._finish(waited, assembler)
                 elif assembler.pending_steps:
                     self._consume(self.executor.capture_rpc("speculators_capture_flush"), assembler)
                 yield from self._handed_out(assembler.pop_complete())

@@ -264,8 +264,8 @@ def cli_rate(
 ) -> tuple[float, str]:
     """speculators-data-gen writing every sample (default options, the GPU build's engine arguments): its
     tokens/s from the first step to the last file made durable (the writers drained), from the summary, and
-    its summary's ``host path`` line. ``py_spy``: run it under ``py-spy record`` (every thread, its GIL
-    holder marked), the profile written there as speedscope JSON (a profiled run is slower: not a figure)."""
+    its summary's ``host path`` line. ``py_spy``: run it under ``py-spy record`` (every thread, waiting included,
+    sampled without pausing the process), the profile written there as speedscope JSON (not a figure)."""
     settings = engine_settings(args)
     extra = {k: v for k, v in settings.items() if k not in OURS}
     module = "speculators_v016.testing.gpu_kit" if args.get("kimi") else "speculators_v016.run.cli"  # kimi: stand-ins
@@ -278,7 +278,7 @@ def cli_rate(
            "--hidden-states-dtype", dtype, *(["--write-workers", str(workers)] if workers else [])]  # fmt: skip
     if py_spy is not None:
         py_spy.parent.mkdir(parents=True, exist_ok=True)
-        cmd = ["py-spy", "record", "--threads", "--gil", "--idle", "--rate", "100", "--format", "speedscope",
+        cmd = ["py-spy", "record", "--threads", "--idle", "--nonblocking", "--rate", "100", "--format", "speedscope",
                "--output", str(py_spy), "--", *cmd]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     print(f"CLI, {workers or 'default'} write workers, under {out.parent}:\n{proc.stdout[-2500:]}", file=sys.stderr)
@@ -315,7 +315,7 @@ def main() -> None:
         help="the CLI's --hidden-states-dtype, each in turn (--cli)",
     )
     ap.add_argument("--cli-py-spy", type=Path, help="also one CLI run per shape and dtype under py-spy (every "
-                    "thread, GIL marked), its speedscope profile gzipped into this folder (not timed)")  # fmt: skip
+                    "thread, waits included), its speedscope profile gzipped into this folder (not timed)")  # fmt: skip
     ap.add_argument("--cli-py-spy-at", type=shape_key, nargs="+", help="--cli-py-spy at these shapes only")
     ap.add_argument("--side-py-spy", type=Path, help="after the timed rounds, one more pass of every side under "
                     "py-spy (--nonblocking: the process is not paused; its child processes too), the speedscope "
