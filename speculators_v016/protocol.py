@@ -153,6 +153,8 @@ class WorkerSetup:
     #: the ranks that capture and reply with captures: TP rank 0 of every pipeline stage, in stage order
     #: (empty: the output rank alone, as without pipeline parallelism)
     capture_ranks: tuple[int, ...] = ()
+    #: GPU staging buffers: one per step in flight (0: one fewer than the ring's slots)
+    staging_buffers: int = 0
 
     @property
     def capturing_ranks(self) -> tuple[int, ...]:

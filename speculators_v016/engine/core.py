@@ -86,6 +86,7 @@ class EngineStats:
     stepped: float = 0.0  # s the caller's thread spent in vLLM's steps: scheduling and running or launching them,
     # then waiting for their output (where the GPU, the workers or a CPU forward set the pace)
     copied: float = 0.0  # s it spent handing steps' rows to the assembler (the copies out of the ring)
+    launched_before_copy: int = 0  # steps launched before the rows of the step waited on were copied out
 
 
 @dataclass
@@ -126,6 +127,13 @@ def planned_depth(async_scheduling: bool, pipeline_parallel_size: int) -> int:
     """Steps in flight, as vLLM 0.16's executors allow them (``max_concurrent_batches``): one per pipeline
     stage, and 2 with async scheduling (known before the executor exists, to size the ring)."""
     return max(2 if async_scheduling else 1, pipeline_parallel_size)
+
+
+def ring_slots(async_scheduling: bool, pipeline_parallel_size: int) -> int:
+    """Capture slots (see :meth:`CaptureEngine._make_ring`): the steps in flight, the step whose capture the
+    worker holds, and (without pipeline parallelism) the step whose rows are copied out while the next runs."""
+    depth = planned_depth(async_scheduling, pipeline_parallel_size)
+    return depth + (1 if pipeline_parallel_size > 1 else 2)
 
 
 def release_kv_caches(layers: dict) -> None:
@@ -225,7 +233,12 @@ class CaptureEngine:
                 with self._recording(), worker_env.workers_bound(cpu and self.executor_kind == "mp", workers):
                     self.core = EngineCore(
                         config,
-                        capture_executor(executor_class, self.capture, self.ring),
+                        capture_executor(
+                            executor_class,
+                            self.capture,
+                            self.ring,
+                            planned_depth(self.async_scheduling, config.parallel_config.pipeline_parallel_size),
+                        ),
                         log_stats=False,
                         executor_fail_callback=self._on_executor_failure,
                     )
@@ -288,12 +301,15 @@ class CaptureEngine:
         self.stats = EngineStats()
 
     def _make_ring(self, config) -> SlotRing | None:
-        """The capture slots: depth + 1 steps of ``max_num_batched_tokens`` rows (none for Ray)."""
+        """The capture slots of ``max_num_batched_tokens`` rows (none for Ray): depth + 1 (the steps in flight
+        and the one whose capture the worker still holds), and without pipeline parallelism one more: the step
+        waited on keeps its slot while the next step is launched, so its rows are copied out while the device
+        computes (:meth:`stream`)."""
         if self.executor_kind == "ray":  # workers may sit on other hosts: states travel in the reply
             return None
         record = self.shm_record
         ring = SlotRing.create(
-            slots=planned_depth(self.async_scheduling, config.parallel_config.pipeline_parallel_size) + 1,
+            slots=ring_slots(self.async_scheduling, config.parallel_config.pipeline_parallel_size),
             num_ids=len(self.plan.capture_ids),
             max_rows=config.scheduler_config.max_num_batched_tokens,
             hidden=config.model_config.get_hidden_size(),
@@ -531,6 +547,7 @@ class CaptureEngine:
                         if self.scheduler.has_requests() and len(in_flight) < self.depth and self._slot_free():
                             in_flight.appendleft(self._launch(assembler))
                             self.stats.max_in_flight = max(self.stats.max_in_flight, len(in_flight))
+                            self.stats.launched_before_copy += 1
                     finally:
                         self._finish(waited, assembler)
                 elif assembler.pending_steps:

@@ -251,7 +251,7 @@ class Capture:
         if device.type != "cuda":
             return
         self.ring.pin()
-        plan = self._plan_staging(worker, ring, device, setup.staging, self.num_ids)
+        plan = self._plan_staging(worker, ring, device, setup.staging, self.num_ids, setup.staging_buffers)
         staging = None
         if plan.use:
             try:
@@ -283,10 +283,12 @@ class Capture:
         }
 
     @staticmethod
-    def _plan_staging(worker: Any, ring: RingSpec, device: torch.device, staging: str, num_ids: int) -> StagingPlan:
-        """One staging buffer per step in flight (the ring has one slot more), if it fits (see plan_staging);
-        a buffer holds this worker's layers (a pipeline stage's share of a slot)."""
-        buffers = max(ring.slots - 1, 1)
+    def _plan_staging(
+        worker: Any, ring: RingSpec, device: torch.device, staging: str, num_ids: int, in_flight: int = 0
+    ) -> StagingPlan:
+        """One staging buffer per step in flight (``in_flight``; 0: the ring's slots less one), if it fits (see
+        plan_staging); a buffer holds this worker's layers (a pipeline stage's share of a slot)."""
+        buffers = in_flight or max(ring.slots - 1, 1)
         slot_bytes = -(-ring.slot_bytes * num_ids // ring.num_ids)
         if staging == "off":
             return StagingPlan(False, buffers, slot_bytes, "staging turned off: direct copies")

@@ -51,6 +51,13 @@ def test_runs_async_with_two_steps_in_flight(generator, results):
     assert generator.engine.stats.max_in_flight == 2
 
 
+def test_the_next_step_is_launched_before_rows_are_copied(generator, results):
+    """The ring's spare slot lets a step be launched before the waited step's rows leave the ring."""
+    engine = generator.engine
+    assert engine.ring.spec.slots == engine.depth + 2
+    assert engine.stats.launched_before_copy >= engine.stats.steps // 2
+
+
 def rpcs_per_step(generator, prompts) -> tuple[dict, int]:
     """The executor's RPCs (by method) while ``prompts`` stream, and the steps they took."""
     executor, methods = generator.engine.executor, {}
