@@ -545,6 +545,21 @@ class RunConfig:
         "counted as 'duplicate row'); e.g. a source given twice to weigh it twice.",
         section=INPUT,
     )
+    prepared_cache: str | None = setting(
+        None,
+        "Folder keeping tokenized rows (and the row index) for later runs, resumes and other shards, keyed by the "
+        "inputs' sha256, the tokenizer, the chat template, --seq-length and every preprocessing option; about 5 "
+        "bytes a token. Default: $XDG_CACHE_HOME/speculators_v016/prepared, else "
+        "~/.cache/speculators_v016/prepared. The summary says its size.",
+        section=INPUT,
+    )
+    use_prepared_cache: bool = setting(
+        True,
+        "Keep no tokenized rows: every run tokenizes its rows.",
+        option="--no-prepared-cache",
+        negate=True,
+        section=INPUT,
+    )
     regenerate: bool = setting(
         False,
         "The target writes every assistant turn (conditioned on the history regenerated so far) and the same "

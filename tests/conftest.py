@@ -10,6 +10,10 @@ import os
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per CPU engine
 os.environ.setdefault("VLLM_MLA_DISABLE", "1")  # DeepSeek on CPU: plain attention (the CPU backend has no MLA)
+if "SPECULATORS_DATA_GEN_PREPARED_CACHE" not in os.environ:  # the runs' prepared rows: never the user's own cache
+    import tempfile
+
+    os.environ["SPECULATORS_DATA_GEN_PREPARED_CACHE"] = tempfile.mkdtemp(prefix="speculators-tests-prepared-")
 
 import fcntl
 import json

@@ -350,15 +350,20 @@ def build(where: str, chat: ChatRow, keep: int | None, tokenizer, settings: Sett
     return Built(list(ids), mask_of(offsets, spans), cut)
 
 
+def build_row(where: str, chat: ChatRow, keep: int | None, tokenizer, settings: Settings) -> Built:
+    """:func:`build`, a row refused as a :class:`Built` with its message and reason (never raised)."""
+    try:
+        return build(where, chat, keep, tokenizer, settings)
+    except BadRowError as exc:
+        return Built(bad=str(exc), reason=exc.reason, log=str(exc).removeprefix(f"{where}: "))
+
+
 def build_batch(batch: dict, tokenizer, settings: Settings) -> dict:
     """``datasets.map``'s function: rows (``where``, ``row`` as :meth:`ChatRow.as_json`, ``keep``: 0 for all) in,
     one :class:`Built` per row out, as columns."""
     out: dict[str, list] = {k: [] for k in ("ids", "mask", "cut", "skip", "bad", "reason", "log")}
     for where, row, keep in zip(batch["where"], batch["row"], batch["keep"], strict=True):
-        try:
-            built = build(where, ChatRow.from_json(row), keep or None, tokenizer, settings)
-        except BadRowError as exc:
-            built = Built(bad=str(exc), reason=exc.reason, log=str(exc).removeprefix(f"{where}: "))
+        built = build_row(where, ChatRow.from_json(row), keep or None, tokenizer, settings)
         out["ids"].append(built.ids or [])
         out["mask"].append(built.mask or [])
         out["cut"].append(built.cut)

@@ -29,7 +29,7 @@ from speculators_v016.checks.logit_check import LogitChecker
 from speculators_v016.config import CheckConfig
 from speculators_v016.generator import VllmHiddenStatesGenerator
 from speculators_v016.layers import LayerPlan
-from speculators_v016.run.dataset import prepare_samples
+from speculators_v016.run.prepared import prepare_samples
 from speculators_v016.target import TargetInfo
 
 

@@ -1,51 +1,37 @@
-"""Dataset rows in, token samples out: local JSON/JSONL, hub names, pre-tokenized files.
+"""Dataset rows in: JSON and JSON Lines read, every input's rows checked, located and ordered.
 
 Conversation rows (ShareGPT ``conversations`` with ``from``/``value``, or ``messages`` with ``role``/``content``,
 tool definitions and tool turns in either form) are read here, row by row, so a bad row is reported with its
 file and line (:func:`speculators_v016.run.turns.read_chat`); rows are shuffled with the seed and cut to
-``max_samples`` as upstream does; then :mod:`speculators_v016.run.chat_samples` turns them into samples (chat
+``max_samples`` as upstream does (:func:`run_order`); then :mod:`speculators_v016.run.prepared` has
+:mod:`speculators_v016.run.chat_samples` turn them into samples (chat
 template of the target's tokenizer, a loss mask on the assistant turns' own text, truncation to ``seq_length``).
 Pre-tokenized rows (``input_ids`` + ``loss_mask``) skip the template. What is dropped is counted by reason.
 
 Local files are read as a stream (JSON Lines line by line, a ``.json`` array
 element by element through a 1 MiB window), so reading needs memory for the
-largest row, not for the file; the rows kept are the dataset itself. A line
+largest row, not for the file; each row's place in its file (its *locator*) reads it again alone, so a run
+keeps an index of its rows, not the rows (:mod:`speculators_v016.run.row_index`). A line
 that is not UTF-8, or nested deeper than Python's recursion limit, is a bad row
 like one that is not JSON (named, skippable with ``skip_bad_rows``). What each input may be (compressed JSON
-Lines, Parquet, ``datasets`` folders and ids, per-source caps) and duplicate rows: :mod:`speculators_v016.run.sources`.
+Lines, Parquet, ``datasets`` folders and ids, per-source caps), how each reads a row again, and duplicate rows:
+:mod:`speculators_v016.run.sources`.
 """
 
 from __future__ import annotations
 
 import codecs
 import json
-import random
 import re
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from loguru import logger
 
-from speculators_v016.run import chat_samples
 from speculators_v016.run import sources as input_sources
 from speculators_v016.run.turns import BadRowError as BadRowError  # re-exported: the dataset's error
 from speculators_v016.run.turns import raw_turns as raw_turns
 from speculators_v016.run.turns import read_chat
-
-
-@dataclass
-class PreparedSamples:
-    input_ids: list[list[int]]
-    loss_masks: list[list[int]]
-    kind: str  # "conversations" or "pretokenized"
-    sources: list[dict]  # per input: path or name, and sha256 of local files
-    skipped: Counter = field(default_factory=Counter)  # reason -> rows
-    truncated: int = 0
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
 
 _CHUNK = 1 << 20  # bytes read at a time from a .json array
 _SPACE = re.compile(r"[ \t\n\r]*")
@@ -54,46 +40,60 @@ _DECODER = json.JSONDecoder()
 _TOO_DEEP = "JSON nested too deeply to read (arrays or objects deeper than Python's recursion limit)"
 
 
+def _line_row(where: str, raw: bytes, first: bool):
+    """The row of one line of a JSON Lines file (None: a blank line), or a BadRowError naming it."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return BadRowError(
+            f"{where}: not UTF-8 text (byte {exc.start} of the line is {raw[exc.start : exc.start + 1]!r})"
+        )
+    if first:
+        line = line.removeprefix("\ufeff")
+    if not line.strip():
+        return None
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        return BadRowError(f"{where}: not valid JSON ({exc.msg})")
+    except RecursionError:
+        return BadRowError(f"{where}: {_TOO_DEEP}")
+
+
 def _line_rows(path: Path, fh):
-    """Yield (where, row or BadRowError) per line of a JSON Lines file, one line in memory at a time."""
+    """Yield (where, row or BadRowError, byte offset of the line) per line of a JSON Lines file, one line in
+    memory at a time."""
+    offset = 0
     for number, raw in enumerate(fh, 1):
         where = f"{path}:{number}"
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            yield (
-                where,
-                BadRowError(
-                    f"{where}: not UTF-8 text (byte {exc.start} of the line is {raw[exc.start : exc.start + 1]!r})"
-                ),
-            )
-            continue
-        if number == 1:
-            line = line.removeprefix("\ufeff")
-        if not line.strip():
-            continue
-        try:
-            yield where, json.loads(line)
-        except json.JSONDecodeError as exc:
-            yield where, BadRowError(f"{where}: not valid JSON ({exc.msg})")
-        except RecursionError:
-            yield where, BadRowError(f"{where}: {_TOO_DEEP}")
+        row = _line_row(where, raw, number == 1)
+        if row is not None:
+            yield where, row, (offset, number)
+        offset += len(raw)
 
 
 class _ArrayReader:
     """The text of a JSON array read in blocks: what is not yet parsed, plus one block, in memory."""
 
-    def __init__(self, fh):
+    def __init__(self, fh, start: int = 0):
         self.fh, self.text, self.pos, self.eof = fh, "", 0, False
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+        self.mark, self.mark_bytes = 0, start  # text[mark] is byte mark_bytes of the file
+
+    def byte_at(self) -> int:
+        """The byte offset in the file of the text at ``pos`` (the text before it encoded back, once)."""
+        self.mark_bytes += len(self.text[self.mark : self.pos].encode("utf-8", "surrogateescape"))
+        self.mark = self.pos
+        return self.mark_bytes
 
     def _more(self) -> bool:
         if self.eof:
             return False
+        self.byte_at()
         block = self.fh.read(max(_CHUNK, len(self.text) - self.pos))  # doubles for a row larger than a block
         self.eof = not block
         self.text = self.text[self.pos :] + self.decoder.decode(block, final=self.eof)
-        self.pos = 0
+        self.pos = self.mark = 0
         return True
 
     def peek(self) -> str:
@@ -169,7 +169,8 @@ def _skip_value(reader: _ArrayReader) -> bool:
 
 
 def _array_rows(path: Path, fh):
-    """Yield (where, row or BadRowError) per element of a .json array, one element in memory at a time."""
+    """Yield (where, row or BadRowError, (byte offset, index)) per element of a .json array, one element in
+    memory at a time."""
     reader = _ArrayReader(fh)
     if reader.peek() == "\ufeff":
         reader.pos += 1
@@ -181,6 +182,8 @@ def _array_rows(path: Path, fh):
         return
     while True:
         where = f"{path} row {index}"
+        reader.peek()
+        at = (reader.byte_at(), index)
         try:
             row, raw = reader.value()
         except json.JSONDecodeError as exc:
@@ -188,9 +191,9 @@ def _array_rows(path: Path, fh):
         except RecursionError:
             if reader.peek() not in ("[", "{") or not _skip_value(reader):
                 raise BadRowError(f"{where}: {_TOO_DEEP}; the rest of the array cannot be read") from None
-            yield where, BadRowError(f"{where}: {_TOO_DEEP}")
+            yield where, BadRowError(f"{where}: {_TOO_DEEP}"), at
         else:
-            yield where, (BadRowError(f"{where}: not UTF-8 text") if _NOT_UTF8.search(raw) else row)
+            yield where, (BadRowError(f"{where}: not UTF-8 text") if _NOT_UTF8.search(raw) else row), at
         index += 1
         after = reader.peek()
         if after == "]":
@@ -203,16 +206,36 @@ def _array_rows(path: Path, fh):
         reader.pos += 1
 
 
-def _read_rows(path: Path):
-    """Yield (where, row) for a .jsonl file or a .json array / JSON Lines file, streamed: never the whole file in
-    memory. A row that cannot be used (not JSON, not UTF-8) comes as a BadRowError naming file and line."""
+def _is_array(path: Path, fh) -> bool:
+    head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    fh.seek(0)
+    return path.suffix == ".json" and head.startswith(b"[")
+
+
+def _read_located(path: Path):
+    """Yield (where, row, locator) for a .jsonl file or a .json array / JSON Lines file, streamed: never the whole
+    file in memory. A row that cannot be used (not JSON, not UTF-8) comes as a BadRowError naming file and line;
+    ``locator`` (byte offset, line or element number) reads the row again (:func:`_row_at`)."""
     with path.open("rb") as fh:
-        head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
-        fh.seek(0)
-        if path.suffix == ".json" and head.startswith(b"["):
-            yield from _array_rows(path, fh)
-        else:
-            yield from _line_rows(path, fh)
+        yield from (_array_rows if _is_array(path, fh) else _line_rows)(path, fh)
+
+
+def _row_at(path: Path, fh, array: bool, locator) -> tuple[str, object]:
+    """(where, row or BadRowError) of the row at ``locator`` (as :func:`_read_located` gave it) of ``fh``."""
+    offset, number = locator
+    fh.seek(offset)
+    if array:
+        where = f"{path} row {number}"
+        try:
+            row, raw = _ArrayReader(fh, offset).value()
+        except (json.JSONDecodeError, RecursionError):
+            return where, BadRowError(f"{where}: not valid JSON where it was read before (the file changed?)")
+        return where, (BadRowError(f"{where}: not UTF-8 text") if _NOT_UTF8.search(raw) else row)
+    where = f"{path}:{number}"
+    row = _line_row(where, fh.readline(), number == 1)
+    return where, (
+        BadRowError(f"{where}: a blank line where a row was read before (the file changed?)") if row is None else row
+    )
 
 
 def _pretokenized(where: str, row) -> tuple[list[int], list[int]]:
@@ -224,143 +247,116 @@ def _pretokenized(where: str, row) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
-def load_rows(
-    paths: list[str], skip_bad_rows: bool, hf_cache_dir: str | None, reader=read_chat, keep_duplicates: bool = False
+def read_row(where: str, row, reader=read_chat):
+    """A row as a run takes it: ``("pretokenized", (ids, mask))`` or ``("conversations", ChatRow)``, or
+    ``(kind, None)`` for an empty one; BadRowError naming it where it cannot be used."""
+    if isinstance(row, Exception):
+        raise row
+    if isinstance(row, dict) and "input_ids" in row:
+        ids_mask = _pretokenized(where, row)
+        return "pretokenized", (ids_mask if ids_mask[0] else None)
+    turns = reader(where, row)
+    return "conversations", (turns if getattr(turns, "turns", turns) else None)
+
+
+#: skip reasons of rows dropped as they are read (before the shuffle: they take no place in the run's order)
+EMPTY = {"pretokenized": "empty input_ids", "conversations": "empty conversation"}
+
+
+def json_readers() -> input_sources.JsonReaders:
+    """This module's JSON readers, as :mod:`speculators_v016.run.sources` takes them (looked up when called)."""
+    return input_sources.JsonReaders(_read_located, _line_rows, _row_at, _is_array, _line_row)
+
+
+def open_sources(paths: list[str], hf_cache_dir: str | None, digests=None) -> list:
+    """Every input checked and opened (:func:`speculators_v016.run.sources.open_source`), all before any is read;
+    ``digests``: a :class:`speculators_v016.store.digest_memo.DigestMemo` (or None: every file hashed)."""
+    readers = json_readers()
+    opened = []
+    try:
+        for given in paths:
+            opened.append(input_sources.open_source(given, hf_cache_dir, readers, digests))
+    except BaseException:
+        for source in opened:
+            source.close()
+        raise
+    return opened
+
+
+def scan_rows(
+    paths: list[str],
+    skip_bad_rows: bool,
+    hf_cache_dir: str | None,
+    take,
+    reader=read_chat,
+    opened=None,
+    keep_duplicates: bool = False,
 ):
-    """(kind, rows, sources, skipped) from every input, in order (:mod:`speculators_v016.run.sources`: the kinds of
-    input, per-source caps, duplicate rows dropped unless ``keep_duplicates``); ``reader(where, row)`` reads a
-    conversation row (its turns, tool definitions and tool turns: :func:`speculators_v016.run.turns.read_chat`)."""
-    rows, sources, skipped, kinds = [], [], Counter(), set()
-    readers = input_sources.JsonReaders(_read_rows, _line_rows)
-    opened = [input_sources.open_source(given, hf_cache_dir, readers) for given in paths]  # all checked first
+    """Read every input in order; ``take(source number, locator, where, value)`` for each row kept (``value``:
+    ``(ids, mask)`` or the reader's ChatRow). ``(kind, sources, skipped)``; the sources stay open for
+    ``rows_at``. ``opened``: the sources of ``paths``, already opened (:func:`open_sources`). Duplicate rows are
+    dropped here, at read time, by their digest (:class:`speculators_v016.run.sources.Duplicates`), unless
+    ``keep_duplicates``: every shard reads every row here, so every shard drops the same ones."""
+    sources = opened if opened is not None else open_sources(paths, hf_cache_dir)
+    skipped, kinds = Counter(), set()
     duplicates = input_sources.Duplicates(keep=keep_duplicates)
-    for source in opened:
-        for where, row in source.rows(duplicates):
+    for number, source in enumerate(sources):
+        for where, row, locator in source.rows(duplicates):
             try:
-                if isinstance(row, Exception):
-                    raise row
-                if isinstance(row, dict) and "input_ids" in row:
-                    kinds.add("pretokenized")
-                    ids_mask = _pretokenized(where, row)
-                    if not ids_mask[0]:
-                        skipped["empty input_ids"] += 1
-                        continue
-                    rows.append((where, ids_mask))
-                else:
-                    kinds.add("conversations")
-                    turns = reader(where, row)
-                    if not getattr(turns, "turns", turns):
-                        skipped["empty conversation"] += 1
-                        continue
-                    rows.append((where, turns))
+                kind, value = read_row(where, row, reader)
             except BadRowError:
                 if not skip_bad_rows:
                     raise
                 logger.warning("skipping bad row {}", where)
                 skipped["bad row"] += 1
-        sources.append(source.describe())
+                continue
+            kinds.add(kind)
+            if value is None:
+                skipped[EMPTY[kind]] += 1
+                continue
+            take(number, locator, where, value)
         skipped.update(source.skipped)
     if len(kinds) > 1:
         raise BadRowError("the inputs mix pre-tokenized rows (input_ids) and conversations: use one kind")
-    return (kinds.pop() if kinds else "conversations"), rows, sources, skipped
+    return (kinds.pop() if kinds else "conversations"), sources, skipped
 
 
-def run_order(count: int, seed: int, max_samples: int | None) -> list[int]:
-    """The rows a run uses, in its order: shuffled as upstream does (datasets' shuffle with the seed), then cut."""
-    import datasets  # noqa: PLC0415 - datasets is slow to import; only a run needs it
-
-    order = list(range(count))
-    if count:
-        order = datasets.Dataset.from_dict({"i": order}).shuffle(seed=seed)["i"]
-    return order if max_samples is None else order[:max_samples]
-
-
-def prepare_samples(
+def load_rows(
     paths: list[str],
-    tokenizer,
-    seq_length: int,
-    *,
-    max_samples: int | None = None,
-    seed: int = 0,
-    num_proc: int = 8,
-    assistant_pattern: str | None = None,
-    turn_dropout: bool = False,
-    hf_cache_dir: str | None = None,
-    skip_bad_rows: bool = False,
+    skip_bad_rows: bool,
+    hf_cache_dir: str | None,
+    reader=read_chat,
     keep_duplicates: bool = False,
-) -> PreparedSamples:
-    """Load, validate, shuffle, cut and tokenize the inputs into samples."""
-    if max_samples is not None and max_samples < 1:
-        raise ValueError(f"max_samples must be at least 1 (or None for all), got {max_samples}")
-    if seq_length < 1:
-        raise ValueError(f"seq_length must be at least 1, got {seq_length}")
-    kind, rows, sources, skipped = load_rows(paths, skip_bad_rows, hf_cache_dir, keep_duplicates=keep_duplicates)
-    order = run_order(len(rows), seed, max_samples)
-    picked = [rows[i] for i in order]
-    if kind == "pretokenized":
-        ids = [r[1][0][:seq_length] for r in picked]
-        masks = [r[1][1][:seq_length] for r in picked]
-        cut = [len(r[1][0]) > seq_length for r in picked]
-    else:
-        ids, masks, cut = _conversations(
-            picked,
-            tokenizer,
-            seq_length,
-            skipped,
-            num_proc,
-            assistant_pattern=assistant_pattern,
-            turn_dropout=turn_dropout,
-            seed=seed,
-            skip_bad_rows=skip_bad_rows,
-        )
-    keep = [i for i, m in enumerate(masks) if any(m)]
-    if len(keep) != len(masks):
-        skipped[chat_samples.NO_ASSISTANT] += len(masks) - len(keep)
-        ids, masks, cut = [ids[i] for i in keep], [masks[i] for i in keep], [cut[i] for i in keep]
-    return PreparedSamples(ids, masks, kind, sources, skipped, sum(cut))
+):
+    """(kind, rows, sources, skipped) from every input, in order (:mod:`speculators_v016.run.sources`: the kinds of
+    input, per-source caps, duplicate rows dropped unless ``keep_duplicates``); ``reader(where, row)`` reads a
+    conversation row (its turns, tool definitions and tool turns: :func:`speculators_v016.run.turns.read_chat`).
+    Every row in memory, as every release read them: a run indexes its rows instead
+    (:mod:`speculators_v016.run.row_index`); the tests restate the old path with this."""
+    rows = []
+    kind, sources, skipped = scan_rows(
+        paths,
+        skip_bad_rows,
+        hf_cache_dir,
+        lambda _number, _locator, where, value: rows.append((where, value)),
+        reader,
+        keep_duplicates=keep_duplicates,
+    )
+    for source in sources:
+        source.close()
+    return kind, rows, [s.describe() for s in sources], skipped
 
 
-def _conversations(
-    picked,
-    tokenizer,
-    seq_length: int,
-    skipped: Counter,
-    num_proc: int,
-    *,
-    assistant_pattern,
-    turn_dropout,
-    seed,
-    skip_bad_rows,
-) -> tuple[list, list, list]:
-    """(ids, masks, cut) of the conversation rows ``picked`` (``(where, ChatRow)``, in the run's order); rows
-    refused raise the first one's BadRowError, or with ``skip_bad_rows`` are skipped, logged and counted in
-    ``skipped`` by reason, as rows skipped are (too long, no assistant turn).
+def shuffled(count: int, seed: int):
+    """Datasets' shuffle of ``range(count)`` with ``seed`` (``Dataset.shuffle(seed=seed)`` takes
+    ``numpy.random.default_rng(seed).permutation(count)``), as an int64 array; a test compares the two."""
+    import numpy as np  # noqa: PLC0415 - numpy only where a run orders its rows
 
-    Turn dropout keeps a row's turns up to its first assistant turn at or after turn ``randint(1, turns)``, drawn
-    after ``random.seed(seed)`` a row at a time in the run's order, here (upstream drew them in a forked worker,
-    whose ``random`` Python reseeds at fork: other draws at every run)."""
-    if picked and not getattr(tokenizer, "is_fast", False):
-        raise BadRowError(
-            "the target's tokenizer is not a fast (Rust) tokenizer: the loss masks of conversation rows need its "
-            "token offsets; give pre-tokenized rows (input_ids + loss_mask), or use --regenerate"
-        )
-    settings = chat_samples.Settings.of(tokenizer, seq_length, assistant_pattern)
-    random.seed(seed)  # turn dropout draws from `random`, a row at a time in the run's order
-    keeps = [random.randint(1, len(chat.turns)) if turn_dropout else None for _, chat in picked]
-    workers = max(1, min(num_proc, len(picked) // 64))
-    built = chat_samples.build_all(picked, keeps, tokenizer, settings, workers)
-    refused = [(where, b) for (where, _), b in zip(picked, built, strict=True) if b.bad]
-    if refused and not skip_bad_rows:
-        first = refused[0][1].bad
-        more = f" (and {len(refused) - 1} more rows)" if len(refused) > 1 else ""
-        raise BadRowError(f"{first}{more}; --skip-bad-rows skips and counts such rows", refused[0][1].reason)
-    for where, b in refused:
-        logger.warning("skipping bad row {}: {}", where, b.log)
-        skipped[b.reason] += 1
-    for (where, _), b in zip(picked, built, strict=True):
-        if b.skip:
-            if b.log:
-                logger.warning("skipping row {}: {} ({})", where, b.skip, b.log)
-            skipped[b.skip] += 1
-    kept = [b for b in built if b.ids is not None]
-    return [b.ids for b in kept], [b.mask for b in kept], [b.cut for b in kept]
+    return np.random.default_rng(seed).permutation(count).astype(np.int64) if count else np.zeros(0, np.int64)
+
+
+def run_order(count: int, seed: int, max_samples: int | None):
+    """The rows a run uses, in its order: shuffled as upstream does (datasets' shuffle with the seed), then cut
+    (an int64 array: position -> row)."""
+    order = shuffled(count, seed)
+    return order if max_samples is None else order[:max_samples]

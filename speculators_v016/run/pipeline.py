@@ -22,11 +22,11 @@ from __future__ import annotations
 import errno
 import os
 import time
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-import datasets
 import torch
 from loguru import logger
 from tqdm import tqdm
@@ -46,8 +46,8 @@ from speculators_v016.engine.engine_args import check_engine_args, vllm_defaults
 from speculators_v016.generator import VllmHiddenStatesGenerator
 from speculators_v016.layers import LayerPlan
 from speculators_v016.redact import redact
-from speculators_v016.run import chat_samples
-from speculators_v016.run.dataset import PreparedSamples, prepare_samples
+from speculators_v016.run import chat_samples, prefill
+from speculators_v016.run.prefill import PrefillWork
 from speculators_v016.run.regenerate import RegenerationWork
 from speculators_v016.shared.shm_records import reclaim_and_log
 from speculators_v016.store import checksum as checksums
@@ -86,6 +86,8 @@ class RunSummary:
     stopped: dict = field(default_factory=dict)  # --regenerate: conversations stopped at a tool call, by why
     model_args: dict = field(default_factory=dict)  # --engine-args that change the model (engine.arg_kinds)
     host: dict = field(default_factory=dict)  # where the generation's time went on the host (host_line)
+    dropped: int = 0  # sample names of this shard without a file: rows dropped after tokenizing (in skipped)
+    prepared_cache: str = ""  # the prepared-rows cache: its place and size
 
     def lines(self) -> list[str]:
         rate = self.tokens / self.generation_seconds if self.generation_seconds else 0.0
@@ -100,6 +102,13 @@ class RunSummary:
             f"truncated:  {self.truncated} (to --seq-length; loss masks cut alongside)",
         ]
         out += [f"skipped:    {n} {reason}" for reason, n in sorted(self.skipped.items())] or ["skipped:    0"]
+        if self.dropped:
+            out.append(
+                f"gaps:       {self.dropped} sample names of this shard have no file (their rows were dropped after "
+                "tokenizing, counted above)"
+            )
+        if self.prepared_cache:
+            out.append(f"prepared:   {self.prepared_cache}")
         if self.regenerated:
             reasons = ", ".join(f"{n} {FINISHED.get(r, r)}" for r, n in sorted(self.regenerated.items()))
             out.append(f"regenerated: {sum(self.regenerated.values())} turns ({reasons})")
@@ -114,35 +123,6 @@ class RunSummary:
         if self.logit_check:
             out.append(f"logit check: {self.logit_check['line']}")
         return out
-
-
-class PrefillWork:
-    """A run's samples taken as the dataset has them (its responses): token samples, prefilled."""
-
-    def __init__(self, samples: PreparedSamples):
-        self.samples = samples
-        self.kind, self.sources, self.skipped, self.truncated = (
-            samples.kind,
-            samples.sources,
-            samples.skipped,
-            samples.truncated,
-        )
-        self.count = len(samples)
-
-    def shard(self, num_shards: int, shard_index: int) -> list[int]:
-        return [i for i in range(self.count) if i % num_shards == shard_index]
-
-    def feed(self, pending: list[int]):
-        return ((i, self.samples.input_ids[i]) for i in pending)
-
-    def tokens(self, pending: list[int]) -> int:
-        return sum(len(self.samples.input_ids[i]) for i in pending)
-
-    def finish(self, index: int, ids: list[int], engine) -> tuple[torch.Tensor, None, None]:
-        return torch.tensor(self.samples.loss_masks[index][: len(ids)], dtype=torch.long), None, None
-
-    def take_cut(self) -> list:
-        return []
 
 
 def fingerprint(opts: RunConfig, samples, layer_ids: list[int]) -> dict:
@@ -205,103 +185,141 @@ def run(opts: RunConfig, progress_to=None) -> RunSummary:
             opts.engine.tokenizer, trust_remote_code=opts.engine.trust_remote_code
         )
         if opts.regenerate:
-            work = RegenerationWork.prepare(opts, tokenizer)
+            bar, progress = prefill.reading_bar(progress_to, opts.progress)
+            try:
+                work = RegenerationWork.prepare(opts, tokenizer, progress)
+            finally:
+                bar.close()
         else:
-            work = PrefillWork(
-                prepare_samples(
-                    list(opts.train_data_path),
-                    tokenizer,
-                    opts.seq_length,
-                    max_samples=opts.max_samples,
-                    seed=opts.seed,
-                    num_proc=opts.num_preprocessing_workers,
-                    assistant_pattern=opts.assistant_pattern,
-                    turn_dropout=opts.turn_dropout,
-                    hf_cache_dir=opts.hf_cache_dir,
-                    skip_bad_rows=opts.skip_bad_rows,
-                    keep_duplicates=opts.keep_duplicate_rows,
-                )
+            wants_counts = bool(opts.token_freq_path) and not Path(opts.token_freq_path).exists()
+            work = PrefillWork.prepare(opts, tokenizer, progress_to, token_counts=wants_counts)
+        try:
+            return _run_work(opts, work, target, model_config, directory, plan, summary, started, progress_to)
+        finally:
+            if not opts.regenerate:
+                work.close()
+
+
+def _run_work(opts, work, target, model_config, directory, plan, summary, started, progress_to) -> RunSummary:
+    """The run, its work prepared (see :func:`run`)."""
+    summary.skipped, summary.truncated = dict(work.skipped), work.truncated
+    if not work.count:
+        raise PromptError(f"no usable sample in {list(opts.train_data_path)} (skipped: {dict(work.skipped)})")
+    fp = fingerprint(opts, work, list(plan.layer_ids))
+    has_samples = any(parse_sample_name(p.name) for p in directory.iterdir())
+    existing = run_config.check_resume(directory, fp, has_samples)
+    if existing is not None and not opts.regenerate:
+        prefill.check_numbering(directory, existing, work.count)
+        existing["speculators_v016"]["numbering"] = prefill.NUMBERING  # proven the same (an earlier release's)
+    done = Manifest(directory).reconcile()
+    algorithm = checksum_of_run(directory, existing, done, opts.checksum)
+    mine = work.shard(opts.num_shards, opts.shard_index)
+    settled = work.settled(directory, done) if opts.regenerate else set()  # folded into listed samples
+    pending = [i for i in mine if i + opts.start_idx not in done and i + opts.start_idx not in settled]
+    summary.already_done = len(mine) - len(pending)
+    if pending and not opts.regenerate and not work.begin(pending):  # every pending row dropped: no engine
+        work.settle()
+        _note_prepared(work, summary, opts)
+        if existing is None:
+            raise PromptError(
+                f"no usable sample in shard {opts.shard_index} of {list(opts.train_data_path)} "
+                f"(skipped: {dict(work.skipped)})"
             )
-        summary.skipped, summary.truncated = dict(work.skipped), work.truncated
-        if not work.count:
-            raise PromptError(f"no usable sample in {list(opts.train_data_path)} (skipped: {dict(work.skipped)})")
-        fp = fingerprint(opts, work, list(plan.layer_ids))
-        has_samples = any(parse_sample_name(p.name) for p in directory.iterdir())
-        existing = run_config.check_resume(directory, fp, has_samples)
-        done = Manifest(directory).reconcile()
-        algorithm = checksum_of_run(directory, existing, done, opts.checksum)
-        mine = work.shard(opts.num_shards, opts.shard_index)
-        settled = work.settled(directory, done) if opts.regenerate else set()  # folded into listed samples
-        pending = [i for i in mine if i + opts.start_idx not in done and i + opts.start_idx not in settled]
+        logger.info("the {} rows not written of this shard have no sample (dropped after tokenizing)", len(pending))
         summary.already_done = len(mine) - len(pending)
-        if opts.token_freq_path and not opts.regenerate:  # a regenerating run's: from what it generated, after it
-            _save_token_frequencies(work.samples, opts.token_freq_path)
-        if not pending:
-            logger.info("all {} samples of this shard are already written", len(mine))
-            if opts.regenerate:  # a run killed before it wrote regenerated.jsonl: written now
-                work.begin(directory, [], done, None)
-                work.end(directory, set(done))
-            summary.seconds = time.monotonic() - started
-            return summary
-        cut = work.cut_without_engine(directory, pending, done) if opts.regenerate and existing else None
-        if cut is not None:  # every turn left has no room (a finished run, run again): nothing for the engine
-            logger.bind(terminal=True).info(
-                "nothing to generate: the {} turns not written {}",
-                len(cut),
-                _cut_why(cut, opts),
-            )
-            _note_cut(cut, summary, opts)
-            summary.stopped = work.stops
+        summary.seconds = time.monotonic() - started
+        existing["speculators_v016"]["last_run"] = asdict(summary)
+        run_config.save(directory, existing)
+        return summary
+    if not pending:
+        logger.info("all {} samples of this shard are already written", len(mine))
+        if opts.regenerate:  # a run killed before it wrote regenerated.jsonl: written now
             work.begin(directory, [], done, None)
             work.end(directory, set(done))
-            summary.seconds = time.monotonic() - started
-            existing["speculators_v016"]["last_run"] = asdict(summary)  # what is not written, and why: verify counts it
-            run_config.save(directory, existing)
-            return summary
-        if not opts.regenerate:
-            for i in pending:  # before the engine starts
-                ids = work.samples.input_ids[i]
-                check_token_ids(f"sample {i}", ids, target.vocab_size, f" of {opts.engine.model}")
-        _forecast_disk(directory, work.tokens(pending), len(plan.layer_ids), model_config, opts)
-        zero_ids = zero_embedding_rows(opts.engine.model, target.vocab_size)
-        cpus = os.sched_getaffinity(0)  # before vLLM's CPU worker pins this thread to one core
-        if opts.write_workers is None:  # from the bytes a token weighs and the cores (said in the host path line)
-            weight = disk_forecast.stored_token_bytes(
-                len(plan.layer_ids), model_config.get_hidden_size(), model_config.dtype.itemsize, opts.engine.fp8
-            )
-            opts = replace(opts, write_workers=write_workers_for(len(cpus), weight))
-        generator = VllmHiddenStatesGenerator.from_config(opts.engine, plan)
-        try:
-            config = existing or _new_config(generator, opts, work, fp, len(mine))
-            config["speculators_v016"]["checksum"] = algorithm  # an earlier release's folder: now said
-            config["speculators_v016"]["zero_embedding_token_ids"] = sorted(zero_ids)  # verify's screen reads them
-            run_config.save(directory, config)
-            _announce(generator, opts, len(pending), summary.already_done, summary.model_args)
-            model_args = config["speculators_v016"].get(MODEL_ARGS_KEY) or {}  # what verify expects in headers
-            _generate(
-                generator, work, pending, directory, opts, summary, progress_to, cpus, algorithm, done, zero_ids,
-                model_args,
-            )  # fmt: skip
-        finally:
-            generator.shutdown()
-        if opts.regenerate and opts.token_freq_path:
-            _save_token_frequencies_of(work.records.values(), opts.token_freq_path)
         summary.seconds = time.monotonic() - started
-        config["speculators_v016"]["last_run"] = asdict(summary)
+        return summary
+    cut = work.cut_without_engine(directory, pending, done) if opts.regenerate and existing else None
+    if cut is not None:  # every turn left has no room (a finished run, run again): nothing for the engine
+        logger.bind(terminal=True).info(
+            "nothing to generate: the {} turns not written {}",
+            len(cut),
+            _cut_why(cut, opts),
+        )
+        _note_cut(cut, summary, opts)
+        summary.stopped = work.stops
+        work.begin(directory, [], done, None)
+        work.end(directory, set(done))
+        summary.seconds = time.monotonic() - started
+        existing["speculators_v016"]["last_run"] = asdict(summary)  # what is not written, and why: verify counts it
+        run_config.save(directory, existing)
+        return summary
+    if opts.regenerate:
+        _forecast_disk(directory, None, "", len(plan.layer_ids), model_config, opts)
+    else:
+        for i, ids in work.head_samples():  # before the engine starts (the rest: as the engine takes them)
+            check_token_ids(f"sample {i}", ids, target.vocab_size, f" of {opts.engine.model}")
+        _forecast_disk(directory, *_prefill_tokens(work, pending), len(plan.layer_ids), model_config, opts)
+    zero_ids = zero_embedding_rows(opts.engine.model, target.vocab_size)
+    cpus = os.sched_getaffinity(0)  # before vLLM's CPU worker pins this thread to one core
+    if opts.write_workers is None:  # from the bytes a token weighs and the cores (said in the host path line)
+        weight = disk_forecast.stored_token_bytes(
+            len(plan.layer_ids), model_config.get_hidden_size(), model_config.dtype.itemsize, opts.engine.fp8
+        )
+        opts = replace(opts, write_workers=write_workers_for(len(cpus), weight))
+    generator = VllmHiddenStatesGenerator.from_config(opts.engine, plan)
+    try:
+        config = existing or _new_config(generator, opts, work, fp, len(mine))
+        config["speculators_v016"]["checksum"] = algorithm  # an earlier release's folder: now said
+        config["speculators_v016"]["zero_embedding_token_ids"] = sorted(zero_ids)  # verify's screen reads them
         run_config.save(directory, config)
+        _announce(generator, opts, len(pending), summary.already_done, summary.model_args)
+        model_args = config["speculators_v016"].get(MODEL_ARGS_KEY) or {}  # what verify expects in headers
+        _generate(
+            generator, work, pending, directory, opts, summary, progress_to, cpus, algorithm, done, zero_ids,
+            model_args, target.vocab_size,
+        )  # fmt: skip
+    finally:
+        generator.shutdown()
+    if opts.regenerate and opts.token_freq_path:
+        _save_token_frequencies_of(work.records.values(), opts.token_freq_path)
+    if not opts.regenerate:
+        work.settle()  # chunks read only for the token counts
+        _note_prepared(work, summary, opts)
+        if work.token_counts is not None:
+            _save_token_counts(work.token_counts, opts.token_freq_path)
+    summary.seconds = time.monotonic() - started
+    config["speculators_v016"]["last_run"] = asdict(summary)
+    run_config.save(directory, config)
     return summary
 
 
-def _forecast_disk(directory: Path, tokens: int | None, layers: int, model_config, opts: RunConfig) -> None:
+def _prefill_tokens(work: PrefillWork, pending: list[int]) -> tuple[int, str]:
+    """The pending samples' tokens: exact where all are tokenized, else estimated from the rows that are."""
+    exact = work.tokens(pending)
+    if exact is not None:
+        return exact, ""
+    tokens, rows = work.estimated_tokens(pending)
+    return tokens, f" (estimated from the first {rows:,} rows tokenized)"
+
+
+def _note_prepared(work: PrefillWork, summary: RunSummary, opts: RunConfig) -> None:
+    """What preparing this shard's rows dropped, in the summary; and the cache's place and size."""
+    summary.skipped.update(work.skipped)  # the rows dropped as read, and those dropped after tokenizing
+    summary.truncated, summary.dropped = work.truncated, work.dropped
+    summary.prepared_cache = prefill.cache_line(prefill.cache_folder(opts))
+
+
+def _forecast_disk(directory: Path, tokens: int | None, note: str, layers: int, model_config, opts: RunConfig) -> None:
     """The bytes this run will write against its folder's free space, said on the terminal; refused where they
-    cannot fit (unless --ignore-disk-forecast). No forecast where the tokens are not known yet (--regenerate)."""
+    cannot fit (unless --ignore-disk-forecast). No forecast where the tokens are not known yet (--regenerate);
+    ``note``: where they are estimated, from what."""
     if tokens is None:
         return
     fp8 = opts.engine.fp8
     found = disk_forecast.forecast(
         directory, tokens, layers, model_config.get_hidden_size(), model_config.dtype.itemsize, fp8
     )
-    logger.bind(terminal=True).info("disk:       {} in {}", found.line(), directory)
+    logger.bind(terminal=True).info("disk:       {} in {}{}", found.line(), directory, note)
     if not opts.ignore_disk_forecast:
         disk_forecast.refuse_if_short(found, directory, fp8)
 
@@ -370,6 +388,7 @@ def _generate(
     done: dict | None = None,
     zero_ids: frozenset[int] = frozenset(),
     model_args: dict | None = None,
+    vocab_size: int | None = None,
 ) -> None:
     layer_ids = list(generator.plan.layer_ids)
     engine = generator.engine
@@ -417,8 +436,9 @@ def _generate(
         file=progress_to,
         mininterval=1.0,
     )
+    take_dropped = getattr(work, "take_dropped", None)  # a prefill run's rows dropped after tokenizing
     try:
-        feed = work.feed(pending)
+        feed = work.feed(pending) if opts.regenerate else _checked_ids(work.feed(pending), vocab_size, opts)
         want = checked.__contains__ if checked else None
         for index, ids, states in engine.stream(feed, window=window, prompt_logprobs=want, allocate=pool.take):
             theirs = engine.prompt_logprobs.pop(index, None) if index in checked else None
@@ -435,7 +455,7 @@ def _generate(
             sample = {"input_ids": input_ids, "hidden_states": states, "loss_mask": mask}
             hold.admit(index, name, sample, record)
             summary.tokens += len(ids)
-            bar.update(1 if by_samples else len(ids))
+            bar.update((1 + (take_dropped() if take_dropped else 0)) if by_samples else len(ids))
             if by_samples:
                 bar.set_postfix_str(f"{summary.tokens / max(time.monotonic() - started, 1e-9):,.0f} tok/s", False)
             cut = work.take_cut()
@@ -444,6 +464,8 @@ def _generate(
             _note_rejected(writer.take_rejected(), summary, opts)
             bar.set_description(f"{writer.written}/{len(pending)} samples")
         _note_cut(work.take_cut(), summary, opts)  # turns cut after the last sample came
+        if by_samples and take_dropped:
+            bar.update(take_dropped())  # rows dropped after the last sample came
         hold.finish()
     finally:
         try:
@@ -467,6 +489,14 @@ def _generate(
         summary.skipped["NaN/Inf hidden states"] = len(summary.non_finite)
     if checker is not None:
         summary.logit_check = {"ok": not checker.result.failures, "line": checker.result.line()}
+
+
+def _checked_ids(feed, vocab_size: int | None, opts: RunConfig):
+    """The feed, each sample's ids checked against the target's vocabulary before the engine takes them."""
+    for index, ids in feed:
+        if vocab_size is not None:
+            check_token_ids(f"sample {index}", ids, vocab_size, f" of {opts.engine.model}")
+        yield index, ids
 
 
 def checksum_of_run(directory: Path, existing: dict | None, done: dict, asked: str | None) -> str:
@@ -547,17 +577,10 @@ def _logit_checker(generator, opts: RunConfig):
     return LogitChecker(opts.engine.model, generator.engine.dtype, generator.plan.last_layer_index)
 
 
-def _save_token_frequencies(samples: PreparedSamples, path: str) -> None:
-    """Upstream's token_freq.pt (its own function: trainable-token counts; an existing file is kept)."""
-    from speculators.train.vocab_mapping import (  # noqa: PLC0415 - upstream is slow to import
-        save_token_frequency_distribution,
-    )
-
-    table = datasets.Dataset.from_dict({"input_ids": samples.input_ids, "loss_mask": samples.loss_masks})
-    table.set_format(type="torch")
+def _save_token_counts(counts, path: str) -> None:
+    """Upstream's token_freq.pt (trainable-token counts; an existing file is kept), write errors named."""
     try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        save_token_frequency_distribution(table, path)
+        prefill.save_token_counts(counts, path)
     except OSError as exc:
         raise WriteError(exc.errno, f"cannot write --token-freq-path {path}: {exc.strerror or exc}") from exc
     except RuntimeError as exc:  # torch.save reports a failed write so
@@ -568,10 +591,10 @@ def _save_token_frequencies(samples: PreparedSamples, path: str) -> None:
 
 def _save_token_frequencies_of(records, path: str) -> None:
     """Upstream's token_freq.pt of a regenerating run: the generated (trainable) tokens of its samples."""
-    _save_token_frequencies(
-        PreparedSamples([r["token_ids"] for r in records], [[1] * len(r["token_ids"]) for r in records], "", []),
-        path,
-    )
+    counts = Counter()
+    for record in records:
+        counts.update(record["token_ids"])
+    _save_token_counts(counts, path)
 
 
 def _new_config(generator, opts: RunConfig, samples, fp: dict, shard_samples: int) -> dict:
@@ -598,13 +621,15 @@ def _new_config(generator, opts: RunConfig, samples, fp: dict, shard_samples: in
         "target_quantization": generator.quantization,  # None: unquantized
         "start_idx": opts.start_idx,
         "shard": {"index": opts.shard_index, "count": opts.num_shards, "samples": shard_samples},
-        "dataset_samples": samples.count,
+        "dataset_samples": samples.count,  # a prefill run: the names of the run's order (some may be gaps)
         # what the trainer should know: the engine arguments that changed the model ({}: none); each header too
         MODEL_ARGS_KEY: arg_kinds.model_changing(opts.engine.extra_engine_args, vllm_defaults()),
         "fingerprint": fp,
     }
     if opts.regenerate:
         config["speculators_v016"]["regenerate"] = samples.describe()
+    else:
+        config["speculators_v016"]["numbering"] = prefill.NUMBERING
     if opts.engine.fp8:
         config["speculators_v016"]["hidden_states_scaling"] = fp8.SCALING
         schema = config["format"]["schema"]

@@ -29,7 +29,7 @@ generated (:mod:`speculators_v016.store.regenerated` keeps those records on disk
 from __future__ import annotations
 
 import json
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,7 +40,8 @@ from loguru import logger
 
 from speculators_v016.engine.generation import Generated, Generation, sample_seed
 from speculators_v016.run import tool_turns
-from speculators_v016.run.dataset import BadRowError, load_rows, run_order
+from speculators_v016.run.dataset import BadRowError, run_order
+from speculators_v016.run.row_index import build_index
 from speculators_v016.run.turns import messages
 from speculators_v016.store import regenerated
 from speculators_v016.store.regenerated import prompt_digest
@@ -165,6 +166,9 @@ class Conversation:
     first_index: int  # the sample index of its first assistant turn
     answers: int  # assistant turns to generate (one sample each)
     tools: list[dict] | None = None  # the tool definitions, passed to the chat template (None: none)
+    # facts of its turns, kept where its turns are not (a conversation of another shard: turns [])
+    with_tools: bool = False  # tools or tool turns
+    unanswered: bool = False  # a user turn no source answer follows
 
     @property
     def uses_tools(self) -> bool:
@@ -193,7 +197,7 @@ TOOLS_REFUSED = tool_turns.TOOLS_REFUSED
 NOTHING_TO_REGENERATE = "nothing to regenerate (no user turn answered)"
 
 
-def plan(rows: list[tuple[str, Any]], skip_bad_rows: bool, tokenizer=None) -> tuple[list[Conversation], dict]:
+def plan(rows, skip_bad_rows: bool, tokenizer=None, keep=None) -> tuple[list[Conversation], dict]:
     """The conversations in the run's order with their sample indices; ``(plan, skipped by reason)``.
 
     ``rows``: ``(where, turns)`` or ``(where, ChatRow)`` (turns and tool definitions). A turn's role must be one
@@ -201,7 +205,9 @@ def plan(rows: list[tuple[str, Any]], skip_bad_rows: bool, tokenizer=None) -> tu
     are dropped (nothing asked them); user turns no assistant turn answers get an answer to generate
     (:func:`answer_slots`); a conversation without a user turn is a bad row (named, or skipped and counted with
     ``skip_bad_rows``, by reason), and so is one with tools or tool turns that ``tokenizer``'s chat template cannot
-    render (:func:`tool_turns.template_refusal`)."""
+    render (:func:`tool_turns.template_refusal`). ``rows`` may be an iterator (read once); ``keep(number)``:
+    whether conversation ``number`` keeps its turns and tools (None: all do; the others keep their facts only,
+    so a shard's plan holds its own conversations' text, not the dataset's)."""
     out, skipped, index = [], {}, 0
     for where, raw in rows:
         chat = raw if isinstance(raw, tool_turns.ChatRow) else tool_turns.ChatRow(raw)
@@ -222,7 +228,14 @@ def plan(rows: list[tuple[str, Any]], skip_bad_rows: bool, tokenizer=None) -> tu
                 raise
             skipped[exc.reason] = skipped.get(exc.reason, 0) + 1
             continue
-        out.append(Conversation(len(out), where, turns, index, answers, chat.tools))
+        facts = {
+            "with_tools": tool_turns.uses_tools(turns, chat.tools),
+            "unanswered": any(t["role"] == "assistant" and t["content"] is None for t in turns),
+        }
+        if keep is None or keep(len(out)):
+            out.append(Conversation(len(out), where, turns, index, answers, chat.tools, **facts))
+        else:
+            out.append(Conversation(len(out), where, [], index, answers, None, **facts))
         index += answers
     return out, skipped
 
@@ -606,14 +619,27 @@ class RegenerationWork:
         self._stops_found: dict[str, int] = {}  # by cut_without_engine (no engine: no regeneration)
 
     @classmethod
-    def prepare(cls, opts, tokenizer) -> RegenerationWork:
-        kind, rows, sources, skipped = load_rows(
+    def prepare(cls, opts, tokenizer, progress=None) -> RegenerationWork:
+        """The plan of every row (each conversation's sample indices follow from the ones before it, so every row
+        is read, into an index: :mod:`speculators_v016.run.row_index`; then again, one at a time, in the run's
+        order); only this shard's conversations keep their turns. No row is tokenized here but for a tool row's
+        template check. ``progress(bytes, rows)``: a bar's, while the rows are indexed."""
+        index = build_index(
             list(opts.train_data_path),
             opts.skip_bad_rows,
             opts.hf_cache_dir,
             reader=tool_turns.read_chat,
             keep_duplicates=opts.keep_duplicate_rows,
+            progress=progress,
         )
+        try:
+            return cls._planned(opts, tokenizer, index)
+        finally:
+            index.close()
+
+    @classmethod
+    def _planned(cls, opts, tokenizer, index) -> RegenerationWork:
+        kind, sources, skipped = index.kind, index.descriptions, Counter(index.skipped)
         if kind != "conversations":
             raise BadRowError(
                 "--regenerate needs conversations: pre-tokenized rows (input_ids) have no turns to answer"
@@ -622,8 +648,9 @@ class RegenerationWork:
         sampling = resolve_sampling(
             opts.engine.model, opts.temperature, opts.top_p, opts.top_k, opts.max_new_tokens, opts.seed
         )
-        picked = [rows[i] for i in run_order(len(rows), opts.seed, opts.max_samples)]
-        conversations, more_skipped = plan(picked, opts.skip_bad_rows, tokenizer)
+        picked = index.iter_rows(run_order(len(index), opts.seed, opts.max_samples))
+        shards, mine = opts.num_shards, opts.shard_index
+        conversations, more_skipped = plan(picked, opts.skip_bad_rows, tokenizer, lambda n: n % shards == mine)
         for reason, n in more_skipped.items():
             skipped[reason] += n
         stop_ids = stop_token_ids(tokenizer, opts.engine.model)
@@ -644,9 +671,12 @@ class RegenerationWork:
             "samples": PER_TURN if self.per_turn else FOLDED,
             "conversations_file": "regenerated.jsonl",
         }
-        if any(t["role"] == "assistant" and t["content"] is None for c in self.conversations for t in c.turns):
+        if any(
+            c.unanswered or any(t["role"] == "assistant" and t["content"] is None for t in c.turns)
+            for c in self.conversations
+        ):
             described["unanswered_user_turns"] = "answered, in order (one sample each)"
-        if any(c.uses_tools for c in self.conversations):  # earlier releases refused or skipped such rows
+        if any(c.with_tools or c.uses_tools for c in self.conversations):  # earlier releases refused or skipped them
             described["tool_turns"] = TOOL_TURNS
         return described
 

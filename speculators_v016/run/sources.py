@@ -103,65 +103,136 @@ class Duplicates:
         return False
 
 
+#: where rows of a source that cannot seek (compressed JSON Lines, Parquet) are gathered for: rows of a shard
+#: read in one pass over the source (see :meth:`Source.rows_at` and speculators_v016.run.prepared)
+PREFETCH_ROWS = 16384
+
+
+def stamp(path: Path) -> tuple[int, ...]:
+    """What tells a file changed since it was read: device, inode, size, modification and status-change times."""
+    info = path.stat()
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
+
+
+class _Stamped:
+    """The files a reader reads, with their stamps as first seen: :meth:`check` refuses one changed since."""
+
+    def __init__(self, files: list[Path]):
+        self.files = files
+        self.stamps = [stamp(f) for f in files]
+
+    def check(self) -> None:
+        for path, seen in zip(self.files, self.stamps, strict=True):
+            try:
+                now = stamp(path)
+            except OSError:
+                now = None
+            if now != seen:
+                raise BadRowError(f"{path}: changed since the run read it (its size, times or inode)")
+
+
 @dataclass
 class Source:
-    """One ``--train-data-path`` value, checked; :meth:`rows` reads it once, :meth:`describe` says what was read."""
+    """One ``--train-data-path`` value, checked: :meth:`rows` reads it once, in order, with each row's locator;
+    :meth:`rows_at` reads rows again by locator; :meth:`describe` says what was read, :meth:`identity` what will
+    be (the row index's cache key).
+
+    Its ``reader`` knows the format: ``rows()`` yields ``(where, row or BadRowError, locator)``, a locator being
+    two integers; ``rows_at(locators)`` gives ``(where, row or BadRowError)`` for each, in the order asked;
+    ``seekable``: a row costs a seek (False: a call costs a pass over what holds the rows, so rows are asked for
+    many at a time)."""
 
     given: str
     max_rows: int | None
-    read: Callable[[], Iterator[tuple[str, object]]]  # (where, row or BadRowError), in the source's order
+    reader: object
     description: Callable[[], dict]
     skipped: Counter = field(default_factory=Counter)
+    _described: dict | None = None
 
-    def rows(self, duplicates: Duplicates) -> Iterator[tuple[str, object]]:
-        """(where, row or BadRowError): the source's rows up to its cap, duplicates dropped and counted."""
+    @property
+    def seekable(self) -> bool:
+        return self.reader.seekable
+
+    def rows(self, duplicates: Duplicates) -> Iterator[tuple[str, object, tuple[int, int]]]:
+        """(where, row or BadRowError, locator): the source's rows up to its cap, duplicates dropped and counted."""
         taken = 0
-        for where, row in self.read():
+        for where, row, locator in self.reader.rows():
             if duplicates.seen(row):
                 self.skipped[DUPLICATE] += 1
                 continue
-            yield where, row
+            yield where, row, locator
             taken += 1
             if self.max_rows is not None and taken >= self.max_rows:
                 return
 
+    def rows_at(self, locators: list) -> list[tuple[str, object]]:
+        """(where, row or BadRowError) of each locator (as :meth:`rows` gave them), in that order; BadRowError
+        where a file changed since it was read."""
+        return self.reader.rows_at(locators) if locators else []
+
+    def identity(self) -> dict:
+        """What the rows read depend on, known before reading: the description by content (files' sha256, the
+        split, the config) and the cap."""
+        if self._described is None:
+            self._described = self.description()
+        return {**self._described, "max_rows": self.max_rows}
+
     def describe(self) -> dict:
         """For data_config.json's ``sources`` (and the resume fingerprint): what was read, by content."""
-        out = self.description()
+        if self._described is None:
+            self._described = self.description()
+        out = dict(self._described)
         if self.max_rows is not None:
             out["max_rows"] = self.max_rows
         if self.skipped[DUPLICATE]:  # absent without: a folder of an earlier release, same rows, still resumes
             out["duplicate_rows"] = self.skipped[DUPLICATE]
         return out
 
+    def bytes(self) -> int:
+        """The bytes of its files (a progress bar's total)."""
+        return sum(f.stat().st_size for f in getattr(self.reader, "files", ()))
+
+    def bytes_at(self, locator) -> int:
+        """How far into :meth:`bytes` the row at ``locator`` is, where a locator says (a JSON file's offset)."""
+        return int(locator[0]) if isinstance(self.reader, _JsonFile) else 0
+
+    def close(self) -> None:
+        self.reader.close()
+
 
 @dataclass(frozen=True)
 class JsonReaders:
-    """The JSON readers (speculators_v016.run.dataset): ``file(path)`` a .json/.jsonl file, ``lines(path, fh)``
-    JSON Lines from a binary stream."""
+    """The JSON readers (speculators_v016.run.dataset): ``file(path)`` a .json/.jsonl file's ``(where, row,
+    locator)``, ``lines(path, fh)`` JSON Lines from a binary stream, ``row_at(path, fh, array, locator)`` one row
+    again, ``is_array(path, fh)`` a .json array or not, ``line_row(where, raw, first)`` one line's row."""
 
     file: Callable
     lines: Callable
+    row_at: Callable
+    is_array: Callable
+    line_row: Callable
 
 
-def open_source(given: str, hf_cache_dir: str | None, readers: JsonReaders) -> Source:
-    """``given`` (a ``--train-data-path`` value) checked and ready to read, or SourceError naming it."""
+def open_source(given: str, hf_cache_dir: str | None, readers: JsonReaders, digests=None) -> Source:
+    """``given`` (a ``--train-data-path`` value) checked and ready to read, or SourceError naming it. ``digests``:
+    where files' sha256 come from (a :class:`speculators_v016.store.digest_memo.DigestMemo`; None: hashed)."""
     what, max_rows = split_cap(given)
+    sha = digests.sha256 if digests is not None else file_sha256
     path = Path(what)
     if path.is_dir():
-        read, description = _folder(given, path, None)
+        reader, description = _folder(given, path, None, sha)
     elif path.exists():
-        read, description = _file(given, path, readers)
+        reader, description = _file(given, path, readers, sha)
     elif what.lower().endswith(_JSON_SUFFIXES):
         raise SourceError(f"--train-data-path {given}: no such file")
     elif "@" in what and Path(what.rpartition("@")[0]).is_dir():
         folder, _, split = what.rpartition("@")
-        read, description = _folder(given, Path(folder), _split_name(given, split))
+        reader, description = _folder(given, Path(folder), _split_name(given, split), sha)
     elif "@" in what:
-        read, description = _hub(given, what, hf_cache_dir)
+        reader, description = _hub(given, what, hf_cache_dir, sha)
     else:
-        read, description = _upstream(given, what, hf_cache_dir)
-    return Source(given, max_rows, read, description)
+        reader, description = _upstream(given, what, hf_cache_dir)
+    return Source(given, max_rows, reader, description)
 
 
 def split_cap(given: str) -> tuple[str, int | None]:
@@ -182,38 +253,96 @@ def _split_name(given: str, split: str) -> str:
     return split
 
 
-def _sha(path: Path) -> dict:
-    return {"path": str(path.resolve()), "sha256": file_sha256(path)}
-
-
-def _files_sha(folder: Path, files: list[Path]) -> list[dict]:
-    return [{"name": str(f.relative_to(folder)), "sha256": file_sha256(f)} for f in files]
+def _files_sha(folder: Path, files: list[Path], sha) -> list[dict]:
+    return [{"name": str(f.relative_to(folder)), "sha256": sha(f)} for f in files]
 
 
 # --- files ---------------------------------------------------------------------------------------------------
 
 
-def _file(given: str, path: Path, readers: JsonReaders):
+class _JsonFile(_Stamped):
+    """A .json/.jsonl file: rows streamed, read again by seeking to a locator (byte offset, line or element)."""
+
+    seekable = True
+
+    def __init__(self, path: Path, readers: JsonReaders):
+        super().__init__([path])
+        self.path, self.readers = path, readers
+        self._fh, self._array = None, False
+
+    def rows(self):
+        yield from self.readers.file(self.path)
+
+    def rows_at(self, locators):
+        if self._fh is None:
+            self.check()
+            self._fh = self.path.open("rb")
+            self._array = self.readers.is_array(self.path, self._fh)
+        return [self.readers.row_at(self.path, self._fh, self._array, tuple(loc)) for loc in locators]
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+class _Archive(_Stamped):
+    """A compressed JSON Lines file: it cannot seek, so rows asked for again are read in one pass, in line order,
+    only their lines' bytes kept (:meth:`rows_at`); a locator is (offset in the decompressed text, line)."""
+
+    seekable = False
+
+    def __init__(self, path: Path, kind: str, opener: Callable, readers: JsonReaders, errors: tuple = ()):
+        super().__init__([path])
+        self.path, self.kind, self.opener, self.readers, self.errors = path, kind, opener, readers, errors
+
+    def rows(self):
+        yield from _archive_rows(self.path, self.opener(), self.kind, self.readers.lines, self.errors)
+
+    def rows_at(self, locators):
+        self.check()
+        wanted = sorted({int(n) for _, n in locators})
+        found: dict[int, bytes] = {}
+        at, number = 0, 0
+        try:
+            with self.opener() as fh:
+                for number, raw in enumerate(fh, 1):
+                    if number == wanted[at]:
+                        found[number] = raw
+                        at += 1
+                        if at == len(wanted):
+                            break
+        except (OSError, EOFError, zlib.error, *self.errors) as exc:
+            raise SourceError(f"{self.path}: not a readable {self.kind} archive ({exc}; after line {number})") from None
+        out = []
+        for _, n in locators:
+            where = f"{self.path}:{int(n)}"
+            row = self.readers.line_row(where, found[int(n)], int(n) == 1) if int(n) in found else None
+            if row is None:
+                row = BadRowError(f"{where}: no row where one was read before (the file changed?)")
+            out.append((where, row))
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def _file(given: str, path: Path, readers: JsonReaders, sha):
     if not path.is_file():
         raise SourceError(f"--train-data-path {given}: not a regular file")
     name = path.name.lower()
+    described = lambda: {"path": str(path.resolve()), "sha256": sha(path)}  # noqa: E731 - one line each
     if name.endswith(".parquet"):
         _parquet_columns(path)
-        return (lambda: _parquet_rows(path)), (lambda: _sha(path))
+        return _Parquet(str(path), [path]), described
     if name.endswith(".jsonl.gz"):
-        return (lambda: _archive_rows(path, gzip.open(path, "rb"), "gzip", readers.lines)), (lambda: _sha(path))
+        return _Archive(path, "gzip", lambda: gzip.open(path, "rb"), readers), described
     if name.endswith(".jsonl.zst"):
         zstandard = _zstandard(given)
-        return (
-            (
-                lambda: _archive_rows(
-                    path, _zstd_stream(path, zstandard), "Zstandard", readers.lines, (zstandard.ZstdError,)
-                )
-            ),
-            (lambda: _sha(path)),
-        )
+        opener = lambda: _zstd_stream(path, zstandard)  # noqa: E731 - one line
+        return _Archive(path, "Zstandard", opener, readers, (zstandard.ZstdError,)), described
     if path.suffix in (".json", ".jsonl"):
-        return (lambda: readers.file(path)), (lambda: _sha(path))
+        return _JsonFile(path, readers), described
     raise SourceError(
         f"--train-data-path {given}: not a {', '.join(_JSON_SUFFIXES[:-1])} or .parquet file, nor a folder of "
         "Parquet files or of datasets' save_to_disk"
@@ -283,8 +412,8 @@ def _archive_rows(path: Path, fh, kind: str, lines: Callable, errors: tuple = ()
     where = None
     try:
         with fh:
-            for where, row in lines(path, fh):
-                yield where, row
+            for where, row, locator in lines(path, fh):
+                yield where, row, locator
     except BadRowError:
         raise
     except (OSError, EOFError, zlib.error, *errors) as exc:
@@ -342,21 +471,22 @@ def _without_nulls(value):
 
 
 def _batch_rows(label: str, batches, start: int = 0):
-    """(where, row) of Arrow record batches; ``label`` names the file or dataset."""
+    """(where, row, index) of Arrow record batches; ``label`` names the file or dataset."""
     index = start
     for batch in batches:
         for row in batch.to_pylist():
-            yield f"{label} row {index}", _without_nulls(row)
+            yield f"{label} row {index}", _without_nulls(row), index
             index += 1
 
 
 def _parquet_rows(path: Path):
+    """(where, row, its row number in the file), a batch at a time."""
     parquet = _parquet_file(path)
     columns = _needed(parquet.schema_arrow.names, str(path))
     where = None
     try:
-        for where, row in _batch_rows(str(path), parquet.iter_batches(batch_size=BATCH_ROWS, columns=columns)):
-            yield where, row
+        for where, row, index in _batch_rows(str(path), parquet.iter_batches(batch_size=BATCH_ROWS, columns=columns)):
+            yield where, row, index
     except BadRowError:
         raise
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError, ArrowIOError an OSError
@@ -365,10 +495,92 @@ def _parquet_rows(path: Path):
         parquet.close()
 
 
-def _arrow_rows(label: str, dataset, columns: list[str]):
-    """(where, row) of a ``datasets.Dataset``, its used columns a batch at a time (the dataset is memory-mapped)."""
-    batches = dataset.select_columns(columns).with_format("arrow").iter(batch_size=BATCH_ROWS)
-    yield from _batch_rows(label, (table for table in batches))
+def _parquet_at(path: Path, numbers: list[int]) -> list:
+    """The rows numbered ``numbers`` of a Parquet file, in that order: each row group holding one of them decoded
+    once (its used columns), the rows taken from it."""
+    import numpy as np  # noqa: PLC0415 - numpy only where rows are read again
+
+    parquet = _parquet_file(path)
+    try:
+        columns = _needed(parquet.schema_arrow.names, str(path))
+        meta = parquet.metadata
+        starts = np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
+        at = np.asarray(numbers, np.int64)
+        if len(at) and (at.min() < 0 or at.max() >= starts[-1]):
+            raise BadRowError(f"{path}: fewer rows than when the run read it (the file changed?)")
+        groups = np.searchsorted(starts, at, side="right") - 1
+        out: list = [None] * len(at)
+        for group in np.unique(groups):
+            picked = np.flatnonzero(groups == group)
+            table = parquet.read_row_group(int(group), columns=columns)
+            rows = table.take(at[picked] - starts[group]).to_pylist()
+            for j, row in zip(picked.tolist(), rows, strict=True):
+                out[j] = _without_nulls(row)
+        return out
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError, ArrowIOError an OSError
+        if isinstance(exc, BadRowError):
+            raise
+        raise SourceError(f"{path}: not a readable Parquet file ({exc})") from None
+    finally:
+        parquet.close()
+
+
+class _Parquet(_Stamped):
+    """Parquet files read in order: a locator is (file number, row number in that file). Parquet reads a row
+    group at a time, so rows asked for again are read many at a time (:func:`_parquet_at`)."""
+
+    seekable = False
+
+    def __init__(self, label: str, files: list[Path]):
+        super().__init__(files)
+        self.label = label
+
+    def rows(self):
+        for number, path in enumerate(self.files):
+            for where, row, index in _parquet_rows(path):
+                yield where, row, (number, index)
+
+    def rows_at(self, locators):
+        self.check()
+        by_file: dict[int, list[int]] = {}
+        for j, (number, _) in enumerate(locators):
+            by_file.setdefault(int(number), []).append(j)
+        out: list = [None] * len(locators)
+        for number, picks in by_file.items():
+            path = self.files[number]
+            rows = _parquet_at(path, [int(locators[j][1]) for j in picks])
+            for j, row in zip(picks, rows, strict=True):
+                out[j] = (f"{path} row {int(locators[j][1])}", row)
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+class _Arrow(_Stamped):
+    """A ``datasets.Dataset`` (memory-mapped Arrow files): rows in order, its used columns a batch at a time; a
+    locator is (row number, row number), read again by number (a take of the memory-mapped table)."""
+
+    seekable = True
+
+    def __init__(self, label: str, dataset, columns: list[str], files: list[Path]):
+        super().__init__(files)
+        self.label, self.view = label, dataset.select_columns(columns).with_format("arrow")
+
+    def rows(self):
+        for where, row, index in _batch_rows(self.label, (t for t in self.view.iter(batch_size=BATCH_ROWS))):
+            yield where, row, (index, index)
+
+    def rows_at(self, locators):
+        self.check()
+        numbers = [int(n) for n, _ in locators]
+        if any(not 0 <= n < len(self.view) for n in numbers):
+            raise BadRowError(f"{self.label}: fewer rows than when the run read it (the dataset changed?)")
+        rows = self.view[numbers].to_pylist()
+        return [(f"{self.label} row {n}", _without_nulls(r)) for n, r in zip(numbers, rows, strict=True)]
+
+    def close(self) -> None:
+        pass
 
 
 # --- folders -------------------------------------------------------------------------------------------------
@@ -388,9 +600,9 @@ def _inside(folder: Path, entry: Path, given: str) -> Path:
     return entry
 
 
-def _folder(given: str, folder: Path, split: str | None):
+def _folder(given: str, folder: Path, split: str | None, sha):
     if (folder / "dataset_dict.json").exists() or (folder / "state.json").exists():
-        return _saved(given, folder, split)
+        return _saved(given, folder, split, sha)
     with os.scandir(folder) as entries:
         names = sorted(e.name for e in entries if e.name.endswith(".parquet"))
     if not names:
@@ -415,15 +627,11 @@ def _folder(given: str, folder: Path, split: str | None):
     for f in files:
         _parquet_columns(f)
 
-    def read():
-        for f in files:
-            yield from _parquet_rows(f)
-
     def description():
-        out = {"path": str(folder.resolve()), "files": _files_sha(folder, files)}
+        out = {"path": str(folder.resolve()), "files": _files_sha(folder, files, sha)}
         return out if split is None else {**out, "split": split}
 
-    return read, description
+    return _Parquet(str(folder), files), description
 
 
 def _json_file(path: Path, given: str) -> dict:
@@ -436,7 +644,7 @@ def _json_file(path: Path, given: str) -> dict:
     return value
 
 
-def _saved(given: str, folder: Path, split: str | None):
+def _saved(given: str, folder: Path, split: str | None, sha):
     """A folder of ``datasets``' ``save_to_disk``: a Dataset, or a DatasetDict's split."""
     root = folder
     if (folder / "dataset_dict.json").exists():
@@ -479,16 +687,16 @@ def _saved(given: str, folder: Path, split: str | None):
     label = f"{root}@{split}" if split else str(root)
 
     def description():
-        out = {"path": str(root.resolve()), "files": _files_sha(root, [folder / "state.json", *files])}
+        out = {"path": str(root.resolve()), "files": _files_sha(root, [folder / "state.json", *files], sha)}
         return out if split is None else {**out, "split": split}
 
-    return (lambda: _arrow_rows(label, dataset, columns)), description
+    return _Arrow(label, dataset, columns, [folder / "state.json", *files]), description
 
 
 # --- datasets by name ----------------------------------------------------------------------------------------
 
 
-def _hub(given: str, what: str, hf_cache_dir: str | None):
+def _hub(given: str, what: str, hf_cache_dir: str | None, sha):
     """``ORG/NAME[:CONFIG]@SPLIT`` through ``datasets.load_dataset`` (its cache where no hub is reachable)."""
     base, _, split = what.rpartition("@")
     name, _, config = base.partition(":")
@@ -531,10 +739,10 @@ def _hub(given: str, what: str, hf_cache_dir: str | None):
             "dataset": name,
             "config": config or None,
             "split": split,
-            "files": [{"name": f.name, "sha256": file_sha256(f)} for f in files],
+            "files": [{"name": f.name, "sha256": sha(f)} for f in files],
         }
 
-    return (lambda: _arrow_rows(f"{base}@{split}", dataset, columns)), description
+    return _Arrow(f"{base}@{split}", dataset, columns, files), description
 
 
 #: the builders of ``datasets`` a hub dataset may be read by: data files that are data, never code or pickles
@@ -550,10 +758,7 @@ def _builder_kind(builder) -> str:
 
 def _upstream(given: str, name: str, hf_cache_dir: str | None):
     """A dataset name upstream's loader knows (it normalizes the rows to ``conversations``)."""
-    from speculators.data_generation.preprocessing import (  # noqa: PLC0415 - upstream is slow to import
-        DATASET_CONFIGS,
-        load_raw_dataset,
-    )
+    from speculators.data_generation.preprocessing import DATASET_CONFIGS  # noqa: PLC0415 - upstream is slow
 
     if name not in DATASET_CONFIGS:
         raise SourceError(
@@ -562,9 +767,33 @@ def _upstream(given: str, name: str, hf_cache_dir: str | None):
             "ORG/NAME:CONFIG@SPLIT)"
         )
 
-    def read():
-        logger.info("loading dataset {} with upstream's loader", name)
-        for i, row in enumerate(load_raw_dataset(name, cache_dir=hf_cache_dir)):
-            yield f"{name} row {i}", row
+    return _Upstream(name, hf_cache_dir), (lambda: {"name": name})
 
-    return read, (lambda: {"name": name})
+
+class _Upstream:
+    """A dataset name upstream's loader knows: loaded when first read, its rows by number (a locator: (row number,
+    row number)). Named, not hashed: the row index of such a source is never cached."""
+
+    seekable = True
+
+    def __init__(self, name: str, hf_cache_dir: str | None):
+        self.name, self.hf_cache_dir, self.data = name, hf_cache_dir, None
+
+    def _loaded(self):
+        if self.data is None:
+            from speculators.data_generation.preprocessing import load_raw_dataset  # noqa: PLC0415 - slow import
+
+            logger.info("loading dataset {} with upstream's loader", self.name)
+            self.data = load_raw_dataset(self.name, cache_dir=self.hf_cache_dir)
+        return self.data
+
+    def rows(self):
+        for i, row in enumerate(self._loaded()):
+            yield f"{self.name} row {i}", row, (i, i)
+
+    def rows_at(self, locators):
+        data = self._loaded()
+        return [(f"{self.name} row {int(n)}", data[int(n)]) for n, _ in locators]
+
+    def close(self) -> None:
+        pass

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from speculators_v016.config import ServeConfig
 from speculators_v016.engine.engine_args import check_engine_args
 from speculators_v016.exit_codes import ExitCode
-from speculators_v016.run.dataset import prepare_samples
+from speculators_v016.run.prepared import prepare_samples
 from speculators_v016.run.run_report import exit_code
 from speculators_v016.serve.auth import ApiKeyError, api_key_of, exposure_warning
 from speculators_v016.serve.folder import ServeDirError

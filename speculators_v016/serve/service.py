@@ -48,7 +48,7 @@ from speculators_v016.config import ServeConfig
 from speculators_v016.generator import VllmHiddenStatesGenerator
 from speculators_v016.layers import LayerPlan
 from speculators_v016.run.console import private_dir
-from speculators_v016.run.dataset import PreparedSamples
+from speculators_v016.run.prepared import PreparedSamples
 from speculators_v016.serve.folder import ServeDir, ServeDirError
 from speculators_v016.serve.mooncake import MooncakeBackend
 from speculators_v016.store.sample_format import encode_parts, safetensors_parts

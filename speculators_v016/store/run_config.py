@@ -40,6 +40,8 @@ _TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
 )
+#: The files of a model folder that a tokenizer reads (their sha256 are in the fingerprint).
+TOKENIZER_FILES = _TOKENIZER_FILES
 
 
 class ResumeMismatchError(RuntimeError):

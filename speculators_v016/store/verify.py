@@ -80,7 +80,7 @@ class FolderSettings:
     shard_count: int
     dataset_samples: int
     start_idx: int
-    skipped: int  # samples the last run did not write (NaN/Inf; --regenerate: turns without room)
+    skipped: int  # samples the last run did not write (NaN/Inf; --regenerate: turns without room; gaps)
     storage: str = "auto"  # hidden_states_dtype: "auto" (the engine's dtype) or "fp8_e4m3"
     regenerated: bool = False  # a --regenerate run's folder: its text is checked against its samples
     zero_ids: frozenset[int] = frozenset()  # tokens whose input embedding row is zero (the run recorded them)
@@ -184,11 +184,14 @@ def _tokenizer_of(folder: Path, settings: FolderSettings, report: Report):
 
 
 def _skipped(last_run) -> int:
-    """Samples the last run counted and did not write: NaN/Inf states, turns --regenerate had no room for."""
+    """Samples the last run counted and did not write: NaN/Inf states, turns --regenerate had no room for, names
+    whose rows were dropped after tokenizing."""
     if not isinstance(last_run, dict):
         return 0
     reasons = last_run.get("skipped") if isinstance(last_run.get("skipped"), dict) else {}
     cut = [reasons.get(r, 0) for r in (regenerated.NOT_GENERATED, regenerated.STOPPED)]
+    dropped = last_run.get("dropped", 0)  # names without a sample: rows dropped after tokenizing (prefill runs)
+    cut.append(dropped if isinstance(dropped, int) and not isinstance(dropped, bool) else 0)
     return len(last_run.get("non_finite", [])) + sum(n for n in cut if isinstance(n, int))
 
 

@@ -7,7 +7,7 @@ import json
 from transformers import AutoTokenizer
 
 from helpers.cli import conversations, invoke, load_all, write_jsonl
-from speculators_v016.run.dataset import prepare_samples
+from speculators_v016.run.prepared import prepare_samples
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.outdir import LOCK
 from speculators_v016.store.run_config import file_sha256

@@ -27,9 +27,10 @@ from speculators_v016.run.chat_samples import (
     chars_per_token_bound,
     far_past_chars,
 )
-from speculators_v016.run.dataset import BadRowError, load_rows, prepare_samples, run_order
+from speculators_v016.run.dataset import BadRowError, load_rows, run_order
 from speculators_v016.run.demo import bundled_conversations, corpus_lines
 from speculators_v016.run.pipeline import fingerprint
+from speculators_v016.run.prepared import prepare_samples
 from speculators_v016.run.regenerate import plan
 from speculators_v016.run.tool_turns import TOOLS_REFUSED
 from speculators_v016.run.turns import UNKNOWN_ROLE

@@ -7,7 +7,8 @@ import tracemalloc
 import pytest
 
 import speculators_v016.run.dataset as dataset
-from speculators_v016.run.dataset import BadRowError, load_rows, prepare_samples
+from speculators_v016.run.dataset import BadRowError, load_rows
+from speculators_v016.run.prepared import prepare_samples
 from speculators_v016.testing.tiny_models import CHAT_TEMPLATE, train_tokenizer
 
 

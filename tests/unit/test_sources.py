@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from speculators_v016.run.dataset import BadRowError, load_rows, prepare_samples
+from speculators_v016.run.dataset import BadRowError, load_rows
+from speculators_v016.run.prepared import prepare_samples
 from speculators_v016.run.sources import DUPLICATE, Duplicates, SourceError
 from speculators_v016.testing.tiny_models import DEFAULT_CORPUS, train_tokenizer
 
@@ -234,7 +235,7 @@ def test_parquet_is_read_a_batch_at_a_time(tmp_path):
 def _rows_of(path):
     from speculators_v016.run import dataset, sources  # noqa: PLC0415 - the readers, for one source's rows alone
 
-    source = sources.open_source(str(path), None, sources.JsonReaders(dataset._read_rows, dataset._line_rows))
+    source = sources.open_source(str(path), None, dataset.json_readers())
     return source.rows(Duplicates(keep=True))
 
 
@@ -418,7 +419,7 @@ def test_every_source_is_checked_before_any_is_read(tmp_path, monkeypatch):
     import speculators_v016.run.dataset as dataset  # noqa: PLC0415 - the module whose reader is watched
 
     read = []
-    monkeypatch.setattr(dataset, "_read_rows", lambda path: read.append(path) or iter(()))
+    monkeypatch.setattr(dataset, "_read_located", lambda path: read.append(path) or iter(()))
     good = write_jsonl(tmp_path / "good.jsonl", chats(2))
     with pytest.raises(BadRowError, match="no such file"):
         load_rows([str(good), str(tmp_path / "missing.parquet")], False, None)

@@ -43,8 +43,8 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from speculators_v016.generator import VllmHiddenStatesGenerator
-from speculators_v016.run.dataset import prepare_samples
 from speculators_v016.run.demo import corpus_lines
+from speculators_v016.run.prepared import prepare_samples
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
