@@ -360,3 +360,26 @@ def test_verify_counts_a_shards_gaps_as_samples_not_written():
 
     assert _skipped({"dropped": 3, "non_finite": [{"index": 1, "layers": [2]}]}) == 4
     assert _skipped({"dropped": True}) == 0 and _skipped({}) == 0
+
+
+def test_the_cache_keys_each_sources_cap_and_the_duplicates_option(tmp_path, tok):
+    """Two runs sharing a cache that differ only by a source's cap, or only by --keep-duplicate-rows: the second
+    gets its own rows (those of a run without a cache), never the first run's cached index or chunks."""
+    rows = chats(12, seed=13)
+    rows[7] = rows[3]  # one duplicate row
+    data = write(tmp_path / "d.jsonl", rows)
+    cache = tmp_path / "cache"
+
+    def run(given: str, **kwargs) -> tuple:
+        got = prepare_samples([given], tok, 4096, num_proc=1, cache=cache, **kwargs)
+        alone = prepare_samples([given], tok, 4096, num_proc=1, **kwargs)
+        assert as_pairs(got) == as_pairs(alone) and got.skipped == alone.skipped and got.sources == alone.sources
+        return as_pairs(got), dict(got.skipped)
+
+    whole, skipped = run(data)
+    assert len(whole) == 11 and skipped == {"duplicate row": 1}
+    capped, _ = run(f"{data}#max=4")
+    assert len(capped) == 4 and capped != whole[:4]  # the first 4 rows of the file, shuffled: not the whole's
+    kept, skipped = run(data, keep_duplicates=True)
+    assert len(kept) == 12 and skipped == {}
+    assert run(data) == (whole, {"duplicate row": 1})  # the first entries, still there and still right

@@ -441,3 +441,40 @@ def test_a_file_with_a_split_is_refused(tmp_path):
     (tmp_path / "chats.json").write_text("[]")
     with pytest.raises(SourceError, match=r"chats.json is a file: a split \(@train\) names a folder's"):
         load_rows([f"{tmp_path / 'chats.json'}@train"], False, None)
+
+
+def test_every_format_gives_the_same_samples_sharded_cached_and_read_ahead(tmp_path, tok, monkeypatch):
+    """Every format through a shard's path (rows read again by locator, 4-row chunks, rows of inputs that cannot
+    seek read 8 at a time ahead): each shard's samples and names are those of the JSON Lines file, first tokenized
+    then from the cache; a compressed file is read once per 8 rows of a shard, not once per row."""
+    from speculators_v016.run import prepared, sources  # noqa: PLC0415 - the chunk and read-ahead sizes shrunk
+
+    monkeypatch.setattr(prepared, "CHUNK_ROWS", 4)
+    monkeypatch.setattr(prepared, "PREFETCH_ROWS", 8)
+    rows = chats(30)
+    jsonl = write_jsonl(tmp_path / "d.jsonl", rows)
+    (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(jsonl_bytes(rows)))
+    (tmp_path / "d.jsonl.zst").write_bytes(zstandard().ZstdCompressor().compress(jsonl_bytes(rows)))
+    write_parquet(tmp_path / "d.parquet", rows, row_group_size=7)
+    (tmp_path / "folder").mkdir()
+    write_parquet(tmp_path / "folder" / "part-0.parquet", rows[:11], row_group_size=3)
+    write_parquet(tmp_path / "folder" / "part-1.parquet", rows[11:])
+    save_to_disk(tmp_path / "saved", rows)
+    passes = []
+    original = sources._Archive.rows_at
+    monkeypatch.setattr(sources._Archive, "rows_at", lambda self, at: passes.append(len(at)) or original(self, at))
+
+    def shard(given, shards, index, cache=None):
+        got = prepare_samples(
+            [str(given)], tok, 256, num_proc=1, num_shards=shards, shard_index=index, seed=2, cache=cache
+        )
+        return got.names.tolist(), list(got.input_ids), list(got.loss_masks)
+
+    for shards in (1, 3):
+        want = [shard(jsonl, shards, i) for i in range(shards)]
+        assert sorted(n for w in want for n in w[0]) == list(range(30))
+        for given in ["d.jsonl.gz", "d.jsonl.zst", "d.parquet", "folder", "saved"]:
+            cache = tmp_path / f"cache-{given}-{shards}"
+            for _ in range(2):  # tokenized, then from the cache
+                assert [shard(tmp_path / given, shards, i, cache) for i in range(shards)] == want, (given, shards)
+    assert passes and max(passes) <= 8 and len(passes) == 2 * (4 + 3 * 2)  # gz and zst: ceil(30/8), 3 x ceil(10/8)
