@@ -12,7 +12,9 @@ inputs are read (:class:`speculators_v016.run.sources.Duplicates`), so every sha
 Where every input is named by content (its files' sha256: :meth:`speculators_v016.run.sources.Source.identity`),
 the index is kept in the prepared-rows cache (:mod:`speculators_v016.store.prepared_cache`), keyed by
 :func:`index_key`: the inputs (files' sha256, each source's split, config and cap), the reader, ``--skip-bad-rows``
-and ``--keep-duplicate-rows``; a second run, another shard or a resume reads no row to index.
+and ``--keep-duplicate-rows``; a second run, another shard or a resume reads no row to index, and takes the files'
+sha256 from :mod:`speculators_v016.store.digest_memo` (read again only where a file's stat changed). The cached
+arrays are memory-mapped: a shard reads the pages of its own rows.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from speculators_v016.run.dataset import BadRowError, open_sources, read_row, sc
 from speculators_v016.run.sources import PREFETCH_ROWS
 from speculators_v016.run.turns import read_chat
 from speculators_v016.store import prepared_cache
+from speculators_v016.store.digest_memo import DigestMemo
 
 #: what an index is, in its cache key: another version's entries are other entries
 VERSION = "row-index-2"
@@ -137,7 +140,7 @@ def build_index(
     """Index every row of ``paths`` (see the module's docstring); ``cache``: the prepared-rows folder (None: no
     cache, every input hashed); ``progress(bytes_done, rows)``: called as rows are read (a progress bar's);
     ``keep_duplicates``: rows equal to an earlier one are kept (else dropped and counted)."""
-    sources = open_sources(paths, hf_cache_dir)
+    sources = open_sources(paths, hf_cache_dir, DigestMemo(cache))
     try:
         key = index_key(sources, skip_bad_rows, reader, keep_duplicates)
         found = _cached(cache, key, sources, reader) if cache is not None and key else None

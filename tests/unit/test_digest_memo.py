@@ -1,0 +1,75 @@
+"""Inputs' sha256 remembered by their stat (issue 52 item 1): an unchanged input is not read again to be named; a
+changed one is, even with its size and modification time put back; a file changed too recently is not kept."""
+
+import json
+import os
+import time
+
+import pytest
+
+from speculators_v016.run.row_index import build_index
+from speculators_v016.store import digest_memo
+from speculators_v016.store.digest_memo import DigestMemo
+from speculators_v016.store.run_config import file_sha256
+
+
+@pytest.fixture()
+def hashed(monkeypatch) -> list:
+    """The files read through sha256 by the memo."""
+    calls = []
+    monkeypatch.setattr(digest_memo, "file_sha256", lambda path: calls.append(path) or file_sha256(path))
+    return calls
+
+
+def rows(n: int, word: str = "hello") -> str:
+    return "".join(
+        json.dumps({"conversations": [{"from": "human", "value": f"{word} {i}"}, {"from": "gpt", "value": "x"}]}) + "\n"
+        for i in range(n)
+    )
+
+
+def test_an_unchanged_input_is_not_hashed_again(tmp_path, hashed, monkeypatch):
+    """A second index of the same file, with the cache: its sha256 and its rows come from the cache, the file read
+    for neither; the sources' descriptions (the fingerprint) are the same."""
+    monkeypatch.setattr(digest_memo, "SETTLE_NS", 0)
+    data = tmp_path / "d.jsonl"
+    data.write_text(rows(20))
+    first = build_index([str(data)], False, None, cache=tmp_path / "cache")
+    first.close()
+    assert len(hashed) == 1
+    again = build_index([str(data)], False, None, cache=tmp_path / "cache")
+    again.close()
+    assert len(hashed) == 1 and again.descriptions == first.descriptions
+    assert again.descriptions[0]["sha256"] == file_sha256(data)
+
+
+def test_a_change_with_size_and_mtime_put_back_is_hashed_again(tmp_path, hashed, monkeypatch):
+    """Bytes changed, the same size, the modification time set back to what it was (ctime cannot be): the file is
+    hashed again, its new sha256 named, and its rows indexed again (the new text)."""
+    monkeypatch.setattr(digest_memo, "SETTLE_NS", 0)
+    data = tmp_path / "d.jsonl"
+    data.write_text(rows(5))
+    cache = tmp_path / "cache"
+    build_index([str(data)], False, None, cache=cache).close()
+    before = os.stat(data)
+    time.sleep(0.05)  # past the file system's clock tick
+    data.write_text(rows(5, word="jelly"))
+    os.utime(data, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert os.stat(data).st_size == before.st_size and os.stat(data).st_mtime_ns == before.st_mtime_ns
+    index = build_index([str(data)], False, None, cache=cache)
+    try:
+        assert len(hashed) == 2 and index.descriptions[0]["sha256"] == file_sha256(data)
+        assert index.row(0)[1].turns[0]["value"] == "jelly 0"
+    finally:
+        index.close()
+
+
+def test_a_file_changed_just_now_is_not_kept(tmp_path, hashed):
+    """A file whose last change is within SETTLE_NS of its hashing (a write in the same clock tick would not move
+    its ctime) is hashed every time until it settles."""
+    data = tmp_path / "d.jsonl"
+    data.write_text(rows(3))
+    memo = DigestMemo(tmp_path / "cache")
+    assert memo.sha256(data) == file_sha256(data)
+    assert DigestMemo(tmp_path / "cache").sha256(data) == file_sha256(data)
+    assert len(hashed) == 2 and not list((tmp_path / "cache").glob("*.prep"))
