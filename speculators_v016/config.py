@@ -547,15 +547,16 @@ class RunConfig:
     )
     prepared_cache: str | None = setting(
         None,
-        "Folder keeping tokenized rows (and the row index) for later runs, resumes and other shards, keyed by the "
-        "inputs' sha256, the tokenizer, the chat template, --seq-length and every preprocessing option; about 5 "
-        "bytes a token. Default: $XDG_CACHE_HOME/speculators_v016/prepared, else "
-        "~/.cache/speculators_v016/prepared. The summary says its size.",
+        "Folder keeping tokenized rows (and the row index, and the input files' sha256 by their stat) for later "
+        "runs, resumes and other shards, keyed by the inputs' sha256 (with each source's split, config and cap), "
+        "the tokenizer, the chat template, --seq-length and every preprocessing option; about 5 bytes a token. "
+        "Default: $XDG_CACHE_HOME/speculators_v016/prepared, else ~/.cache/speculators_v016/prepared. The summary "
+        "says its size.",
         section=INPUT,
     )
     use_prepared_cache: bool = setting(
         True,
-        "Keep no tokenized rows: every run tokenizes its rows.",
+        "Keep no tokenized rows: every run tokenizes its rows (and hashes every input).",
         option="--no-prepared-cache",
         negate=True,
         section=INPUT,

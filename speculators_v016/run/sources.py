@@ -20,12 +20,29 @@ A value is ``WHAT[#max=N]``; ``WHAT`` is, in this order:
 skipped with ``--skip-bad-rows`` counts, a duplicate dropped does not), before the run's shuffle and
 ``--max-samples``; the rest of the source is not read.
 
-Each source yields ``(where, row)``: ``where`` names the file and line (``a.jsonl:12``, ``a.jsonl.gz:12``) or row
-(``a.json row 3``, ``data.parquet row 7``, ``org/name@train row 7``); a row that cannot be read arrives as a
+Each source yields ``(where, row, locator)``: ``where`` names the file and line (``a.jsonl:12``, ``a.jsonl.gz:12``)
+or row (``a.json row 3``, ``data.parquet row 7``, ``org/name@train row 7``); a row that cannot be read arrives as a
 :class:`BadRowError` (skippable with ``--skip-bad-rows``). A source that cannot be read at all (no such file, a
 Parquet file without the columns rows need, a corrupt archive, an empty folder, an unknown dataset id) raises
 :class:`SourceError` naming the file or id, and the row reached: never a silently short dataset. Every source is
 opened (checked) before any is read, all before anything is written.
+
+The ``locator`` (two integers) reads the row again (:meth:`Source.rows_at`), so a run keeps an index of its rows,
+not the rows (:mod:`speculators_v016.run.row_index`); how, by format:
+
+* ``.json``/``.jsonl``: the byte offset and the line or element number; a seek and one row read;
+* ``.jsonl.gz``/``.jsonl.zst``: the offset in the decompressed text and the line. A compressed stream cannot seek,
+  so rows are asked for many at a time and read in one pass over the archive in line order, only the asked rows'
+  lines kept; a shard asks for :data:`PREFETCH_ROWS` rows at a time: one decompression pass per that many rows of
+  the shard, memory for that many rows (decompress a large archive once, or convert it to Parquet, where a shard
+  holding most of it is read many times);
+* Parquet: the file's number in the source and the row's number in the file; the row groups holding the asked rows
+  are decoded once each (their used columns) and the rows taken from them, :data:`PREFETCH_ROWS` rows at a time;
+* ``save_to_disk`` folders and hub datasets: the row's number; a take from the memory-mapped Arrow table;
+* a name upstream's loader knows: the row's number in what the loader returns (kept loaded).
+
+A file changed after it was first read (device, inode, size, modification or status-change time) is refused by name
+when a row is read again, never read.
 
 Rows whose content is exactly another's (:data:`CONVERSATION_FIELDS` or :data:`PRETOKENIZED_FIELDS`, as canonical
 JSON: keys sorted, other fields ignored) are duplicates: the first in the run's input order (sources in the order

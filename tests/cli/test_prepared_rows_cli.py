@@ -3,10 +3,12 @@
 the summary, and a folder of an earlier release refused where its names could differ."""
 
 import json
+import os
 import shutil
 
 from helpers.cli import conversations, generate, invoke, load_all, write_jsonl
 from speculators_v016.run.dataset import run_order
+from speculators_v016.store import digest_memo, prepared_cache
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.outdir import shard_dir
 
@@ -35,7 +37,8 @@ def test_names_are_positions_with_gaps_and_a_rerun_and_verify_accept_them(tmp_pa
     assert sorted(Manifest(out).entries()) == kept and len(kept) == 12
     assert "skipped:    3 no assistant (trainable) tokens" in result.output
     assert "gaps:       3 sample names of this shard have no file" in result.output
-    assert f"prepared:   {cache} (2 entries" in result.output
+    memo = (cache / prepared_cache.entry_name(digest_memo.VERSION, os.path.realpath(data))).exists()
+    assert f"prepared:   {cache} ({2 + memo} entries" in result.output  # the index, a chunk (the input's sha256)
     config = json.loads((out / "data_config.json").read_text())["speculators_v016"]
     assert config["numbering"] == "run-order-position-1" and config["dataset_samples"] == len(rows)
     assert invoke("verify", out).exit_code == 0
