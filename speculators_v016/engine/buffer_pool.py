@@ -13,6 +13,20 @@ Blocks come in size classes (at most 1/8 above the request); a free block is
 reused for any request it fits without wasting more than half of it. Free
 blocks beyond ``keep_bytes`` are dropped, least recently used first; a block
 that is never given back (an aborted run) is freed with the pool.
+
+On a CPU engine (``fresh_below``, :data:`MALLOC_MMAP_CEILING`) a sample whose
+every tensor is smaller than glibc's mmap ceiling gets fresh tensors instead,
+given back to the allocator with the sample. glibc serves such sizes from its
+heap once a freed chunk of that size has raised its mmap threshold, and a freed
+sample leaves its memory there for the next allocation, vLLM's own included:
+a CPU engine's forward runs in this process and makes a 56 MiB activation
+several times a layer (hidden 7168, 2048 tokens a step, float32), each a fresh
+mmap whose 4 KiB pages fault unless the heap holds a free chunk that size.
+Pooled, the samples' memory never returned to the heap and the wide CPU
+benchmark's run faulted 11.0 M pages against the generator's 9.8 M (2 CPU-s
+more in the kernel, 0.06 CPU-s per 1,000 tokens; fresh: 9.7 M,
+``tools/benchmarks/generator_vs_llm.py``). Tensors at or above the ceiling are
+always fresh mmaps in glibc, so they stay pooled.
 """
 
 from __future__ import annotations
@@ -25,6 +39,9 @@ from math import prod
 import torch
 
 ALIGN = 64  # bytes: each tensor of a block starts on a cache line
+#: glibc's largest dynamic mmap threshold on 64-bit hosts (``DEFAULT_MMAP_THRESHOLD_MAX``, mallopt(3)): smaller
+#: allocations may come from (and go back to) its heap, larger ones are always mmaps of their own.
+MALLOC_MMAP_CEILING = 32 << 20
 
 
 def size_class(nbytes: int) -> int:
@@ -38,17 +55,26 @@ def size_class(nbytes: int) -> int:
 class BufferPool:
     """Blocks of host memory carved into a sample's tensors, handed out and taken back by whole blocks."""
 
-    def __init__(self, keep_bytes: int = 2 << 30):
+    def __init__(self, keep_bytes: int = 2 << 30, fresh_below: int = 0):
         self.keep_bytes = keep_bytes
+        self.fresh_below = fresh_below  # a sample whose tensors are all smaller: fresh tensors, not a block
         self._free: OrderedDict[int, torch.Tensor] = OrderedDict()  # data_ptr -> block, oldest first
         self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> block
+        self._fresh: set[int] = set()  # data_ptr of the first tensor of each sample lent fresh tensors
         self._lock = threading.Lock()
         self.allocated = 0  # blocks made (a steady run stops making them)
         self.reused = 0
+        self.fresh = 0  # samples given fresh tensors (fresh_below)
 
     def take(self, specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> list[torch.Tensor]:
         """Uninitialised contiguous tensors of the given shapes and dtypes, all in one block."""
         sizes = [prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
+        if specs and max(sizes) < self.fresh_below:
+            tensors = [torch.empty(tuple(shape), dtype=dtype) for shape, dtype in specs]
+            with self._lock:
+                self._fresh.add(tensors[0].untyped_storage().data_ptr())
+                self.fresh += 1
+            return tensors
         offsets, total = [], 0
         for size in sizes:
             offsets.append(total)
@@ -77,11 +103,15 @@ class BufferPool:
         return block
 
     def give_back(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Return the block that ``tensors`` (as :meth:`take` gave them) live in; their memory is reused."""
+        """Return the block that ``tensors`` (as :meth:`take` gave them) live in; their memory is reused (fresh
+        tensors: the allocator's again once the caller drops them)."""
         if not tensors:
             return
         ptr = tensors[0].untyped_storage().data_ptr()
         with self._lock:
+            if ptr in self._fresh:
+                self._fresh.discard(ptr)
+                return
             block = self._lent.pop(ptr, None)
             if block is None:
                 raise RuntimeError("these tensors were not taken from this pool, or were given back twice")
@@ -97,5 +127,6 @@ class BufferPool:
 
     @property
     def lent(self) -> int:
+        """Samples whose memory is out (blocks and fresh tensors)."""
         with self._lock:
-            return len(self._lent)
+            return len(self._lent) + len(self._fresh)

@@ -269,6 +269,7 @@ class CaptureEngine:
         self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens
         self.max_prompt_len = config.model_config.max_model_len - 1  # room for the one sampled token
         self.copy_threads = copy_threads(config.device_config.device_type)
+        self.device_type = config.device_config.device_type
 
     def _check_started(self, config) -> None:
         """The ring covers the steps in flight, the loaded model has the planned depth, and (pipeline

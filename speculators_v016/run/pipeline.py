@@ -41,7 +41,7 @@ from speculators_v016.checks.self_check import SelfCheckError as SelfCheckError 
 from speculators_v016.checks.zero_embeddings import zero_embedding_ids
 from speculators_v016.config import RunConfig, write_workers_for
 from speculators_v016.engine import arg_kinds
-from speculators_v016.engine.buffer_pool import BufferPool
+from speculators_v016.engine.buffer_pool import MALLOC_MMAP_CEILING, BufferPool
 from speculators_v016.engine.engine_args import check_engine_args, vllm_defaults
 from speculators_v016.generator import VllmHiddenStatesGenerator
 from speculators_v016.layers import LayerPlan
@@ -372,7 +372,20 @@ def host_line(host: dict) -> str:
         f"{host['engine_copied']:.1f} s and waited {host['waited']:.1f} s for the writers (queue full); "
         f"{host['workers']} write workers busy {host['busy']:.0%} of the time; buffer pool: {host['blocks_made']} "
         f"blocks made, {host['blocks_reused']} reused"
+        + (f", {host['samples_fresh']} samples in fresh memory (CPU engine)" if host.get("samples_fresh") else "")
+        + (f"; this process used {host['cpu_seconds']:.1f} CPU-s (user + system)" if "cpu_seconds" in host else "")
+        + (
+            f"; the last files were made durable {host['drain_seconds']:.1f} s after the engine's last sample"
+            if host.get("drain_seconds") is not None
+            else ""
+        )
     )
+
+
+def _cpu_since(before: os.times_result) -> float:
+    """CPU seconds (user + system, every thread) this process used since ``before`` (``os.times()``)."""
+    now = os.times()
+    return (now.user - before.user) + (now.system - before.system)
 
 
 def _generate(
@@ -398,7 +411,9 @@ def _generate(
         work.begin(directory, pending, done or {}, checked.__contains__)
     if checked:
         engine.warm_prompt_logprobs()  # vLLM compiles its prompt-logprobs kernel here, not in the first step
-    pool = BufferPool()  # each sample's states: one block, back to the pool once its file is written
+    # each sample's states: one block, back to the pool once its file is written; on a CPU engine, whose forward
+    # shares this process's heap, samples under glibc's mmap ceiling come fresh (speculators_v016.engine.buffer_pool)
+    pool = BufferPool(fresh_below=MALLOC_MMAP_CEILING if engine.device_type == "cpu" else 0)
     stats = engine.stats  # the engine's thread's time, counted from here
     before = (stats.stepped, stats.copied)
 
@@ -424,7 +439,8 @@ def _generate(
 
     window = max(opts.batch_size, 2 * opts.engine.max_num_seqs)
     total_tokens = work.tokens(pending)  # None: a regenerating run's, not known before the target writes them
-    started = time.monotonic()
+    started, cpu_before = time.monotonic(), os.times()
+    streamed = None  # s from the clock's start to the engine's last sample (the rest: the last files' writes)
     by_samples = total_tokens is None  # then the bar counts samples (its ETA), the tokens go in its postfix
     bar = tqdm(
         total=len(pending) if by_samples else total_tokens,
@@ -463,6 +479,7 @@ def _generate(
             hold.forget(i for i, _ in cut)  # a checked turn that will never come is not waited for
             _note_rejected(writer.take_rejected(), summary, opts)
             bar.set_description(f"{writer.written}/{len(pending)} samples")
+        streamed = time.monotonic() - started
         _note_cut(work.take_cut(), summary, opts)  # turns cut after the last sample came
         if by_samples and take_dropped:
             bar.update(take_dropped())  # rows dropped after the last sample came
@@ -480,7 +497,9 @@ def _generate(
             summary.generation_seconds = summary.generation_seconds or time.monotonic() - started
             summary.written, summary.bytes = writer.written, writer.bytes
             host = {**writer.load(), "engine_stepped": stats.stepped - before[0], "engine_copied": stats.copied - before[1],
-                    "blocks_made": pool.allocated, "blocks_reused": pool.reused}  # fmt: skip
+                    "blocks_made": pool.allocated, "blocks_reused": pool.reused,
+                    "samples_fresh": pool.fresh, "cpu_seconds": _cpu_since(cpu_before),
+                    "drain_seconds": summary.generation_seconds - streamed if streamed is not None else None}  # fmt: skip
             summary.host = {k: round(v, 3) if isinstance(v, float) else v for k, v in host.items()}
             bar.set_description(f"{writer.written}/{len(pending)} samples")
             bar.close()

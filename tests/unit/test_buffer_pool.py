@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from speculators_v016.engine.assembly import Assembler
-from speculators_v016.engine.buffer_pool import ALIGN, BufferPool, size_class
+from speculators_v016.engine.buffer_pool import ALIGN, MALLOC_MMAP_CEILING, BufferPool, size_class
 from speculators_v016.protocol import StepCapture
 
 
@@ -59,6 +59,33 @@ def test_idle_blocks_beyond_the_limit_are_dropped_oldest_first():
     assert pool.free_bytes <= 3 * 2**20 and pool.lent == 0
     again = {pool.take([((2**20,), torch.uint8)])[0].data_ptr() for _ in range(3)}
     assert again == {b[0].data_ptr() for b in blocks[1:]} and pool.allocated == 4
+
+
+def test_samples_under_the_fresh_limit_get_fresh_tensors_and_give_them_back():
+    """fresh_below: a sample whose tensors are all smaller gets tensors of its own, no block; larger ones pooled."""
+    pool = BufferPool(fresh_below=1 << 20)
+    fresh = pool.take([((1000, 64), torch.float32)] * 3 + [((1000,), torch.float32)])  # 256,000 B each
+    assert [t.shape for t in fresh] == [(1000, 64)] * 3 + [(1000,)] and fresh[3].dtype == torch.float32
+    assert len({t.untyped_storage().data_ptr() for t in fresh}) == 4  # one allocation each, none shared
+    assert (pool.fresh, pool.allocated, pool.lent) == (1, 0, 1)
+    big = pool.take([((1000, 64), torch.float32), ((5000, 64), torch.float32)])  # one tensor at 1.28 MB: a block
+    assert big[0].untyped_storage().data_ptr() == big[1].untyped_storage().data_ptr()
+    assert (pool.fresh, pool.allocated, pool.lent) == (1, 1, 2)
+    pool.give_back(fresh)
+    assert pool.lent == 1 and pool.free_bytes == 0  # fresh memory is the allocator's again, never kept
+    with pytest.raises(RuntimeError, match="given back twice"):
+        pool.give_back(fresh)
+    pool.give_back(big)
+    assert pool.lent == 0 and pool.free_bytes > 0
+
+
+def test_the_fresh_limit_is_glibcs_mmap_ceiling():
+    """The CPU engine's limit is glibc's largest dynamic mmap threshold on 64-bit hosts: 32 MiB (mallopt(3))."""
+    assert MALLOC_MMAP_CEILING == 4 * 1024 * 1024 * 8
+    pool = BufferPool(fresh_below=MALLOC_MMAP_CEILING)
+    pool.take([((512, 7168), torch.float32)] * 3)  # the wide benchmark's sample: 14.7 MB a layer
+    pool.take([((2048, 7168), torch.float32)] * 3)  # 58.7 MB a layer: glibc maps each afresh, so pooled
+    assert (pool.fresh, pool.allocated) == (1, 1)
 
 
 def test_assembler_puts_states_in_pool_blocks():

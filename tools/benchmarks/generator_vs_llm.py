@@ -14,7 +14,8 @@ scheduling, the engine's choice under PP), ``pp2-async`` (the same with
 ``pipeline_async_scheduling``),
 ``llm``, ``llm-pp2`` (LLM.generate under PP 2), ``cli`` (the real command on the same prompts,
 as pre-tokenized rows, writing its files to a temporary folder: its own summary's tokens/s of
-generation, which has no warm-up pass and includes the last files made durable). With ``pp2`` the script also
+generation, which has no warm-up pass and includes the last files made durable; also without those last writes,
+``cli-steady``, and the CLI's CPU time of that clock). With ``pp2`` the script also
 prints the ring's bytes per stage (each stage writes its layers' rows of a slot).
 ``--pipeline`` measures pp2 against mp and llm-pp2 (its page: pipeline_parallel.md). vLLM 0.16's own
 ``LLM`` at PP 2 on CPU leaves its CPU communicator's shared memory (``<port>-pp:0-[0-1]-cpushm_*``,
@@ -79,6 +80,7 @@ LABELS = {
     "llm": "LLM.generate(max_tokens=1)",
     "llm-pp2": "LLM.generate(max_tokens=1), PP=2",
     "cli": "speculators-data-gen (files written)",
+    "cli-steady": "the same, to the engine's last sample",
 }
 PIPELINE_MODES = ["mp", "pp2", "pp2-async", "llm-pp2"]
 
@@ -149,7 +151,17 @@ def cli_rate(args: dict, batch: list[list[int]]) -> dict:
     tokens, seconds = re.search(r"tokens:\s+(\d+) in ([\d.]+) s of generation", proc.stdout).groups()
     if int(tokens) != len(batch) * args["length"]:
         raise RuntimeError(f"the CLI wrote {tokens} tokens of {len(batch) * args['length']}:\n{proc.stdout}")
-    return {"tokens_per_s": int(tokens) / float(seconds), "peak_rss_mib": None, "ring": None, "cpu_per_k": None}
+    host = re.search(r"used ([\d.]+) CPU-s .* made durable ([\d.]+) s after the engine's last sample", proc.stdout)
+    tokens, seconds = int(tokens), float(seconds)
+    cpu, drain = (float(host[1]), float(host[2])) if host else (None, None)
+    return {
+        "tokens_per_s": tokens / seconds,
+        # to the engine's last sample, as the generator's pass is timed: without the last files' writes
+        "steady_tokens_per_s": tokens / (seconds - drain) if host else None,
+        "peak_rss_mib": None,
+        "ring": None,
+        "cpu_per_k": cpu / tokens * 1000 if host else None,
+    }
 
 
 def measure(args: dict) -> dict:
@@ -229,7 +241,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--eager", action="store_true", help="eager engines (default: compiled)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="base")
-    ap.add_argument("--modes", nargs="+", choices=sorted(LABELS), default=["async", "generate", "sync", "llm"])
+    ap.add_argument(
+        "--modes", nargs="+", choices=sorted(set(LABELS) - {"cli-steady"}), default=["async", "generate", "sync", "llm"]
+    )
     ap.add_argument(
         "--pipeline", action="store_true", help=f"modes {' '.join(PIPELINE_MODES)}; page pipeline_parallel.md"
     )
@@ -268,6 +282,8 @@ def main() -> None:
             key = mode if code is None else f"{mode} (before)"
             got = child(__file__, {**base, "mode": mode, "prompts": opts.prompts}, code_from=code)
             rates.setdefault(key, []).append(got["tokens_per_s"])
+            if got.get("steady_tokens_per_s") is not None:
+                rates.setdefault(f"{mode}-steady", []).append(got["steady_tokens_per_s"])
             if got.get("cpu_per_k") is not None:
                 cpu.setdefault(key, []).append(got["cpu_per_k"])
             ring = got.get("ring") or ring
@@ -305,7 +321,7 @@ def main() -> None:
             print(f"  {label:39} {med[key]:10,.0f} tokens/s   (runs: {', '.join(f'{r:,.0f}' for r in rates[key])})")
         for key in rates:
             for ref in ("llm", "async", "async (before)"):
-                if key == "cli" and ref == "llm":
+                if key.startswith("cli") and ref == "llm":
                     continue  # the CLI against the generator: what writing the files costs
                 if key != ref and ref in med and key != "llm" and (ref != "async" or not key.endswith("(before)")):
                     # each round's runs side by side (one machine state): the ratio noise moves least
@@ -315,11 +331,20 @@ def main() -> None:
                         f"{', '.join(f'{r:.2f}' for r in rounds)}: median {statistics.median(rounds):.2f}x"
                     )
         if cpu:
-            print("  CPU time of the timed pass (user + system, the engine's processes included), per 1,000 tokens:")
+            print(
+                "  CPU time of the timed pass (user + system, the engine's processes included; the CLI: its own clock's),"
+                " per 1,000 tokens:"
+            )
             for key, values in cpu.items():
                 label = LABELS[key.split(" ")[0]] + (" [before]" if key.endswith("(before)") else "")
                 line = f"    {label:39} {statistics.median(values):6.3f} CPU-s (runs: {', '.join(f'{v:.3f}' for v in values)})"
-                if key != "llm" and "llm" in cpu:
+                if key == "cli" and "async" in cpu:  # what the CLI's host path costs on top of the generator's pass
+                    rounds = [mine - theirs for mine, theirs in zip(values, cpu["async"])]
+                    line += (
+                        f"; minus the generator's {statistics.median(values) - statistics.median(cpu['async']):+.3f}"
+                        f", per round {', '.join(f'{r:+.3f}' for r in rounds)}: median {statistics.median(rounds):+.3f}"
+                    )
+                elif key != "llm" and "llm" in cpu:
                     rounds = [theirs / mine for mine, theirs in zip(values, cpu["llm"])]
                     line += (
                         f"; LLM.generate / this {statistics.median(cpu['llm']) / statistics.median(values):.2f}x, per "
