@@ -23,10 +23,11 @@ a CPU engine's forward runs in this process and makes a 56 MiB activation
 several times a layer (hidden 7168, 2048 tokens a step, float32), each a fresh
 mmap whose 4 KiB pages fault unless the heap holds a free chunk that size.
 Pooled, the samples' memory never returned to the heap and the wide CPU
-benchmark's run faulted 11.0 M pages against the generator's 9.8 M (2 CPU-s
-more in the kernel, 0.06 CPU-s per 1,000 tokens; fresh: 9.7 M,
-``tools/benchmarks/generator_vs_llm.py``). Tensors at or above the ceiling are
-always fresh mmaps in glibc, so they stay pooled.
+benchmark's CLI faulted 11.0 M pages in its pass against the generator's
+9.3-9.8 M (about 2 CPU-s more in the kernel, 0.06 CPU-s per 1,000 tokens);
+with fresh memory 9.7-10.3 M (``tools/benchmarks/generator_vs_llm.py``,
+docs/benchmarks/README.md). Tensors at or above the ceiling are always fresh
+mmaps in glibc, so they stay pooled.
 """
 
 from __future__ import annotations
