@@ -30,6 +30,7 @@ screen flagged a sample).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -41,7 +42,10 @@ _COLUMNS = 16  # columns of every row the screen reads
 _NAMED = 8  # rows named in a finding at most
 
 
+@functools.lru_cache(maxsize=64)
 def _columns(hidden: int) -> torch.Tensor:
+    """The screen's columns of a row of ``hidden`` values (made once per width: the screen runs per sample, on the
+    engine's thread; making them took 6% of that thread at hidden 7168 on the H200 host). Read, never written."""
     return torch.linspace(0, max(hidden - 1, 0), min(hidden, _COLUMNS)).round().long().unique()
 
 
