@@ -537,7 +537,7 @@ class CaptureEngine:
         try:
             while True:
                 more = more and self._admit(feed, assembler, window, waiting, prompt_logprobs)
-                if self.scheduler.has_requests() and len(in_flight) < self.depth and self._slot_free():
+                if self._can_launch(in_flight):
                     in_flight.appendleft(self._launch(assembler))
                     self.stats.max_in_flight = max(self.stats.max_in_flight, len(in_flight))
                     if len(in_flight) < self.depth and not in_flight[-1].output.done():
@@ -545,7 +545,7 @@ class CaptureEngine:
                 if in_flight:
                     waited = self._wait(in_flight.pop(), assembler)
                     try:  # the next step goes to the device before this one's rows are copied out of the ring
-                        if self.scheduler.has_requests() and len(in_flight) < self.depth and self._slot_free():
+                        if self._can_launch(in_flight):
                             in_flight.appendleft(self._launch(assembler))
                             self.stats.max_in_flight = max(self.stats.max_in_flight, len(in_flight))
                             self.stats.launched_before_copy += 1
@@ -632,6 +632,10 @@ class CaptureEngine:
 
     def _slot_free(self) -> bool:
         return self.ring is None or self.ring.free > 0
+
+    def _can_launch(self, in_flight: deque) -> bool:
+        """A step can go to the device now: work is scheduled, fewer than ``depth`` are in flight, a slot is free."""
+        return self.scheduler.has_requests() and len(in_flight) < self.depth and self._slot_free()
 
     def shutdown(self) -> None:
         global _IN_PROCESS_ENGINES
