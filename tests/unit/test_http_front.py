@@ -267,6 +267,10 @@ def test_when_every_connection_is_served_a_newcomer_gets_503_and_health_says_so_
             )
             release.set()
             assert [f.result()[0] for f in served] == [200] * 4
+        deadline = time.monotonic() + 10  # the clients closed; the front notices each close on its own thread
+        while front.server.saturation()[0]["open"] > 0:
+            assert time.monotonic() < deadline, front.server.saturation()
+            time.sleep(0.02)
         with pytest.raises(urllib.error.HTTPError) as raised:
             urllib.request.urlopen(front.url + "/health", timeout=10)
         body = json.loads(raised.value.read())
