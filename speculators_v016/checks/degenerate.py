@@ -25,7 +25,10 @@ every row (what a run can afford per sample): a zero row is zero in those
 columns, and two equal rows are equal there, so False proves there is nothing
 to find. :func:`degenerate_layers` confirms each candidate row on all of its
 values and names layer and rows (``verify``, and the run's self-check once the
-screen flagged a sample).
+screen flagged a sample). A run's writer threads take the screen's columns from
+each layer's bytes as they write them (:class:`ColumnGather`, judged by
+:func:`may_be_degenerate_gathered`): the bytes screened are the bytes written,
+and the engine's thread is spared the screen.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def _columns(hidden: int) -> torch.Tensor:
 
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 #: Odd multipliers of the row hash (fixed, so a run and verify group alike; integer sums wrap exactly).
 _MIX = torch.randint(-(2**62), 2**62, (_COLUMNS + 1,), generator=torch.Generator().manual_seed(29)) | 1
 _MIX_NP = _MIX.numpy()
@@ -75,21 +79,34 @@ def _screen_bits(h: torch.Tensor | Fp8States) -> tuple[np.ndarray, np.ndarray | 
     columns = _columns(h.shape[1]).numpy()
     if isinstance(h, Fp8States):
         codes = np.take(h.codes.view(torch.uint8).numpy(), columns, axis=1)
-        return codes, h.scales.contiguous().view(torch.int32).numpy(), 0x7F
+        return codes, _scale_bits(h), _magnitude(1)
     size = h.element_size()
-    return np.take(h.view(_INT[size]).numpy(), columns, axis=1), None, (1 << (8 * size - 1)) - 1
+    return np.take(h.view(_INT[size]).numpy(), columns, axis=1), None, _magnitude(size)
+
+
+def _magnitude(size: int) -> int:
+    """The bits of a ``size``-byte float that are not its sign (FP8 e4m3: 0x7F)."""
+    return (1 << (8 * size - 1)) - 1
+
+
+def _scale_bits(h: Fp8States) -> np.ndarray:
+    return h.scales.contiguous().view(torch.int32).numpy()
 
 
 def _candidates(h: torch.Tensor | Fp8States) -> tuple[list[int], list[list[int]]]:
-    """(rows that may be zero, groups of rows that may be equal), from a few columns of every row.
+    """(rows that may be zero, groups of rows that may be equal), from a few columns of every row."""
+    return _candidates_of(*_screen_bits(h))
+
+
+def _candidates_of(bits: np.ndarray, scales: np.ndarray | None, magnitude: int) -> tuple[list[int], list[list[int]]]:
+    """(rows that may be zero, groups of rows that may be equal), from ``bits``: a few columns of every row.
 
     Rows are grouped by a hash of those columns' bits (and FP8 scales): equal rows always share a group; a
     collision only adds a candidate, which :func:`_equal_classes` then tells apart. The screen runs on the
-    columns' integer bits in numpy, on the calling thread: torch's CPU ops on a ``[rows, 16]`` bf16 slice (an
-    elementwise compare, a reduction over 16 values) took 7-27 ms a layer through its thread pool, on the
-    main thread of a run whose engine waits for it (a zero test is a test of the bits but the sign).
+    columns' integer bits in numpy: torch's CPU ops on a ``[rows, 16]`` bf16 slice (an elementwise compare, a
+    reduction over 16 values) took 7-27 ms a layer through its thread pool (a zero test is a test of the bits
+    but the sign).
     """
-    bits, scales, magnitude = _screen_bits(h)
     zero = np.flatnonzero(((bits & bits.dtype.type(magnitude)) == 0).all(axis=1)).tolist()
     key = (bits.astype(np.int64) * _MIX_NP[: bits.shape[1]]).sum(axis=1)  # integer sums wrap, as intended
     if scales is not None:
@@ -102,6 +119,43 @@ def _candidates(h: torch.Tensor | Fp8States) -> tuple[list[int], list[list[int]]
     bounds = np.flatnonzero(np.concatenate([[True], ~same])).tolist() + [len(ranked)]
     groups = [sorted(order[a:b].tolist()) for a, b in zip(bounds, bounds[1:]) if b - a > 1]
     return zero, groups
+
+
+class ColumnGather:
+    """The screen's columns of every row of one layer, gathered from the layer's bytes chunk by chunk as a
+    sample writer writes them: ``gather(chunk)`` takes the chunks of the ``[rows, hidden]`` buffer in order
+    (each a whole number of elements), from the core's cache, so the screen reads no byte from memory again and
+    runs on the writer's threads, not the engine's. :func:`may_be_degenerate_gathered` judges the result."""
+
+    def __init__(self, rows: int, hidden: int, element_size: int, scales: np.ndarray | None = None):
+        columns = _columns(hidden).numpy().astype(np.int64)
+        self.size, self.hidden, self.row_bytes, self.rows = element_size, hidden, hidden * element_size, rows
+        self.columns, self.offsets = columns, columns * element_size  # each column's first byte within a row
+        self.bits = np.zeros((rows, len(columns)), dtype=_NP_INT[element_size])  # the bits _screen_bits takes
+        self.scales, self.magnitude, self.seen = scales, _magnitude(element_size), 0
+
+    def __call__(self, chunk: memoryview) -> bool:
+        start, end = self.seen, self.seen + len(chunk)
+        if start % self.size or len(chunk) % self.size:
+            raise ValueError(f"a chunk of {len(chunk)} bytes at {start} splits {self.size}-byte elements")
+        self.seen = end
+        values = np.frombuffer(chunk, dtype=self.bits.dtype)
+        inner, outer = -(-start // self.row_bytes), min(self.rows, end // self.row_bytes)  # rows wholly inside
+        if outer > inner:
+            first = (inner * self.row_bytes - start) // self.size
+            rows = values[first : first + (outer - inner) * self.hidden].reshape(outer - inner, self.hidden)
+            self.bits[inner:outer] = rows[:, self.columns]
+        for row in {start // self.row_bytes, (end - 1) // self.row_bytes} - set(range(inner, outer)):
+            if row < self.rows:  # a row split between chunks: the columns this chunk holds
+                at = row * self.row_bytes + self.offsets
+                held = np.flatnonzero((at >= start) & (at < end))
+                self.bits[row, held] = values[(at[held] - start) // self.size]
+        return True
+
+    @property
+    def complete(self) -> bool:
+        """Every byte of the layer was seen."""
+        return self.seen == self.rows * self.row_bytes
 
 
 def _name(rows: list[int], length: int) -> str:
@@ -121,11 +175,24 @@ def may_be_degenerate(
 ) -> bool:
     """Cheap screen (a few columns per row): False proves no row is all zeros (of a token whose embedding row
     is not zero, ``zero_ids``) or repeats another token's."""
+    return _flagged(input_ids, (_screen_bits(h) for h in states if h.shape[0]), zero_ids)
+
+
+def may_be_degenerate_gathered(
+    input_ids: torch.Tensor, gathers: Sequence[ColumnGather], zero_ids: frozenset[int] = frozenset()
+) -> bool:
+    """:func:`may_be_degenerate` from the columns :class:`ColumnGather` took as each layer was written; every
+    layer must have been seen whole (a ValueError otherwise: the screen never judges a layer it did not read)."""
+    short = [j for j, g in enumerate(gathers) if not g.complete]
+    if short:
+        raise ValueError(f"the degenerate-row screen saw layers {short} only in part")
+    return _flagged(input_ids, ((g.bits, g.scales, g.magnitude) for g in gathers if g.rows), zero_ids)
+
+
+def _flagged(input_ids: torch.Tensor, layers, zero_ids: frozenset[int]) -> bool:
     ids = input_ids.reshape(-1)
-    for h in states:
-        if h.shape[0] == 0:
-            continue
-        zero, groups = _candidates(h)
+    for bits, scales, magnitude in layers:
+        zero, groups = _candidates_of(bits, scales, magnitude)
         if _exempt(ids, zero, zero_ids) or any(bool((ids[g] != ids[g[0]]).any()) for g in groups):
             return True
     return False

@@ -17,7 +17,13 @@ from collections.abc import Callable
 
 import torch
 
-from speculators_v016.checks.degenerate import degenerate_layers, may_be_degenerate
+from speculators_v016.checks.degenerate import (
+    ColumnGather,
+    degenerate_layers,
+    may_be_degenerate,
+    may_be_degenerate_gathered,
+)
+from speculators_v016.fp8 import Fp8States
 
 
 class NonFiniteError(RuntimeError):
@@ -40,17 +46,17 @@ def check_plausible(
     layer_ids: list[int],
     holding: bool,
     zero_ids: frozenset[int] = frozenset(),
+    screened: bool = False,
 ) -> None:
     """Raise SelfCheckError if a layer of sample ``name`` holds states no model produces (``zero_ids``: tokens
-    whose input embedding row is zero, :mod:`~speculators_v016.checks.zero_embeddings`)."""
-    if not may_be_degenerate(input_ids, states, zero_ids):
+    whose input embedding row is zero, :mod:`~speculators_v016.checks.zero_embeddings`); ``screened``: the
+    cheap screen already flagged the sample, only the confirmation on every value is left."""
+    if not screened and not may_be_degenerate(input_ids, states, zero_ids):
         return
     found = degenerate_layers(input_ids, states, zero_ids)
     if found:
         j, what = found[0]
-        kept = (
-            "nothing of this run was written" if holding else "samples written before it passed this check and are kept"
-        )
+        kept = "nothing of this run was written" if holding else "every sample written passed this check and is kept"
         finding = f"sample {name}, layer {layer_ids[j]}: {what}"
         raise SelfCheckError(
             f"self-check failed: {finding}. No model produces this: the capture is broken, and the run stops "
@@ -72,13 +78,51 @@ def check_logits(checker, name: int, input_ids: torch.Tensor, states: list, thei
         )
 
 
+class WriterScreen:
+    """The degenerate-row screen run on the sample writer's threads, off the engine's: each layer's screen columns
+    are gathered from its chunks as the writer writes them (:class:`~speculators_v016.checks.degenerate.ColumnGather`,
+    from the core's cache), and the sample is judged before its file gets its name. A finding raises
+    :class:`SelfCheckError` there: the file is not kept, the writer stops and the run with it (exit 7). The
+    engine's thread spent a third of its time on this screen at hidden 7168 on the H200 host."""
+
+    errors = (SelfCheckError,)  #: what the screen raises: a finding, passed on by the writer as it is
+
+    def __init__(self, layer_ids: list[int], zero_ids: frozenset[int] = frozenset()):
+        self.layer_ids, self.zero_ids = layer_ids, zero_ids
+
+    def gathers(self, name: int, sample: dict) -> tuple[list[ColumnGather], Callable[[], None]]:
+        """One gather per layer (the scan of that layer's bytes: codes for FP8), and the verdict to call once
+        every byte was written: it raises :class:`SelfCheckError` on a finding."""
+        states = sample["hidden_states"]
+        gathers = []
+        for h in states:
+            if isinstance(h, Fp8States):
+                rows, hidden = h.codes.shape
+                gathers.append(ColumnGather(rows, hidden, 1, h.scales.contiguous().view(torch.int32).numpy()))
+            else:
+                gathers.append(ColumnGather(h.shape[0], h.shape[1], h.element_size()))
+
+        def verdict() -> None:
+            ids = sample["input_ids"]
+            if may_be_degenerate_gathered(ids, gathers, self.zero_ids):
+                check_plausible(name, ids, states, self.layer_ids, False, self.zero_ids, screened=True)
+
+        return gathers, verdict
+
+    def whole(self, name: int, sample: dict) -> None:
+        """The screen on the sample's memory (a format whose bytes cannot be told apart: ``.pt``)."""
+        check_plausible(name, sample["input_ids"], sample["hidden_states"], self.layer_ids, False, self.zero_ids)
+
+
 class HoldBack:
     """Finished samples, held back from the writer until the logit check has judged every sample it checks.
 
     ``checked``: the indexes the logit check judges (empty: nothing is held);
     ``checker``: the run's :class:`~speculators_v016.checks.logit_check.LogitChecker`
     (released once all of them passed); ``put(name, sample)``: hand a sample to
-    the writer; ``zero_ids``: tokens whose input embedding row is zero.
+    the writer; ``zero_ids``: tokens whose input embedding row is zero;
+    ``writer_screens``: the writer runs the degenerate-row screen (:class:`WriterScreen`), so a sample is screened
+    here only while samples are held (a finding then stops the run with nothing written).
     """
 
     def __init__(
@@ -88,15 +132,18 @@ class HoldBack:
         layer_ids: list[int],
         put: Callable[[int, dict], None],
         zero_ids: frozenset[int] = frozenset(),
+        writer_screens: bool = False,
     ):
         self.checker, self.layer_ids, self.put, self.zero_ids = checker, layer_ids, put, zero_ids
+        self.writer_screens = writer_screens
         self.awaiting = set(checked)  # checked samples not judged yet
         self.held: list[tuple] = []  # (name, sample, what else put takes)
 
     def judge(self, index, name: int, input_ids: torch.Tensor, states: list, theirs) -> None:
         """Raise SelfCheckError if sample ``index`` (file name ``name``) fails the self-check; ``theirs``:
         vLLM's prompt logprobs of a checked sample."""
-        check_plausible(name, input_ids, states, self.layer_ids, bool(self.awaiting), self.zero_ids)
+        if self.awaiting or not self.writer_screens:
+            check_plausible(name, input_ids, states, self.layer_ids, bool(self.awaiting), self.zero_ids)
         if index in self.awaiting and theirs is not None:
             check_logits(self.checker, name, input_ids, states, theirs, len(self.held))
 

@@ -9,7 +9,8 @@ The steps, each owned by a module: :mod:`~speculators_v016.run.dataset`
 
 The run checks what it captured before it writes it (its *self-check*): every
 sample's layers are screened, row by row, for states no model produces (rows
-all zeros, one row repeated for different tokens: :mod:`~speculators_v016.checks.degenerate`), and the first
+all zeros, one row repeated for different tokens: :mod:`~speculators_v016.checks.degenerate`; by the
+writer's threads on the bytes they write, and on this thread while samples are held back), and the first
 ``logit_check_samples`` samples' last layer must reproduce vLLM's own prompt
 logprobs (:mod:`~speculators_v016.checks.logit_check`). Until the logit check has
 judged its samples, every finished sample is held back from the writer; a
@@ -36,7 +37,7 @@ import speculators_v016
 from speculators_v016 import fp8
 from speculators_v016.checks.finite import non_finite_reason
 from speculators_v016.checks.logit_check import LogitChecker
-from speculators_v016.checks.self_check import HoldBack, NonFiniteError
+from speculators_v016.checks.self_check import HoldBack, NonFiniteError, WriterScreen
 from speculators_v016.checks.self_check import SelfCheckError as SelfCheckError  # re-exported: callers import it here
 from speculators_v016.checks.zero_embeddings import zero_embedding_ids
 from speculators_v016.config import RunConfig, write_workers_for
@@ -426,6 +427,7 @@ def _generate(
         cpus=cpus,
         checksum=algorithm,
         model_args=model_args,
+        screen=WriterScreen(layer_ids, zero_ids),  # the degenerate-row screen, off the engine's thread
     )
 
     def put(name: int, sample: dict, record: dict | None = None) -> None:
@@ -435,7 +437,7 @@ def _generate(
         writer.put(name, sample, done=lambda: pool.give_back(block))
 
     # every finished sample waits here until the logit check has judged all of its samples
-    hold = HoldBack(checked, checker, layer_ids, put, zero_ids)
+    hold = HoldBack(checked, checker, layer_ids, put, zero_ids, writer_screens=True)
 
     window = max(opts.batch_size, 2 * opts.engine.max_num_seqs)
     total_tokens = work.tokens(pending)  # None: a regenerating run's, not known before the target writes them

@@ -50,7 +50,7 @@ from speculators_v016.store.atomic_files import ChunkRefused, WriteError, write_
 from speculators_v016.store.group_commit import DEFAULT_COMMIT_INTERVAL, GroupCommit
 from speculators_v016.store.manifest import Entry, Manifest
 from speculators_v016.store.no_links import LinkedEntryError
-from speculators_v016.store.sample_format import encode_typed, sample_name
+from speculators_v016.store.sample_format import encode_typed, sample_name, state_part
 
 
 class WriterThreadError(RuntimeError):
@@ -80,6 +80,9 @@ class SampleWriter:
     ``non_finite``: samples holding NaN/Inf are not written; it returns the
     reason :meth:`take_rejected` reports (None for a clean sample), and is
     called on such samples only (``.pt``: on every sample, before its write).
+    ``screen``: the degenerate-row screen (:class:`~speculators_v016.checks.self_check.WriterScreen`), run on
+    each layer's chunks as they are written and judged before the file is named; what it raises (a
+    ``SelfCheckError``) stops the run as it is, and that sample's file is not kept.
     """
 
     def __init__(
@@ -92,6 +95,7 @@ class SampleWriter:
         bound: int = 8,
         reject: Callable[[dict], Any] | None = None,
         non_finite: Callable[[dict], Any] | None = None,
+        screen=None,
         cpus: Iterable[int] | None = None,
         commit_interval: float = DEFAULT_COMMIT_INTERVAL,
         nice: int = WRITER_NICE_INCREMENT,
@@ -106,7 +110,7 @@ class SampleWriter:
         self.model_args = model_args or {}
         self.manifest = Manifest(self.directory)
         self.queue: queue.Queue = queue.Queue(maxsize=bound)
-        self.reject, self.non_finite = reject, non_finite
+        self.reject, self.non_finite, self.screen = reject, non_finite, screen
         self.cpus = set(cpus) if cpus else None
         self.nice = nice
         self.error: BaseException | None = None
@@ -158,18 +162,26 @@ class SampleWriter:
         reason = self.reject(sample) if self.reject is not None else None
         if not reason:
             parts, dtypes = encode_typed(sample, self.fmt, self.layer_ids, self.model_args)
-            scans = None
+            scans, verdict = None, None
             if self.non_finite is not None and dtypes is None:  # .pt: its bytes cannot be told apart
                 reason = self.non_finite(sample)
             elif self.non_finite is not None:
                 scans = [_finite_scan(dtype) for dtype in dtypes]
+            if self.screen is not None and not reason:
+                scans, verdict = self._screen(index, sample, parts, scans, dtypes is None)
         if reason:
             self._refuse(index, reason)
             return
         name = sample_name(index, self.fmt)
         try:
             size, digest = write_durable(
-                self.directory, name, parts, drop_cache=True, algorithm=self.checksum, scans=scans
+                self.directory,
+                name,
+                parts,
+                drop_cache=True,
+                algorithm=self.checksum,
+                scans=scans,
+                before_rename=verdict,
             )
         except ChunkRefused as refused:
             reason = self.non_finite(sample)
@@ -181,6 +193,18 @@ class SampleWriter:
             self._refuse(index, reason)
             return
         self.commit.add(Entry(index, name, size, digest, int(sample["input_ids"].shape[0]), self.checksum))
+
+    def _screen(self, index: int, sample: dict, parts: list, scans: list | None, whole: bool):
+        """(the parts' scans with the screen's gathers joined in, its verdict); ``whole``: a ``.pt`` sample,
+        screened on its memory here."""
+        if whole:
+            self.screen.whole(index, sample)
+            return scans, None
+        gathers, verdict = self.screen.gathers(index, sample)
+        scans = list(scans) if scans is not None else [None] * len(parts)
+        for j, gather in enumerate(gathers):
+            scans[state_part(j)] = _both(gather, scans[state_part(j)])
+        return scans, verdict
 
     def _refuse(self, index: int, reason: Any) -> None:
         with self._lock:
@@ -211,7 +235,7 @@ class SampleWriter:
             error = WriterThreadError("every sample-writer thread has ended")
         if error is None:
             return
-        if isinstance(error, (WriteError, LinkedEntryError)):
+        if isinstance(error, (WriteError, LinkedEntryError)) or self._screens(error):
             raise error
         if isinstance(error, OSError):
             raise WriteError(error.errno, f"writing samples to {self.directory} failed: {error}") from error
@@ -219,6 +243,10 @@ class SampleWriter:
             f"a sample-writer thread failed ({type(error).__name__}: {error}); the run stops. Samples listed in "
             f"{self.manifest.path} are complete and kept; a resume writes the rest. Please report it with the log"
         ) from error
+
+    def _screens(self, error: BaseException) -> bool:
+        """``error`` is the screen's own finding (raised as it is, never as a writer bug)."""
+        return self.screen is not None and isinstance(error, getattr(self.screen, "errors", ()))
 
     def put(self, index: int, sample: dict, done: Callable[[], None] | None = None) -> None:
         """Queue a sample (blocks while the queue is full); raise the first write error.
@@ -265,3 +293,10 @@ def _finite_scan(dtype) -> Callable[[memoryview], bool] | None:
     if dtype is None or not dtype.is_floating_point:
         return None
     return lambda chunk: finite.bytes_finite(chunk, dtype)
+
+
+def _both(first: Callable[[memoryview], bool], second: Callable[[memoryview], bool] | None):
+    """A chunk's scan: ``first``, then ``second`` (None: ``first`` alone); refused if either refuses."""
+    if second is None:
+        return first
+    return lambda chunk: first(chunk) and second(chunk)

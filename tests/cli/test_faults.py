@@ -231,7 +231,7 @@ def test_zero_states_mid_run_stop_it_keeping_what_passed(tmp_path, model_dir, da
     assert result.exit_code == 7, result.output
     match = re.search(r"self-check failed: sample (\d+), layer 2: every value is 0", result.output)
     assert match, result.output
-    assert "samples written before it passed this check and are kept" in result.output
+    assert "every sample written passed this check and is kept" in result.output
     entries = Manifest(out).entries()
     assert int(match.group(1)) not in entries and 0 < len(entries) < COUNT
     partial = invoke("verify", out, "--partial")  # reads every file: states, NaN, degenerate layers

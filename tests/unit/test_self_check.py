@@ -79,7 +79,7 @@ def test_a_failed_logit_check_stops_before_anything_is_written():
     assert written == []
 
 
-@pytest.mark.parametrize("holding, kept", [(True, "nothing of this run was written"), (False, "are kept")])
+@pytest.mark.parametrize("holding, kept", [(True, "nothing of this run was written"), (False, "is kept")])
 def test_states_no_model_produces_stop_the_run(holding, kept):
     """A layer of zeros is refused, naming the sample, the layer id and what was written."""
     written = []
