@@ -39,6 +39,9 @@ modules carry no fault points: each fault wraps one of their seams here.
 * ``zero-sample:n``: the ``n``-th sample the engine yields (its warm-up prompts not
   counted), and only it, has every hidden state 0 (a capture that failed once; wraps
   :meth:`CaptureEngine.stream`).
+* ``pace:n``: the engine yields a sample at most every ``n`` milliseconds (a slow
+  target: the run is still mid-way when a test's outside SIGKILL lands, however
+  fast the machine; wraps :meth:`CaptureEngine.stream`). Not a pass count.
 * ``wrong-layer:n``: from the ``n``-th sample on, the middle captured layer
   holds the layer captured before it, as if its tap read the wrong layer
   (wraps :meth:`CaptureEngine.stream`).
@@ -227,6 +230,16 @@ def install() -> None:
                         for h in states
                     ]
                 yield key, ids, states
+
+        CaptureEngine.stream = stream
+    elif point == "pace":
+        original_stream = CaptureEngine.stream
+        pause = int(os.environ[VARIABLE].partition(":")[2] or 100) / 1000
+
+        def stream(self, *args, **kwargs):
+            for item in original_stream(self, *args, **kwargs):
+                time.sleep(pause)
+                yield item
 
         CaptureEngine.stream = stream
     elif point == "wrong-layer":

@@ -214,7 +214,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, model_dir, data_file
     args = [
         sys.executable,
         "-m",
-        "speculators_v016.run.cli",
+        "speculators_v016.testing.faults",  # the real command, its engine paced: the kill lands mid-run
         "--target-model-path",
         model_dir,
         "--train-data-path",
@@ -230,7 +230,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, model_dir, data_file
         "--write-workers",
         1,
     ]
-    env = {**os.environ, **CPU}
+    env = {**os.environ, **CPU, "SPECULATORS_V016_FAULT": "pace:100"}  # a sample a 0.1 s at most
     proc = subprocess.Popen([str(a) for a in args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
