@@ -4,8 +4,8 @@
 Synthetic steps of 8192 tokens x 4 layers x 7168 (bf16, 448 MiB) sit in the
 slots of a real :class:`SlotRing`, as the worker leaves them; the engine-side
 :class:`Assembler` copies each request's rows into the run's buffer pool, and
-the run's :class:`SampleWriter` (NaN/Inf check, digest, write, fsync, rename,
-group commit) puts them in a real folder. Samples have 1536-2560 tokens (2k on
+the run's :class:`SampleWriter` (NaN/Inf check, degenerate-row screen, digest,
+write, fsync, rename, group commit) puts them in a real folder. Samples have 1536-2560 tokens (2k on
 average), so some straddle two steps. Printed, interleaved over --rounds
 (medians): GiB/s of samples made durable and listed, for each --workers count,
 against raw ``write`` + ``fsync`` of the same bytes to the same folder (one
@@ -14,7 +14,9 @@ writer's CPU alone on one thread (BLAKE3, sha256, the NaN/Inf check); the
 writer with BLAKE3 (the default) and with sha256 side by side, with whole
 parts hashed after their write instead of chunk by chunk, and with the NaN/Inf
 check in a pass of its own over each sample instead of on each chunk as it is
-written (both the previous release's ways); the cores the process
+written (both the previous release's ways), and with the degenerate-row
+screen on the engine thread before each put (the previous way: its time is
+printed beside the copy's, the engine thread's per step); the cores the process
 used (CPU time / wall) and CPU-seconds per GiB; the engine thread's copy per
 448 MiB step into pooled blocks and into fresh memory. The copies run on the
 torch threads a GPU engine gives them (``DEFAULT_COPY_THREADS``); where torch
@@ -65,6 +67,9 @@ from report import recording  # noqa: E402
 CURRENT = "reject" in inspect.signature(SampleWriter.__init__).parameters  # False: an earlier checkout's writer
 CHECKSUMS = "checksum" in inspect.signature(SampleWriter.__init__).parameters
 FUSED_CHECK = "non_finite" in inspect.signature(SampleWriter.__init__).parameters  # NaN check in the write loop
+WRITER_SCREEN = "screen" in inspect.signature(SampleWriter.__init__).parameters  # degenerate screen on writers
+if WRITER_SCREEN:
+    from speculators_v016.checks.self_check import WriterScreen
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 if CHECKSUMS:
@@ -75,6 +80,7 @@ if CURRENT:
 
     try:  # the check's module alone: no dataset or model libraries on a GPU host without vLLM
         from speculators_v016.checks.finite import non_finite_reason as reject_non_finite
+        from speculators_v016.checks.self_check import check_plausible
     except ImportError:  # an earlier checkout
         from speculators_v016.run.pipeline import reject_non_finite
 
@@ -119,6 +125,7 @@ def through_writer(
     algorithm: str | None = None,
     whole_parts: bool = False,
     own_pass: bool = False,
+    screen: str | None = "writer",
 ) -> dict:
     """Slots -> assembler -> writer -> durable files, as the pipeline runs them; bytes, seconds, CPU, copy time.
 
@@ -129,12 +136,16 @@ def through_writer(
     the manifest's digest (None: the writer's default); ``whole_parts``: each
     part written whole, then hashed (the previous release's way); ``own_pass``:
     the NaN/Inf check reads the sample in a pass of its own before the write (the
-    previous release's way), not each chunk from the cache as it is written.
+    previous release's way), not each chunk from the cache as it is written. ``screen``: the degenerate-row
+    screen on the writer's threads (``"writer"``, the run's way where the checkout has it), on this thread
+    before each put (``"engine"``, the previous way, timed as the engine thread's), or none (None).
     """
     options = {"checksum": algorithm} if algorithm else {}
     if CURRENT:
         check = reject_non_finite(LAYER_IDS)
         options.update({"reject": check} if own_pass or not FUSED_CHECK else {"non_finite": check})
+        if screen == "writer" and WRITER_SCREEN:
+            options["screen"] = WriterScreen(LAYER_IDS)
         writer = SampleWriter(folder, "safetensors", LAYER_IDS, workers=workers, **options)
         assembler = Assembler(
             tuple(range(LAYERS)),
@@ -147,7 +158,7 @@ def through_writer(
         assembler = Assembler(tuple(range(LAYERS)))
     for i, n in enumerate(lengths):
         assembler.add_request(f"r{i}", i, n)
-    copy = 0.0
+    copy = screened = 0.0
     chunk = atomic_files.WRITE_CHUNK if CHECKSUMS else None
     if whole_parts:
         atomic_files.WRITE_CHUNK = 1 << 40
@@ -179,6 +190,10 @@ def through_writer(
                         raise RuntimeError("NaN in synthetic states")
                     writer.put(index, sample)
                 else:
+                    if screen == "engine":
+                        began = time.perf_counter()
+                        check_plausible(index, sample["input_ids"], states, LAYER_IDS, False)
+                        screened += time.perf_counter() - began
                     blocks = fp8_storage.tensors_of(states)
                     writer.put(index, sample, done=(lambda s=blocks: pool.give_back(s)) if pool else None)
     finally:
@@ -194,6 +209,7 @@ def through_writer(
         "cpu": cpu_seconds() - cpu,
         "tokens": sum(lengths),
         "copy_ms_per_step": 1e3 * copy * STEP / sum(lengths),
+        "screen_ms_per_step": 1e3 * screened * STEP / sum(lengths),
         "commits": writer.commit.commits if CURRENT else len(lengths),
     }
 
@@ -353,6 +369,13 @@ def main() -> None:
                 lambda: through_writer(ring, lengths, base, DEFAULT_WRITE_WORKERS, pool, whole_parts=True),
             ),
         ]
+        if WRITER_SCREEN:
+            configs.append(
+                (
+                    f"writer, {DEFAULT_WRITE_WORKERS} worker(s), blake3, screen on the engine thread",
+                    lambda: through_writer(ring, lengths, base, DEFAULT_WRITE_WORKERS, pool, screen="engine"),
+                )
+            )
         if FUSED_CHECK:
             configs.append(
                 (
@@ -410,6 +433,7 @@ def main() -> None:
         extra = ""
         if "writer" in name:
             copy = statistics.median(r["copy_ms_per_step"] for r in runs[name])
+            screened = statistics.median(r.get("screen_ms_per_step", 0.0) for r in runs[name])
             commits = statistics.median(r["commits"] for r in runs[name])
             per_token = statistics.median(r["bytes"] / r["tokens"] for r in runs[name])
             source = statistics.median(
@@ -417,7 +441,8 @@ def main() -> None:
             )
             extra = (
                 f"  {rate[name] / raw1:.2f}x raw 1 stream; {per_token / 1024:.1f} KiB/token on disk, "
-                f"{source:.2f} GiB/s of bf16 states; copy {copy:.0f} ms per step; "
+                f"{source:.2f} GiB/s of bf16 states; engine thread: copy {copy:.0f} ms"
+                f"{f' + screen {screened:.0f} ms' if screened else ''} per step; "
                 f"{commits:.0f} commits for {len(lengths)} samples"
             )
         out.append(
