@@ -152,6 +152,13 @@ class ColumnGather:
                 self.bits[row, held] = values[(at[held] - start) // self.size]
         return True
 
+    @classmethod
+    def of(cls, h: torch.Tensor | Fp8States) -> ColumnGather:
+        """The gather of layer ``h``'s bytes (FP8: its codes, with its scales' bits)."""
+        if isinstance(h, Fp8States):
+            return cls(h.codes.shape[0], h.codes.shape[1], 1, _scale_bits(h))
+        return cls(h.shape[0], h.shape[1], h.element_size())
+
     @property
     def complete(self) -> bool:
         """Every byte of the layer was seen."""

@@ -23,7 +23,6 @@ from speculators_v016.checks.degenerate import (
     may_be_degenerate,
     may_be_degenerate_gathered,
 )
-from speculators_v016.fp8 import Fp8States
 
 
 class NonFiniteError(RuntimeError):
@@ -94,13 +93,7 @@ class WriterScreen:
         """One gather per layer (the scan of that layer's bytes: codes for FP8), and the verdict to call once
         every byte was written: it raises :class:`SelfCheckError` on a finding."""
         states = sample["hidden_states"]
-        gathers = []
-        for h in states:
-            if isinstance(h, Fp8States):
-                rows, hidden = h.codes.shape
-                gathers.append(ColumnGather(rows, hidden, 1, h.scales.contiguous().view(torch.int32).numpy()))
-            else:
-                gathers.append(ColumnGather(h.shape[0], h.shape[1], h.element_size()))
+        gathers = [ColumnGather.of(h) for h in states]
 
         def verdict() -> None:
             ids = sample["input_ids"]
