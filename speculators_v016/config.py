@@ -57,6 +57,8 @@ ENV_PREFIX = "SPECULATORS_DATA_GEN"
 Executor = Literal["uni", "mp", "ray"]
 #: "auto": vLLM's built-in aux hidden state outputs where the model has them; "taps": ours on every model.
 CaptureMode = Literal["auto", "taps"]
+#: Where each step's rows are copied out of the capture ring (speculators_v016.engine.row_copies).
+RowCopyPlace = Literal["auto", "thread", "inline"]
 #: How hidden states are stored: "auto" in the engine's dtype; "fp8_e4m3": e4m3 codes + a float32 scale
 #: per token per layer, quantized in the worker's capture (:mod:`speculators_v016.fp8`).
 HiddenStatesDtype = Literal["auto", "fp8_e4m3"]
@@ -459,6 +461,13 @@ class EngineConfig:
     executor: Executor | None = setting(
         None,
         "vLLM executor (default: vLLM's choice: uni for one device, mp for tensor parallelism).",
+        section=ENGINE,
+    )
+    row_copies: RowCopyPlace = setting(
+        "auto",
+        "Where each step's rows are copied out of the capture ring into the samples: thread (one of their own, "
+        "while the engine's thread schedules the next steps), inline (on the engine's thread), auto (thread on "
+        "GPU engines, inline on CPU ones, whose forward takes every core). The files are the same either way.",
         section=ENGINE,
     )
     # not options: set by the library's callers, or derived by RunConfig.build

@@ -19,7 +19,10 @@ writer gives back once a sample is on disk); with a ``prefault``
 line get theirs made and touched ahead, on threads of its own. With FP8 storage the step
 carries e4m3 codes and one scale per row; both are copied alike (one
 allocation holds a request's codes and scales), and callers get one
-:class:`~speculators_v016.fp8.Fp8States` per layer. ``copy_threads`` bounds
+:class:`~speculators_v016.fp8.Fp8States` per layer. With ``copies``
+(:class:`~speculators_v016.engine.row_copies.RowCopies`, GPU engines) the copies of
+each step run on a thread of their own while the engine goes on, and a request is handed out
+once the copies of its last rows have landed. ``copy_threads`` bounds
 torch's intra-op threads for these copies (restored after each step): a copy
 split over every core stalls whenever the writers' threads take one of them.
 """
@@ -27,8 +30,7 @@ split over every core stalls whenever the writers' threads take one of them.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +38,7 @@ import torch
 
 from speculators_v016.config import DEFAULT_COPY_THREADS
 from speculators_v016.engine.prefault import Prefaulter
+from speculators_v016.engine.row_copies import Pair, RowCopies, torch_threads
 from speculators_v016.fp8 import CODE_DTYPE, SCALE_DTYPE, Fp8States
 from speculators_v016.protocol import StepCapture
 
@@ -74,20 +77,6 @@ def expected_rows(scheduler_output) -> dict[str, tuple[int, int]]:
     return {rid: (starts[rid], n) for rid, n in scheduler_output.num_scheduled_tokens.items()}
 
 
-@contextmanager
-def torch_threads(count: int | None) -> Iterator[None]:
-    """Torch's intra-op thread count set to ``count`` inside the block and restored after (None: unchanged)."""
-    before = torch.get_num_threads()
-    if count is None or count == before:
-        yield
-        return
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def copy_threads(device_type: str) -> int | None:
     """Torch threads for the copies out of the ring slots: bounded on GPU engines, vLLM's own on CPU ones."""
     if device_type == "cpu":  # vLLM's CPU worker bound its threads to cores; its forward shares them
@@ -105,8 +94,10 @@ class Assembler:
         fp8: bool = False,
         copy_threads: int | None = None,
         prefault: Prefaulter | None = None,
+        copies: RowCopies | None = None,
     ):
         self.capture_order = capture_order  # requested layer j -> row in the captured stack
+        self.copies = copies  # runs each step's copies on its own thread (None: on the caller's, in add)
         self.allocate = allocate or fresh_tensors
         self.prefault = prefault  # makes the next prompts' tensors ahead (with this ``allocate``)
         self._row: tuple[int, torch.dtype, torch.dtype | None] | None = None  # hidden, dtype, FP8 scales' dtype
@@ -142,7 +133,45 @@ class Assembler:
     def pending_steps(self) -> int:
         return len(self._expected)
 
-    def add(self, capture: StepCapture) -> None:
+    def add(self, capture: StepCapture, release: Callable[[], None] | None = None) -> None:
+        """A step's rows into its requests' tensors. ``release`` gives the step's slot back, exactly once: after
+        the copies (with :attr:`copies`, once they have landed: :meth:`land`), or at once when the capture is
+        refused. The requests the rows complete are handed out (:meth:`pop_complete`) once their copies are done."""
+        pairs: list[Pair] = []
+        try:
+            done_before = len(self._complete)
+            self._attribute(capture, pairs)
+            completes = self._complete[done_before:]
+            if self.copies is not None:
+                del self._complete[done_before:]
+                self.copies.submit(capture.step, pairs, release, completes)
+                release = None  # the copies give it back
+                return
+            with torch_threads(self.copy_threads):
+                for dst, src in pairs:
+                    dst.copy_(src)
+        finally:
+            if release is not None:
+                release()
+
+    def land(self, wait: int = 0) -> None:
+        """Collect the steps whose copies are done (their slots go back to the ring): their complete requests
+        are :meth:`pop_complete`'s. ``wait``: block for at least that many of the oldest steps."""
+        if self.copies is not None and self.copies.pending:
+            self._complete += self.copies.landed(wait)
+
+    @property
+    def copying(self) -> int:
+        """Steps whose copies have not landed yet (each holds its ring slot)."""
+        return self.copies.pending if self.copies is not None else 0
+
+    def settle(self) -> None:
+        """Wait for every step's copies (their slots all go back, even when one failed)."""
+        if self.copies is not None and self.copies.pending:
+            self._complete += self.copies.settle()
+
+    def _attribute(self, capture: StepCapture, pairs: list[Pair]) -> None:
+        """Check a step's rows against the scheduler's and name their copies (``pairs``: destination, source)."""
         expected = self._expected.pop(capture.step, None)
         if expected is None:
             raise AttributionError(f"capture for step {capture.step}, which was not scheduled or came twice")
@@ -160,10 +189,10 @@ class Assembler:
         for req_id in [r for r, step in self._closed.items() if step < self._last_step - 8]:
             del self._closed[req_id]  # no step in flight can hold rows of it any more
         offset = 0
-        with torch_threads(self.copy_threads):
+        with torch_threads(self.copy_threads):  # a generating request's pieces are copied here
             for req_id, start, count in zip(capture.req_ids, capture.starts, capture.counts):
                 scales = capture.scales[:, offset : offset + count] if self.fp8 else None
-                self._add_rows(req_id, start, capture.states[:, offset : offset + count], scales)
+                self._add_rows(req_id, start, capture.states[:, offset : offset + count], scales, pairs)
                 offset += count
         if self.prefault is not None:
             self._row = (capture.states.shape[2], capture.states.dtype, self.fp8 and capture.scales.dtype or None)
@@ -204,9 +233,11 @@ class Assembler:
                 f"{SCALE_DTYPE} scales {tuple(rows)}; got {capture.states.dtype} and {got}"
             )
 
-    def _add_rows(self, req_id: str, start: int, rows: torch.Tensor, scales: torch.Tensor | None = None) -> None:
-        """Copy ``rows`` (``[capture ids, count, hidden]``; FP8: plus ``scales`` ``[capture ids, count]``)
-        into the request's tensors at ``start``."""
+    def _add_rows(
+        self, req_id: str, start: int, rows: torch.Tensor, scales: torch.Tensor | None, pairs: list[Pair]
+    ) -> None:
+        """Name the copies of ``rows`` (``[capture ids, count, hidden]``; FP8: plus ``scales``
+        ``[capture ids, count]``) into the request's tensors at ``start`` (a generating request's: copied now)."""
         req = self._requests.get(req_id)
         if req is None:
             if req_id in self._closed:  # a generating request already handed out: a step past its end
@@ -228,11 +259,9 @@ class Assembler:
             specs = self._specs(req.prompt_len, rows.shape[2], rows.dtype, None if scales is None else scales.dtype)
             tensors = self.prefault.take(req_id, specs) if req.offered else self.allocate(specs)
             req.out, req.scales = tensors[:layers], (tensors[layers:] if scales is not None else None)
-        for out, j in zip(req.out, self.capture_order):
-            out[start : start + keep].copy_(rows[j, :keep])
+        pairs += [(out[start : start + keep], rows[j, :keep]) for out, j in zip(req.out, self.capture_order)]
         if scales is not None:
-            for out, j in zip(req.scales, self.capture_order):
-                out[start : start + keep].copy_(scales[j, :keep])
+            pairs += [(out[start : start + keep], scales[j, :keep]) for out, j in zip(req.scales, self.capture_order)]
         req.chunks[start] = keep
         req.rows += keep
         if req.rows == req.prompt_len:
@@ -291,6 +320,7 @@ class Assembler:
 
         With FP8 storage each layer is an :class:`~speculators_v016.fp8.Fp8States`.
         """
+        self.land()
         done, self._complete = self._complete, []
         out = []
         for req_id in done:

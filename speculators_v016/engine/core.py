@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -44,6 +45,7 @@ from speculators_v016.engine.engine_args import vllm_config
 from speculators_v016.engine.executor import capture_executor, executor_kind
 from speculators_v016.engine.generation import Decoding, Generated, Generation
 from speculators_v016.engine.prefault import prefaulter
+from speculators_v016.engine.row_copies import RowCopies
 from speculators_v016.engine.stages import check_stage_plan
 from speculators_v016.engine.vllm_check import require_vllm
 from speculators_v016.engine.worker_start import set_start_method
@@ -85,7 +87,9 @@ class EngineStats:
     max_in_flight: int = 0
     stepped: float = 0.0  # s the caller's thread spent in vLLM's steps: scheduling and running or launching them,
     # then waiting for their output (where the GPU, the workers or a CPU forward set the pace)
-    copied: float = 0.0  # s it spent handing steps' rows to the assembler (the copies out of the ring)
+    copied: float = 0.0  # s it spent handing steps' rows to the assembler (inline: the copies out of the ring)
+    copy_thread: float = 0.0  # s the copy thread spent copying rows out of the ring (row copies on a thread)
+    copy_waited: float = 0.0  # s the caller's thread waited for that thread (a free slot, or the stream's end)
     launched_before_copy: int = 0  # steps launched before the rows of the step waited on were copied out
 
 
@@ -129,11 +133,17 @@ def planned_depth(async_scheduling: bool, pipeline_parallel_size: int) -> int:
     return max(2 if async_scheduling else 1, pipeline_parallel_size)
 
 
-def ring_slots(async_scheduling: bool, pipeline_parallel_size: int) -> int:
+def ring_slots(async_scheduling: bool, pipeline_parallel_size: int, copies_apart: bool = False) -> int:
     """Capture slots (see :meth:`CaptureEngine._make_ring`): the steps in flight, the step whose capture the
-    worker holds, and (without pipeline parallelism) the step whose rows are copied out while the next runs."""
+    worker holds, (without pipeline parallelism) the step whose rows are copied out while the next runs, and
+    with the row copies on their own thread one more, so a copy running late does not hold the next launch."""
     depth = planned_depth(async_scheduling, pipeline_parallel_size)
-    return depth + (1 if pipeline_parallel_size > 1 else 2)
+    return depth + (1 if pipeline_parallel_size > 1 else 2) + copies_apart
+
+
+def copies_apart(row_copies: str, device_type: str) -> bool:
+    """Are a step's rows copied out of the ring on a thread of their own (``--row-copies``; auto: GPU engines)?"""
+    return row_copies == "thread" or (row_copies == "auto" and device_type != "cpu")
 
 
 def release_kv_caches(layers: dict) -> None:
@@ -218,6 +228,8 @@ class CaptureEngine:
         global _IN_PROCESS_ENGINES
         executor_class = Executor.get_class(config)
         self.executor_kind = executor_kind(executor_class)
+        #: each step's rows copied out of the ring on a thread of their own (GPU engines by default), or inline
+        self.row_copies_apart = copies_apart(self.config.row_copies, config.device_config.device_type)
         set_start_method(config.device_config.device_type, self.executor_kind)  # GPU workers: spawned, never forked
         self._in_process = self.executor_kind == "uni"
         self._executor_failed = False
@@ -310,7 +322,9 @@ class CaptureEngine:
             return None
         record = self.shm_record
         ring = SlotRing.create(
-            slots=ring_slots(self.async_scheduling, config.parallel_config.pipeline_parallel_size),
+            slots=ring_slots(
+                self.async_scheduling, config.parallel_config.pipeline_parallel_size, self.row_copies_apart
+            ),
             num_ids=len(self.plan.capture_ids),
             max_rows=config.scheduler_config.max_num_batched_tokens,
             hidden=config.model_config.get_hidden_size(),
@@ -485,9 +499,10 @@ class CaptureEngine:
                     self.prompt_logprobs[key] = tensors.logprobs[:, 0].clone()
 
     def _consume(self, capture, assembler: Assembler, keep: bool = True) -> None:
-        """Hand a capture's rows to ``assembler`` (unless dropped), then give its slot back."""
+        """Hand a capture's rows to ``assembler`` (unless dropped); its slot goes back once they are copied."""
         if capture is None:
             return
+        release = None if capture.slot is None else partial(self.ring.release, capture.slot)
         try:
             if keep:
                 if capture.slot is not None:
@@ -495,11 +510,12 @@ class CaptureEngine:
                     capture.states = self.ring.slot(capture.slot)[:, :rows]
                     scales = self.ring.scales(capture.slot)
                     capture.scales = scales[:, :rows] if scales is not None else None
-                assembler.add(capture)
+                taken, release = release, None
+                assembler.add(capture, taken)  # gives the slot back, now or once the rows are copied
         finally:
             capture.states = capture.scales = None
-            if capture.slot is not None:
-                self.ring.release(capture.slot)
+            if release is not None:
+                release()
 
     def stream(
         self,
@@ -528,8 +544,9 @@ class CaptureEngine:
         if self._broken is not None:
             raise RuntimeError(f"this engine failed earlier and cannot be used again: {self._broken}")
         prefault = prefaulter(allocate or fresh_tensors, self.copy_threads)
+        copies = RowCopies(self.copy_threads) if self.row_copies_apart and self.ring is not None else None
         assembler = Assembler(self.plan.capture_order, allocate, fp8=self.config.fp8, copy_threads=self.copy_threads,
-                              prefault=prefault)  # fmt: skip
+                              prefault=prefault, copies=copies)  # fmt: skip
         feed, waiting, in_flight = iter(prompts), set(), deque()
         self.open_requests = waiting
         window = window or 2 * self.config.max_num_seqs
@@ -537,7 +554,7 @@ class CaptureEngine:
         try:
             while True:
                 more = more and self._admit(feed, assembler, window, waiting, prompt_logprobs)
-                if self._can_launch(in_flight):
+                if self._can_launch(in_flight, assembler):
                     in_flight.appendleft(self._launch(assembler))
                     self.stats.max_in_flight = max(self.stats.max_in_flight, len(in_flight))
                     if len(in_flight) < self.depth and not in_flight[-1].output.done():
@@ -545,7 +562,7 @@ class CaptureEngine:
                 if in_flight:
                     waited = self._wait(in_flight.pop(), assembler)
                     try:  # the next step goes to the device before this one's rows are copied out of the ring
-                        if self._can_launch(in_flight):
+                        if self._can_launch(in_flight, assembler):
                             in_flight.appendleft(self._launch(assembler))
                             self.stats.max_in_flight = max(self.stats.max_in_flight, len(in_flight))
                             self.stats.launched_before_copy += 1
@@ -553,18 +570,24 @@ class CaptureEngine:
                         self._finish(waited, assembler)
                 elif assembler.pending_steps:
                     self._consume(self.executor.capture_rpc("speculators_capture_flush"), assembler)
+                elif assembler.copying:  # nothing else to wait for: the last steps' copies
+                    assembler.settle()
                 yield from self._handed_out(assembler.pop_complete())
                 waiting.intersection_update(assembler.unfinished())
                 if not (more or waiting or in_flight or self.scheduler.has_requests()):
                     return
-                if waiting and not (in_flight or self.scheduler.has_requests() or assembler.pending_steps):
+                if waiting and not (
+                    in_flight or self.scheduler.has_requests() or assembler.pending_steps or assembler.copying
+                ):
                     raise AttributionError(
                         f"requests finished without complete hidden states: {assembler.unfinished()}"
                     )
         except (GeneratorExit, PromptError):
+            self._settle(assembler)  # the slots the copies hold come back before the steps in flight retire
             self._abandon(waiting, in_flight)
             raise
         except BaseException as exc:
+            self._settle(assembler)
             self._broken = exc
             if self._executor_failed or getattr(self.executor, "is_failed", False):
                 raise EngineDeadError(
@@ -573,8 +596,21 @@ class CaptureEngine:
                 ) from exc
             raise
         finally:
+            self._settle(assembler)  # no copy may still read the ring once the stream is left
+            if copies is not None:
+                copies.close()
+                self.stats.copy_thread += copies.copying
+                self.stats.copy_waited += copies.waited
             if prefault is not None:
                 prefault.close()
+
+    @staticmethod
+    def _settle(assembler: Assembler) -> None:
+        """Wait for the copies in flight, their slots back; a failed copy here is not what is being raised."""
+        try:
+            assembler.settle()
+        except Exception as exc:  # noqa: BLE001 - the stream is already failing or ending; say so, raise the first
+            logger.warning("while the stream ended, a step's row copies failed: {}", exc)
 
     def _handed_out(self, complete: list) -> list:
         """Complete requests as the caller gets them; a generating one ends in the scheduler (it ran a step
@@ -630,12 +666,18 @@ class CaptureEngine:
         logger.info("vLLM's prompt-logprobs path warmed up in {:.1f} s (compiled once, before the run)", seconds)
         return seconds
 
-    def _slot_free(self) -> bool:
-        return self.ring is None or self.ring.free > 0
+    def _slot_free(self, assembler: Assembler) -> bool:
+        """A ring slot for the next step; where the row copies hold them all, the oldest step's copies are waited
+        for (the copy thread waits on nothing of the engine's)."""
+        if self.ring is None:
+            return True
+        if not self.ring.free:
+            assembler.land(wait=1 if assembler.copying else 0)
+        return self.ring.free > 0
 
-    def _can_launch(self, in_flight: deque) -> bool:
+    def _can_launch(self, in_flight: deque, assembler: Assembler) -> bool:
         """A step can go to the device now: work is scheduled, fewer than ``depth`` are in flight, a slot is free."""
-        return self.scheduler.has_requests() and len(in_flight) < self.depth and self._slot_free()
+        return self.scheduler.has_requests() and len(in_flight) < self.depth and self._slot_free(assembler)
 
     def shutdown(self) -> None:
         global _IN_PROCESS_ENGINES

@@ -369,8 +369,14 @@ def _announce(generator, opts: RunConfig, pending: int, done: int, model_args: d
 def host_line(host: dict) -> str:
     """Where a run's generation time went on the host: what the engine's thread waited for, and the writers' load."""
     return (
-        f"the engine's thread spent {host['engine_stepped']:.1f} s in vLLM's steps, copied rows for "
-        f"{host['engine_copied']:.1f} s and waited {host['waited']:.1f} s for the writers (queue full); "
+        f"the engine's thread spent {host['engine_stepped']:.1f} s in vLLM's steps, "
+        + (
+            f"handed rows to the copy thread for {host['engine_copied']:.1f} s (it copied for "
+            f"{host['copy_thread']:.1f} s; the engine's thread waited {host['copy_waited']:.1f} s for it)"
+            if host.get("copy_thread")
+            else f"copied rows for {host['engine_copied']:.1f} s"
+        )
+        + f" and waited {host['waited']:.1f} s for the writers (queue full); "
         f"{host['workers']} write workers busy {host['busy']:.0%} of the time; buffer pool: {host['blocks_made']} "
         f"blocks made, {host['blocks_reused']} reused"
         + (f", {host['samples_fresh']} samples in fresh memory (CPU engine)" if host.get("samples_fresh") else "")
@@ -416,7 +422,7 @@ def _generate(
     # shares this process's heap, samples under glibc's mmap ceiling come fresh (speculators_v016.engine.buffer_pool)
     pool = BufferPool(fresh_below=MALLOC_MMAP_CEILING if engine.device_type == "cpu" else 0)
     stats = engine.stats  # the engine's thread's time, counted from here
-    before = (stats.stepped, stats.copied)
+    before = (stats.stepped, stats.copied, stats.copy_thread, stats.copy_waited)
 
     writer = SampleWriter(
         directory,
@@ -499,6 +505,7 @@ def _generate(
             summary.generation_seconds = summary.generation_seconds or time.monotonic() - started
             summary.written, summary.bytes = writer.written, writer.bytes
             host = {**writer.load(), "engine_stepped": stats.stepped - before[0], "engine_copied": stats.copied - before[1],
+                    "copy_thread": stats.copy_thread - before[2], "copy_waited": stats.copy_waited - before[3],
                     "blocks_made": pool.allocated, "blocks_reused": pool.reused,
                     "samples_fresh": pool.fresh, "cpu_seconds": _cpu_since(cpu_before),
                     "drain_seconds": summary.generation_seconds - streamed if streamed is not None else None}  # fmt: skip

@@ -229,6 +229,8 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, model_dir, data_file
         2,
         "--write-workers",
         1,
+        "--row-copies",
+        "thread",  # killed while a step's rows are on the copy thread (the GPU default); resumed inline
     ]
     env = {**os.environ, **CPU, "SPECULATORS_V016_FAULT": "pace:100"}  # a sample a 0.1 s at most
     proc = subprocess.Popen([str(a) for a in args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -53,3 +53,14 @@ def test_compiled_equals_eager_and_transformers(model_dir, prompts, chunked_asyn
     compiled, _, _ = run(model_dir, prompts, enforce_eager=False, max_num_batched_tokens=128)
     assert largest_difference(chunked_async, compiled) < TOLERANCE
     assert max_abs_error(compiled, hf_layer_outputs(model_dir, prompts), LAYERS) < TOLERANCE
+
+
+@pytest.mark.parametrize("executor", ["uni", "mp"])
+def test_row_copies_on_their_own_thread_are_bit_identical(model_dir, prompts, chunked_async, executor):
+    """Rows copied out of the ring on a thread of their own (the GPU default) equal the inline copies bit for bit."""
+    threaded, engine, _ = run(
+        model_dir, prompts, enforce_eager=True, max_num_batched_tokens=128, row_copies="thread", executor=executor
+    )
+    assert engine.row_copies_apart and engine.stats.copy_thread > 0
+    for a, b in zip(chunked_async, threaded):
+        assert all(torch.equal(x, y) for x, y in zip(a["hidden_states"], b["hidden_states"]))

@@ -85,3 +85,9 @@ def test_the_summary_says_where_the_host_time_went(tmp_path):
         "buffer pool: 0 blocks made, 0 reused, 64 samples in fresh memory (CPU engine); this process used 43.1 CPU-s "
         "(user + system); the last files were made durable 0.4 s after the engine's last sample"
     )
+    summary.host.update(engine_copied=0.25, copy_thread=2.6, copy_waited=0.125)  # a GPU engine's copy thread
+    (line,) = [line for line in summary.lines() if line.startswith("host path:")]
+    assert (
+        "spent 3.2 s in vLLM's steps, handed rows to the copy thread for 0.2 s (it copied for 2.6 s; the engine's "
+        "thread waited 0.1 s for it) and waited 0.4 s for the writers" in line
+    )
