@@ -25,10 +25,9 @@ every row (what a run can afford per sample): a zero row is zero in those
 columns, and two equal rows are equal there, so False proves there is nothing
 to find. :func:`degenerate_layers` confirms each candidate row on all of its
 values and names layer and rows (``verify``, and the run's self-check once the
-screen flagged a sample). A run's writer threads take the screen's columns from
-each layer's bytes as they write them (:class:`ColumnGather`, judged by
-:func:`may_be_degenerate_gathered`): the bytes screened are the bytes written,
-and the engine's thread is spared the screen.
+screen flagged a sample). A run screens each sample on its writer's thread, just
+before the writer writes it (:class:`~speculators_v016.checks.self_check.WriterScreen`):
+the engine's thread is spared the screen.
 """
 
 from __future__ import annotations
@@ -53,7 +52,6 @@ def _columns(hidden: int) -> torch.Tensor:
 
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_NP_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 #: Odd multipliers of the row hash (fixed, so a run and verify group alike; integer sums wrap exactly).
 _MIX = torch.randint(-(2**62), 2**62, (_COLUMNS + 1,), generator=torch.Generator().manual_seed(29)) | 1
 _MIX_NP = _MIX.numpy()
@@ -121,50 +119,6 @@ def _candidates_of(bits: np.ndarray, scales: np.ndarray | None, magnitude: int) 
     return zero, groups
 
 
-class ColumnGather:
-    """The screen's columns of every row of one layer, gathered from the layer's bytes chunk by chunk as a
-    sample writer writes them: ``gather(chunk)`` takes the chunks of the ``[rows, hidden]`` buffer in order
-    (each a whole number of elements), from the core's cache, so the screen reads no byte from memory again and
-    runs on the writer's threads, not the engine's. :func:`may_be_degenerate_gathered` judges the result."""
-
-    def __init__(self, rows: int, hidden: int, element_size: int, scales: np.ndarray | None = None):
-        columns = _columns(hidden).numpy().astype(np.int64)
-        self.size, self.hidden, self.row_bytes, self.rows = element_size, hidden, hidden * element_size, rows
-        self.columns, self.offsets = columns, columns * element_size  # each column's first byte within a row
-        self.bits = np.zeros((rows, len(columns)), dtype=_NP_INT[element_size])  # the bits _screen_bits takes
-        self.scales, self.magnitude, self.seen = scales, _magnitude(element_size), 0
-
-    def __call__(self, chunk: memoryview) -> bool:
-        start, end = self.seen, self.seen + len(chunk)
-        if start % self.size or len(chunk) % self.size:
-            raise ValueError(f"a chunk of {len(chunk)} bytes at {start} splits {self.size}-byte elements")
-        self.seen = end
-        values = np.frombuffer(chunk, dtype=self.bits.dtype)
-        inner, outer = -(-start // self.row_bytes), min(self.rows, end // self.row_bytes)  # rows wholly inside
-        if outer > inner:
-            first = (inner * self.row_bytes - start) // self.size
-            rows = values[first : first + (outer - inner) * self.hidden].reshape(outer - inner, self.hidden)
-            self.bits[inner:outer] = rows[:, self.columns]
-        for row in {start // self.row_bytes, (end - 1) // self.row_bytes} - set(range(inner, outer)):
-            if row < self.rows:  # a row split between chunks: the columns this chunk holds
-                at = row * self.row_bytes + self.offsets
-                held = np.flatnonzero((at >= start) & (at < end))
-                self.bits[row, held] = values[(at[held] - start) // self.size]
-        return True
-
-    @classmethod
-    def of(cls, h: torch.Tensor | Fp8States) -> ColumnGather:
-        """The gather of layer ``h``'s bytes (FP8: its codes, with its scales' bits)."""
-        if isinstance(h, Fp8States):
-            return cls(h.codes.shape[0], h.codes.shape[1], 1, _scale_bits(h))
-        return cls(h.shape[0], h.shape[1], h.element_size())
-
-    @property
-    def complete(self) -> bool:
-        """Every byte of the layer was seen."""
-        return self.seen == self.rows * self.row_bytes
-
-
 def _name(rows: list[int], length: int) -> str:
     shown = ", ".join(map(str, rows[:_NAMED])) + (", ..." if len(rows) > _NAMED else "")
     return f"rows [{shown}] ({len(rows)} of {length})"
@@ -183,17 +137,6 @@ def may_be_degenerate(
     """Cheap screen (a few columns per row): False proves no row is all zeros (of a token whose embedding row
     is not zero, ``zero_ids``) or repeats another token's."""
     return _flagged(input_ids, (_screen_bits(h) for h in states if h.shape[0]), zero_ids)
-
-
-def may_be_degenerate_gathered(
-    input_ids: torch.Tensor, gathers: Sequence[ColumnGather], zero_ids: frozenset[int] = frozenset()
-) -> bool:
-    """:func:`may_be_degenerate` from the columns :class:`ColumnGather` took as each layer was written; every
-    layer must have been seen whole (a ValueError otherwise: the screen never judges a layer it did not read)."""
-    short = [j for j, g in enumerate(gathers) if not g.complete]
-    if short:
-        raise ValueError(f"the degenerate-row screen saw layers {short} only in part")
-    return _flagged(input_ids, ((g.bits, g.scales, g.magnitude) for g in gathers if g.rows), zero_ids)
 
 
 def _flagged(input_ids: torch.Tensor, layers, zero_ids: frozenset[int]) -> bool:

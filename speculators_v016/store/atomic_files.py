@@ -12,7 +12,7 @@ and no file is left, under either name.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from speculators_v016.store import checksum, no_links
@@ -86,7 +86,6 @@ def write_durable(
     drop_cache: bool = False,
     algorithm: str = checksum.DEFAULT,
     scans: Sequence | None = None,
-    before_rename: Callable[[], None] | None = None,
 ) -> tuple[int, str]:
     """Write ``parts`` (in order) to ``directory/name``: temporary name, fsync, rename; return (bytes, hex digest).
 
@@ -104,8 +103,6 @@ def write_durable(
     (``POSIX_FADV_DONTNEED``; advice only, never an error). ``scans``: see
     :func:`write_parts`; a refused chunk raises :class:`ChunkRefused` and the
     temporary file is deleted, like the one of any write that fails.
-    ``before_rename()``: called once every byte is written, before the file is made durable and named (a verdict
-    on what the scans saw); whatever it raises is raised here and the temporary file is deleted.
     """
     parts = [memoryview(p).cast("B") for p in ([parts] if isinstance(parts, (bytes, bytearray)) else parts)]
     digest = checksum.new(algorithm)  # an unknown algorithm fails before any file is made
@@ -119,8 +116,6 @@ def write_durable(
     try:
         with fh:
             size = write_parts(fh, parts, digest, scans)
-            if before_rename is not None:
-                before_rename()
             os.fsync(fh.fileno())
             if drop_cache:
                 drop_pages(fh.fileno())

@@ -128,12 +128,6 @@ def encode_parts(sample: dict, fmt: str, layer_ids: list[int], model_args: dict 
     return encode_typed(sample, fmt, layer_ids, model_args)[0]
 
 
-def state_part(j: int) -> int:
-    """The position, in :func:`encode_typed`'s parts of a safetensors sample, of layer ``j``'s states (FP8: its
-    codes): after the header, ``input_ids`` and ``loss_mask``."""
-    return 3 + j
-
-
 def encode_typed(
     sample: dict, fmt: str, layer_ids: list[int], model_args: dict | None = None
 ) -> tuple[list, list | None]:

@@ -50,7 +50,7 @@ from speculators_v016.store.atomic_files import ChunkRefused, WriteError, write_
 from speculators_v016.store.group_commit import DEFAULT_COMMIT_INTERVAL, GroupCommit
 from speculators_v016.store.manifest import Entry, Manifest
 from speculators_v016.store.no_links import LinkedEntryError
-from speculators_v016.store.sample_format import encode_typed, sample_name, state_part
+from speculators_v016.store.sample_format import encode_typed, sample_name
 
 
 class WriterThreadError(RuntimeError):
@@ -162,13 +162,13 @@ class SampleWriter:
         reason = self.reject(sample) if self.reject is not None else None
         if not reason:
             parts, dtypes = encode_typed(sample, self.fmt, self.layer_ids, self.model_args)
-            scans, verdict = None, None
+            scans = None
             if self.non_finite is not None and dtypes is None:  # .pt: its bytes cannot be told apart
                 reason = self.non_finite(sample)
             elif self.non_finite is not None:
                 scans = [_finite_scan(dtype) for dtype in dtypes]
             if self.screen is not None and not reason:
-                scans, verdict = self._screen(index, sample, parts, scans, dtypes is None)
+                self.screen.check(index, sample)  # a finding stops the run before any file of it is made
         if reason:
             self._refuse(index, reason)
             return
@@ -181,7 +181,6 @@ class SampleWriter:
                 drop_cache=True,
                 algorithm=self.checksum,
                 scans=scans,
-                before_rename=verdict,
             )
         except ChunkRefused as refused:
             reason = self.non_finite(sample)
@@ -193,18 +192,6 @@ class SampleWriter:
             self._refuse(index, reason)
             return
         self.commit.add(Entry(index, name, size, digest, int(sample["input_ids"].shape[0]), self.checksum))
-
-    def _screen(self, index: int, sample: dict, parts: list, scans: list | None, whole: bool):
-        """(the parts' scans with the screen's gathers joined in, its verdict); ``whole``: a ``.pt`` sample,
-        screened on its memory here."""
-        if whole:
-            self.screen.whole(index, sample)
-            return scans, None
-        gathers, verdict = self.screen.gathers(index, sample)
-        scans = list(scans) if scans is not None else [None] * len(parts)
-        for j, gather in enumerate(gathers):
-            scans[state_part(j)] = _both(gather, scans[state_part(j)])
-        return scans, verdict
 
     def _refuse(self, index: int, reason: Any) -> None:
         with self._lock:
@@ -293,10 +280,3 @@ def _finite_scan(dtype) -> Callable[[memoryview], bool] | None:
     if dtype is None or not dtype.is_floating_point:
         return None
     return lambda chunk: finite.bytes_finite(chunk, dtype)
-
-
-def _both(first: Callable[[memoryview], bool], second: Callable[[memoryview], bool] | None):
-    """A chunk's scan: ``first``, then ``second`` (None: ``first`` alone); refused if either refuses."""
-    if second is None:
-        return first
-    return lambda chunk: first(chunk) and second(chunk)

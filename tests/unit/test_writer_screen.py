@@ -1,18 +1,17 @@
-"""The degenerate-row screen on the sample writer's threads: the columns gathered from the chunks as they are
-written judge a sample exactly as the screen on its memory does, and a finding keeps its file from being named."""
+"""The degenerate-row screen on the sample writer's threads: it judges a sample as the screen on its memory does,
+and a finding keeps any file of it from being made."""
 
-import numpy as np
 import pytest
 import torch
 
 from speculators_v016.checks import degenerate
-from speculators_v016.checks.degenerate import ColumnGather, may_be_degenerate, may_be_degenerate_gathered
+from speculators_v016.checks.degenerate import may_be_degenerate
 from speculators_v016.checks.self_check import HoldBack, SelfCheckError, WriterScreen
 from speculators_v016.fp8 import Fp8States, quantize
 from speculators_v016.run.run_report import exit_code
 from speculators_v016.store import atomic_files
 from speculators_v016.store.manifest import Manifest
-from speculators_v016.store.sample_format import encode_typed, load_sample, state_part
+from speculators_v016.store.sample_format import load_sample
 from speculators_v016.store.writer import SampleWriter
 
 LAYERS = [2, 5, 7]
@@ -30,32 +29,6 @@ def sample(index, tokens=12, hidden=40, dtype=torch.bfloat16, fp8=False):
     }
 
 
-def layer_bytes(h):
-    raw = (h.codes if isinstance(h, Fp8States) else h).contiguous()
-    return memoryview(raw.view(torch.uint8).numpy()).cast("B")
-
-
-def gathered(s, chunk):
-    """Each layer's bytes fed to a ColumnGather ``chunk`` bytes at a time (as write_parts feeds a scan)."""
-    gathers, _ = WriterScreen(LAYERS).gathers(0, s)
-    for gather, h in zip(gathers, s["hidden_states"]):
-        view = layer_bytes(h)
-        for start in range(0, len(view), chunk):
-            assert gather(view[start : start + chunk])
-    return gathers
-
-
-@pytest.mark.parametrize("kind", ["bf16", "fp32", "fp8"])
-@pytest.mark.parametrize("chunk", [4, 36, 1000, 1 << 19])
-def test_the_gathered_columns_are_the_columns_the_screen_takes(kind, chunk):
-    """Chunks of 4 bytes to 512 KiB, rows split across chunks: the gathered bits equal the screen's own take."""
-    s = sample(1, tokens=13, hidden=70, dtype=torch.float32 if kind == "fp32" else torch.bfloat16, fp8=kind == "fp8")
-    for gather, h in zip(gathered(s, chunk), s["hidden_states"]):
-        bits, scales, magnitude = degenerate._screen_bits(h)
-        assert gather.complete and np.array_equal(gather.bits, bits) and gather.magnitude == magnitude
-        assert (scales is None and gather.scales is None) or np.array_equal(gather.scales, scales)
-
-
 def faults():
     """(what, sample) for each fault the screen must flag, and a clean sample."""
     zero_row, copied, fp8_copy, same_token = sample(2), sample(3), sample(4, fp8=True), sample(5)
@@ -70,10 +43,15 @@ def faults():
 
 
 @pytest.mark.parametrize("what,s,flagged", faults())
-def test_the_gathered_screen_judges_as_the_screen_on_memory(what, s, flagged):
-    """Each injected fault is flagged by both screens; a clean sample and a repeat of the same token by neither."""
+def test_the_writer_screen_judges_as_the_screen_on_memory(what, s, flagged):
+    """Each injected fault is flagged by the screen and refused by the writer's screen; a clean sample and a repeat
+    of the same token by neither."""
     assert may_be_degenerate(s["input_ids"], s["hidden_states"]) is flagged, what
-    assert may_be_degenerate_gathered(s["input_ids"], gathered(s, 100)) is flagged, what
+    if flagged:
+        with pytest.raises(SelfCheckError, match="self-check failed: sample 0, layer"):
+            WriterScreen(LAYERS).check(0, s)
+    else:
+        WriterScreen(LAYERS).check(0, s)
 
 
 def test_a_zero_row_of_a_zero_embedding_token_is_not_flagged():
@@ -81,29 +59,9 @@ def test_a_zero_row_of_a_zero_embedding_token_is_not_flagged():
     s = sample(7)
     s["hidden_states"][0][0] = 0
     zero_token = int(s["input_ids"][0])
-    assert not may_be_degenerate_gathered(s["input_ids"], gathered(s, 64), frozenset({zero_token}))
-    assert may_be_degenerate_gathered(s["input_ids"], gathered(s, 64), frozenset({zero_token + 1}))
-
-
-def test_a_layer_seen_in_part_is_refused_never_judged():
-    """A gather that saw only part of its layer raises naming the layer, rather than judging half a layer."""
-    s = sample(8)
-    gathers, _ = WriterScreen(LAYERS).gathers(0, s)
-    for gather, h in zip(gathers, s["hidden_states"]):
-        view = layer_bytes(h)
-        gather(view[: len(view) if gather is not gathers[1] else 80])
-    with pytest.raises(ValueError, match=r"saw layers \[1\] only in part"):
-        may_be_degenerate_gathered(s["input_ids"], gathers)
-    with pytest.raises(ValueError, match="splits 2-byte elements"):
-        ColumnGather(4, 8, 2)(memoryview(bytes(3)))
-
-
-def test_each_layer_is_the_part_the_writer_screens():
-    """state_part(j) is layer j's bytes in encode_typed's parts (bf16 and FP8 codes)."""
-    for s in (sample(9), sample(9, fp8=True)):
-        parts, _ = encode_typed(s, "safetensors", LAYERS)
-        for j, h in enumerate(s["hidden_states"]):
-            assert bytes(parts[state_part(j)]) == bytes(layer_bytes(h))
+    WriterScreen(LAYERS, frozenset({zero_token})).check(0, s)
+    with pytest.raises(SelfCheckError, match=r"rows \[0\]"):
+        WriterScreen(LAYERS, frozenset({zero_token + 1})).check(0, s)
 
 
 @pytest.mark.parametrize("fmt,fp8", [("safetensors", False), ("safetensors", True), ("pt", False)])
