@@ -116,19 +116,18 @@ def watched_assembly(pieces: Pieces, plant: bool = False):
     piece of a prompt overwritten with the row before it (in every captured layer), after the real assembly."""
     real_add, real_rows = Assembler.add, Assembler._add_rows
 
-    def add(self, capture):
+    def add(self, capture, release=None):
         requests = self._requests  # their keys: (the prompt's key, ids, request id)
         pieces.steps.append([(requests[r].key[0], start, rows) for r, start, rows in
                              zip(capture.req_ids, capture.starts, capture.counts)
                              if r in requests and start < requests[r].prompt_len])  # prompt rows only  # fmt: skip
-        real_add(self, capture)
+        real_add(self, capture, release)
 
-    def repeat_previous_row(self, req_id, start, rows, scales=None):
-        real_rows(self, req_id, start, rows, scales)
+    def repeat_previous_row(self, req_id, start, rows, scales, pairs):
+        real_rows(self, req_id, start, rows, scales, pairs)
         req = self._requests.get(req_id)
         if req is not None and req.pieces is None and 0 < start < req.prompt_len:
-            for out in req.out:
-                out[start].copy_(out[start - 1])
+            pairs += [(out[start], out[start - 1]) for out in req.out]  # copied after the real rows, in order
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Assembler, "add", add)
