@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from speculators_v016.engine.assembly import Assembler, AttributionError
+from speculators_v016.engine.core import copies_apart, ring_slots
 from speculators_v016.engine.row_copies import RowCopies, RowCopyError
 from speculators_v016.fp8 import CODE_DTYPE, SCALE_DTYPE
 from speculators_v016.protocol import StepCapture
@@ -164,3 +165,10 @@ def test_a_refused_capture_gives_its_slot_back_at_once():
         asm.add(StepCapture(1, ["a"], [0], [4], states=torch.ones(1, 4, 2)), lambda: released.append(1))
     assert released == [1] and asm.copying == 0
     copies.close()
+
+
+def test_where_the_rows_are_copied_and_the_ring_slot_it_adds():
+    """auto copies on a thread on GPU engines and inline on CPU ones; the thread's mode has one more ring slot."""
+    assert copies_apart("auto", "cuda") and not copies_apart("auto", "cpu")
+    assert copies_apart("thread", "cpu") and not copies_apart("inline", "cuda")
+    assert ring_slots(True, 1, copies_apart=True) == ring_slots(True, 1) + 1 == 5
