@@ -10,7 +10,7 @@ The steps, each owned by a module: :mod:`~speculators_v016.run.dataset`
 The run checks what it captured before it writes it (its *self-check*): every
 sample's layers are screened, row by row, for states no model produces (rows
 all zeros, one row repeated for different tokens: :mod:`~speculators_v016.checks.degenerate`; by the
-writer's threads on the bytes they write, and on this thread while samples are held back), and the first
+writer's threads just before they write each sample, and on this thread while samples are held back), and the first
 ``logit_check_samples`` samples' last layer must reproduce vLLM's own prompt
 logprobs (:mod:`~speculators_v016.checks.logit_check`). Until the logit check has
 judged its samples, every finished sample is held back from the writer; a
