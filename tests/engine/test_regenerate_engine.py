@@ -205,3 +205,21 @@ def test_the_generators_stream_regenerates_with_upstreams_dict(generator, prompt
         assert item["loss_mask"].tolist() == [0] * prompt_len + [1] * (len(direct[i]["ids"]) - prompt_len)
         assert item["finish_reason"] == direct[i]["generated"].finish_reason
         assert len(item["hidden_states"]) == LAYERS
+
+
+def test_regeneration_with_the_rows_copied_on_a_thread_is_the_same(generator, greedy, prompts, stop_ids):
+    """Rows copied on a thread of their own (the GPU default; here with the ring's slots of inline copies, so the
+    engine also waits for the copies to free one): the same tokens and bit-identical states."""
+    engine = generator.engine
+    engine.row_copies_apart = True
+    try:
+        threaded = regenerate(
+            generator, prompts, Generation(NEW, stop_token_ids=stop_ids, logprobs=True), logprobs=True
+        )
+    finally:
+        engine.row_copies_apart = False
+    assert engine.stats.copy_thread > 0
+    results, _ = greedy
+    for i, r in results.items():
+        assert threaded[i]["ids"] == r["ids"], f"prompt {i}"
+        assert all(torch.equal(a, b) for a, b in zip(threaded[i]["states"], r["states"])), f"prompt {i}"
