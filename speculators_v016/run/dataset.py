@@ -28,6 +28,7 @@ from pathlib import Path
 
 from loguru import logger
 
+from speculators_v016.run import line_scan
 from speculators_v016.run import sources as input_sources
 from speculators_v016.run.turns import BadRowError as BadRowError  # re-exported: the dataset's error
 from speculators_v016.run.turns import raw_turns as raw_turns
@@ -291,30 +292,49 @@ def scan_rows(
     reader=read_chat,
     opened=None,
     keep_duplicates: bool = False,
+    take_plain=None,
 ):
     """Read every input in order; ``take(source number, locator, where, value)`` for each row kept (``value``:
     ``(ids, mask)`` or the reader's ChatRow). ``(kind, sources, skipped)``; the sources stay open for
     ``rows_at``. ``opened``: the sources of ``paths``, already opened (:func:`open_sources`). Duplicate rows are
     dropped here, at read time, by their digest (:class:`speculators_v016.run.sources.Duplicates`), unless
-    ``keep_duplicates``: every shard reads every row here, so every shard drops the same ones."""
+    ``keep_duplicates``: every shard reads every row here, so every shard drops the same ones. ``take_plain(source
+    number, offsets, lines, turns)`` (lists): where given, a JSON Lines file's plain rows are read in bulk and given so, no
+    value made (:mod:`speculators_v016.run.line_scan`); the same rows kept, the same counts."""
     sources = opened if opened is not None else open_sources(paths, hf_cache_dir)
     skipped, kinds = Counter(), set()
     duplicates = input_sources.Duplicates(keep=keep_duplicates)
+
+    def judge(where, row):
+        try:
+            kind, value = read_row(where, row, reader)
+        except BadRowError:
+            if not skip_bad_rows:
+                raise
+            logger.warning("skipping bad row {}", where)
+            skipped["bad row"] += 1
+            return None
+        kinds.add(kind)
+        if value is None:
+            skipped[EMPTY[kind]] += 1
+        return value
+
+    def plain(number, offsets, lines, turns):
+        kinds.add("conversations")
+        if 0 in turns:
+            kept = [i for i, count in enumerate(turns) if count]
+            skipped[EMPTY["conversations"]] += len(turns) - len(kept)
+            offsets, lines, turns = ([v[i] for i in kept] for v in (offsets, lines, turns))
+        take_plain(number, offsets, lines, turns)
+
     for number, source in enumerate(sources):
-        for where, row, locator in source.rows(duplicates):
-            try:
-                kind, value = read_row(where, row, reader)
-            except BadRowError:
-                if not skip_bad_rows:
-                    raise
-                logger.warning("skipping bad row {}", where)
-                skipped["bad row"] += 1
-                continue
-            kinds.add(kind)
-            if value is None:
-                skipped[EMPTY[kind]] += 1
-                continue
-            take(number, locator, where, value)
+        if take_plain is not None and line_scan.plain_lines(source, reader):
+            line_scan.scan(number, source, duplicates, judge, take, plain)
+        else:
+            for where, row, locator in source.rows(duplicates):
+                value = judge(where, row)
+                if value is not None:
+                    take(number, locator, where, value)
         skipped.update(source.skipped)
     if len(kinds) > 1:
         raise BadRowError("the inputs mix pre-tokenized rows (input_ids) and conversations: use one kind")

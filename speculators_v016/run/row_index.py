@@ -171,8 +171,17 @@ def _read(sources, skip_bad_rows, hf_cache_dir, reader, progress, keep_duplicate
         if progress is not None and rows[0] % 256 == 0:
             progress(before[number] + sources[number].bytes_at(locator), rows[0], before[-1])
 
+    def take_plain(number, offsets_, numbers_, turns):
+        source_of.extend([number] * len(turns))
+        offsets.extend(offsets_)
+        numbers.extend(numbers_)
+        sizes.extend(turns)
+        rows[0] += len(turns)
+        if progress is not None:
+            progress(before[number] + offsets_[-1], rows[0], before[-1])
+
     kind, sources, skipped = scan_rows(
-        [s.given for s in sources], skip_bad_rows, hf_cache_dir, take, reader, sources, keep_duplicates
+        [s.given for s in sources], skip_bad_rows, hf_cache_dir, take, reader, sources, keep_duplicates, take_plain
     )
     if progress is not None:
         progress(None, rows[0], before[-1])

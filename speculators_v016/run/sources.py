@@ -66,6 +66,7 @@ import json
 import os
 import re
 import zlib
+from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -73,6 +74,7 @@ from pathlib import Path
 
 from loguru import logger
 
+from speculators_v016.run import row_shape
 from speculators_v016.run.turns import BadRowError
 from speculators_v016.store.run_config import file_sha256
 
@@ -98,26 +100,76 @@ class SourceError(BadRowError):
 
 
 class Duplicates:
-    """The digests of the rows taken so far, across the run's sources: :meth:`seen` is True for a row whose
-    content (its used fields, canonical JSON) an earlier row had. ``keep``: never a duplicate."""
+    """The rows taken so far, across the run's sources: :meth:`seen` is True for a row whose content (its used
+    fields, canonical JSON) an earlier row had. ``keep``: never a duplicate.
+
+    A row's content is known by a 128-bit digest of its canonical JSON; a plain row's
+    (:mod:`speculators_v016.run.row_shape`) first by its key, the hash of its :class:`~speculators_v016.run.
+    row_shape.PlainRow`, whether it was read in bulk, its digest not computed
+    (:meth:`plain_keys`) or parsed (:meth:`seen`): only where two plain rows' keys are equal are their digests computed (the earlier row read again
+    by ``resolve``) and compared, so the rows dropped are exactly those whose digests are equal."""
 
     def __init__(self, keep: bool = False):
         self.keep, self._digests = keep, set()
+        self._first: dict[int, object] = {}  # plain key -> the first such row: its digest, or its place (an int)
+        self._exact: dict[int, set] = {}  # plain key -> the digests of the rows of that key (after a second one)
+        self._places = array("q")  # (source, offset, number) of a plain row read in bulk, 3 per place
+        self.resolve: dict[int, Callable] = {}  # source number -> its row at (offset, number), as json.loads gives it
 
-    def seen(self, row) -> bool:
-        if self.keep or not isinstance(row, dict):
-            return False
+    @staticmethod
+    def digest(row) -> bytes | None:
+        """The digest of a row's content (None: not JSON content, e.g. bytes from a binary column)."""
         fields = PRETOKENIZED_FIELDS if "input_ids" in row else CONVERSATION_FIELDS
         content = {k: row[k] for k in fields if k in row}
         try:
             text = json.dumps(content, sort_keys=True, ensure_ascii=True, separators=(",", ":"))
         except (TypeError, ValueError):  # not JSON content (bytes from a binary column): the reader refuses it
+            return None
+        return hashlib.blake2b(text.encode("ascii"), digest_size=16).digest()
+
+    def seen(self, row) -> bool:
+        if self.keep or not isinstance(row, dict):
             return False
-        digest = hashlib.blake2b(text.encode("ascii"), digest_size=16).digest()
+        digest = self.digest(row)
+        if digest is None:
+            return False
+        key = row_shape.key_of(row)
+        if key is not None:
+            return self._seen_key(key, digest)
         if digest in self._digests:
             return True
         self._digests.add(digest)
         return False
+
+    def plain_keys(self) -> tuple[dict | None, array]:
+        """For plain rows read in bulk (:mod:`speculators_v016.run.line_scan`, one dict lookup a row): the keys seen
+        (None: duplicates are kept), and their rows' places. A row whose key (its PlainRow's hash) is not in the
+        dict is no duplicate: the reader adds the key, valued ``len(places) // 3``, and appends ``(source,
+        offset, line)`` to ``places``; else :meth:`seen_again` decides."""
+        return (None if self.keep else self._first), self._places
+
+    def seen_again(self, key: int, row) -> bool:
+        """:meth:`seen` of a plain row read in bulk whose key an earlier plain row had (``row``: as parsed)."""
+        return self._seen_key(key, self.digest(row))
+
+    def _seen_key(self, key: int, digest: bytes) -> bool:
+        first = self._first.get(key)
+        if first is None:
+            self._first[key] = digest
+            return False
+        exact = self._exact.get(key)
+        if exact is None:
+            exact = self._exact[key] = {self._digest_of(first)}
+        if digest in exact:
+            return True
+        exact.add(digest)
+        return False
+
+    def _digest_of(self, first) -> bytes:
+        if isinstance(first, bytes):
+            return first
+        source, offset, number = self._places[3 * first : 3 * first + 3]
+        return self.digest(self.resolve[source](offset, number))
 
 
 #: where rows of a source that cannot seek (compressed JSON Lines, Parquet) are gathered for: rows of a shard

@@ -1,0 +1,155 @@
+"""A JSON Lines file's rows indexed in bulk: the row index's first read at the speed of the file's bytes, not of
+Python per turn.
+
+:func:`speculators_v016.run.dataset.scan_rows` reads a row as ``json.loads`` of its line, then its turns
+(:func:`speculators_v016.run.turns.read_chat`), then its content's canonical JSON and digest for the duplicate
+check: tens of microseconds a row. The row index (:mod:`speculators_v016.run.row_index`) needs of a kept row only
+its place and its turns' count; of every row, whether it is kept: not blank, not a duplicate (which needs its
+content), not bad, not empty, within its source's cap. Those decide the run's order (the shuffle is of the kept
+rows), so every row's content is still read here, but a plain row's (:mod:`speculators_v016.run.row_shape`) in C:
+
+* the file is read in blocks of :data:`BLOCK` bytes and split into lines (as iterating the file does: at
+  ``\\n``; a final line without one is a line); a block that is not all UTF-8 has each line checked;
+* each line ``msgspec`` decodes as a :class:`~speculators_v016.run.row_shape.PlainRow` is a plain row: its turns
+  counted, its duplicate check by key (:meth:`speculators_v016.run.sources.Duplicates.seen_plain`: the content's
+  digest computed only where two keys are equal);
+* any other line (blank, a BOM, not JSON, not UTF-8, not plain, nested :data:`DEPTH` brackets or more) is read
+  exactly as before: the reader's own line reader, the duplicate check by digest, ``judge`` (bad and empty rows
+  dropped and counted, or the error naming ``file:line``), ``take``.
+
+``msgspec`` accepts no JSON text that ``json.loads`` refuses (a test runs both over the corner cases) and gives the
+same strings; what it accepts that a line read as before would not (bytes that are not UTF-8 in a key or a field
+it skips, nesting deep enough for ``json.loads`` to give up) is checked above. The cap (``#max=N``), blank lines,
+duplicates and counts are those of :meth:`speculators_v016.run.sources.Source.rows`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from speculators_v016.run import row_shape
+from speculators_v016.run.sources import DUPLICATE, BadRowError, _JsonFile
+from speculators_v016.run.turns import read_chat
+
+#: bytes read at a time
+BLOCK = 8 << 20
+#: a line holding this many ``[`` and ``{`` together is read as before (json.loads's nesting limit decides it)
+DEPTH = 400
+
+
+def plain_lines(source, reader) -> bool:
+    """Whether ``source`` is a JSON Lines file (plain ``.jsonl``, or a ``.json`` that is not an array) read with
+    :func:`~speculators_v016.run.turns.read_chat`: what :func:`scan` reads."""
+    file = source.reader
+    if reader is not read_chat or not isinstance(file, _JsonFile):
+        return False
+    with file.path.open("rb") as fh:
+        return not file.readers.is_array(file.path, fh)
+
+
+def _row_at(path: Path, line_row, offset: int, number: int):
+    """The row (as json.loads gives it) of the line at ``offset``: a plain row's, read again for its digest."""
+    with path.open("rb") as fh:
+        fh.seek(offset)
+        row = line_row(f"{path}:{number}", fh.readline(), number == 1)
+    if not isinstance(row, dict):
+        raise BadRowError(f"{path}:{number}: not the row read there before (the file changed?)")
+    return row
+
+
+def _lines(path: Path):
+    """(lines, all UTF-8, newline) per block of the file: each line without its ``\\n`` (``newline``: 1, each had
+    one; 0: the file's last line, which has none)."""
+    rest = b""
+    with path.open("rb", buffering=0) as fh:
+        while True:
+            block = fh.read(BLOCK)
+            if not block:
+                if rest:
+                    yield [rest], _utf8(rest), 0
+                return
+            data = rest + block if rest else block
+            end = data.rfind(b"\n") + 1
+            if end == 0:
+                rest = data
+                continue
+            rest = data[end:]
+            yield data[: end - 1].split(b"\n"), _utf8(data[:end]), 1
+
+
+def _utf8(data: bytes) -> bool:
+    if data.isascii():
+        return True
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def scan(number: int, source, duplicates, judge, take, take_plain) -> None:
+    """Read source ``number`` (a :func:`plain_lines` source) once, in order, up to its cap: ``take_plain(number,
+    offsets, lines, turns)`` (lists) for the plain rows not dropped as duplicates (empty ones too: ``turns`` 0),
+    in order; other lines as before, ``judge(where, row)`` (the row's value, or None where it is dropped, counted;
+    or BadRowError) then ``take(number, (offset, line), where, value)``."""
+    path = source.reader.path
+    line_row = source.reader.readers.line_row
+    duplicates.resolve[number] = lambda offset, line: _row_at(path, line_row, offset, line)
+    decode, turns_of, not_plain = row_shape.DECODER.decode, row_shape.turns_of, row_shape.NOT_PLAIN
+    first, places = duplicates.plain_keys()
+    cap, taken, offset, line = source.max_rows, 0, 0, 0
+    offsets, lines, counts = [], [], []
+    for block, utf8, newline in _lines(path):
+        for raw in block:
+            line += 1
+            size = len(raw) + newline
+            turns = None
+            if (utf8 or _utf8(raw)) and (size < 2 * DEPTH or raw.count(b"[") + raw.count(b"{") < DEPTH):
+                try:
+                    plain = decode(raw)
+                except not_plain:
+                    pass
+                else:
+                    turns = turns_of(plain)
+            if turns is not None:
+                key = hash(plain)
+                if first is None:
+                    pass
+                elif key not in first:
+                    first[key] = len(places) // 3
+                    places.extend((number, offset, line))
+                elif duplicates.seen_again(key, line_row(f"{path}:{line}", raw, line == 1)):
+                    source.skipped[DUPLICATE] += 1
+                    offset += size
+                    continue
+                offsets.append(offset)
+                lines.append(line)
+                counts.append(len(turns))
+            else:  # not a plain row: read as before
+                where = f"{path}:{line}"
+                row = line_row(where, raw + b"\n" if newline else raw, line == 1)
+                if row is None:  # a blank line: not a row
+                    offset += size
+                    continue
+                if duplicates.seen(row):
+                    source.skipped[DUPLICATE] += 1
+                    offset += size
+                    continue
+                value = judge(where, row)
+                if value is not None:
+                    if offsets:  # the plain rows before it first, in order
+                        take_plain(number, offsets, lines, counts)
+                        offsets, lines, counts = [], [], []
+                    take(number, (offset, line), where, value)
+            taken += 1
+            offset += size
+            if cap is not None and taken >= cap:
+                break
+        else:
+            if offsets:
+                take_plain(number, offsets, lines, counts)
+                offsets, lines, counts = [], [], []
+            continue
+        break
+    if offsets:
+        take_plain(number, offsets, lines, counts)

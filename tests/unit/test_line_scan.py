@@ -1,0 +1,188 @@
+"""The row index's bulk read of JSON Lines files (run/line_scan.py): the same rows kept, in the same places, with the
+same turns, the same counts and the same errors as reading every row with json.loads and read_chat (the reference
+restated here: scan_rows without the bulk reader), over lines written to hit every way a line can differ."""
+
+import gzip
+import json
+
+import msgspec
+import pytest
+
+from speculators_v016.run import line_scan, row_shape
+from speculators_v016.run.dataset import BadRowError, open_sources, scan_rows
+from speculators_v016.run.row_index import build_index
+from speculators_v016.run.sources import Duplicates
+
+M = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
+
+
+def plain(i: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"a {i}"}]}
+
+
+def lines() -> list[bytes]:
+    """Lines of every kind, each kept, dropped or refused by the reference for its own reason."""
+    out = [
+        b"\xef\xbb\xbf" + json.dumps({"messages": M}).encode(),  # line 1 with a BOM: read as before, then duplicated
+        json.dumps({"messages": M, "id": 7}).encode(),  # its duplicate (other fields are not content)
+        b'{"messages":[{"content":"hi","role":"user"},{"role":"assistant","content":"hello \\u0074here"}]}',  # again
+        json.dumps({"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y"}]}).encode(),
+        b"",  # blank
+        b"   \t",  # blank
+        b"\xc2\xa0",  # a no-break space: blank to str.strip
+        json.dumps(plain(1)).encode() + b"\r",  # CRLF
+        json.dumps({"messages": []}).encode(),  # empty
+        json.dumps({"messages": []}).encode(),  # a duplicate of the empty one
+        b'{"messages": [}',  # not JSON
+        b'{"messages": [{"role": "user", "content": "x"}], "meta": "\xff"}',  # not UTF-8 in a field not read
+        b'{"messages": [{"role": "user", "content": "x"}], "\xfe": 1}',  # not UTF-8 in a key
+        b'{"messages": [{"role": "user", "content": "\\ud800"}]}',  # a lone surrogate: json.loads reads it
+        b'{"messages": [{"role": "user", "content": "\\ud800"}], "x": 1}',  # its duplicate
+        b'{"messages": [{"role": "user", "content": "n"}], "x": NaN}',  # NaN: json.loads reads it
+        b'{"messages": [{"role": "user", "content": "big"}], "x": 1e400}',
+        b'{"messages": [{"role": "user", "content": "deep"}], "x": ' + b"[" * 3000 + b"]" * 3000 + b"}",
+        b'{"messages": [{"role": "user", "content": "d450"}], "x": ' + b"[" * 450 + b"]" * 450 + b"}",
+        b'{"messages": [{"role": "user", "content": "trail"}]} {}',  # extra data
+        json.dumps({"messages": [{"role": "narrator", "content": "n"}]}).encode(),  # a role read later
+        json.dumps({"messages": [{"role": "function_call", "content": '{"name": "f", "arguments": {}}'}]}).encode(),
+        json.dumps({"messages": [{"role": "function_call", "content": "not json"}]}).encode(),  # bad
+        json.dumps({"messages": [{"role": "user", "content": None}]}).encode(),  # bad
+        json.dumps({"messages": [{"role": "user", "content": 3}]}).encode(),  # bad
+        json.dumps({"messages": [{"role": "user"}]}).encode(),  # bad
+        json.dumps({"conversations": [{"from": "human"}]}).encode(),  # bad
+        json.dumps({"messages": M, "conversations": None}).encode(),  # bad: conversations is read first
+        json.dumps({"messages": M, "conversations": [{"from": "human", "value": "c"}]}).encode(),  # both
+        json.dumps({"messages": M, "tools": []}).encode(),  # tools: content differs from line 1's
+        json.dumps({"messages": M, "tools": None}).encode(),
+        json.dumps({"messages": [{"role": "tool", "content": "r", "tool_call_id": "c1"}]}).encode(),
+        json.dumps({"messages": [{**M[0], "weight": 0}]}).encode(),  # a turn key: content
+        json.dumps({"messages": [{"role": "x", "content": "hi"}]}).encode(),
+        b'{"messages": [{"role": "user", "role": "assistant", "content": "k"}]}',  # a key twice: the last is read
+        b'{"messages": [{"role": "assistant", "content": "k"}]}',  # its duplicate
+        json.dumps([1, 2]).encode(),  # not an object: bad
+        b"3",
+        b"  " + json.dumps(plain(2)).encode(),  # leading spaces
+        json.dumps(plain(1)).encode(),  # the CRLF line's duplicate
+        json.dumps({"messages": [{"role": "User", "content": "\u00e9\u4e2d\U0001f600"}]}, ensure_ascii=False).encode(),
+        json.dumps({"messages": [{"role": "User", "content": "\u00e9\u4e2d\U0001f600"}]}).encode(),  # escaped: dup
+    ]
+    out += [json.dumps(plain(i)).encode() for i in range(3, 40)]
+    return out
+
+
+def write(path, rows: list[bytes], last_newline: bool = True) -> str:
+    path.write_bytes(b"\n".join(rows) + (b"\n" if last_newline else b""))
+    return str(path)
+
+
+def reference(paths, skip, keep=False):
+    """What scan_rows keeps, every row parsed: [(source, locator, turns)], skipped, per-source skipped."""
+    kept = []
+    sources = open_sources(paths, None)
+    kind, sources, skipped = scan_rows(
+        paths,
+        skip,
+        None,
+        lambda n, loc, _w, v: kept.append((n, tuple(loc), len(v[0] if isinstance(v, tuple) else v.turns))),
+        opened=sources,
+        keep_duplicates=keep,
+    )
+    return kind, kept, skipped, [dict(s.skipped) for s in sources]
+
+
+def bulk(paths, skip, keep=False):
+    index = build_index(paths, skip, None, keep_duplicates=keep)
+    kept = list(
+        zip(
+            index.source.tolist(),
+            zip(index.offset.tolist(), index.number.tolist(), strict=True),
+            index.size.tolist(),
+            strict=True,
+        )
+    )
+    return index.kind, kept, index.skipped, [dict(s.skipped) for s in index.sources]
+
+
+def test_every_kind_of_line_is_read_as_json_loads_reads_it(tmp_path, monkeypatch):
+    """Bulk and row by row agree on kept rows, places, turns and counts, the rows split across small blocks."""
+    data = write(tmp_path / "a.jsonl", lines(), last_newline=False)
+    more = write(tmp_path / "b.jsonl", [json.dumps(plain(i)).encode() for i in range(30, 50)] + lines()[:3])
+    paths = [data, more, f"{data}#max=20", f"{more}#max=5"]
+    expected = reference(paths, True)
+    assert expected[2]["bad row"] > 10 and expected[2]["duplicate row"] > 10 and expected[2]["empty conversation"]
+    for block in (line_scan.BLOCK, 64, 1 << 12):
+        monkeypatch.setattr(line_scan, "BLOCK", block)
+        assert bulk(paths, True) == expected
+    assert bulk(paths, True, keep=True) == reference(paths, True, keep=True)
+
+
+def test_equal_keys_are_told_apart_by_the_contents_digest(tmp_path, monkeypatch):
+    """With every plain row's key equal (hash forced to 0), only rows of equal content are dropped."""
+    data = write(tmp_path / "a.jsonl", lines())
+    expected = reference([data, data], True)
+    monkeypatch.setattr(line_scan, "hash", lambda _row: 0, raising=False)
+    monkeypatch.setattr(row_shape, "hash", lambda _row: 0, raising=False)
+    assert bulk([data, data], True) == expected
+
+
+@pytest.mark.parametrize("at", [1, 10, 17, 25])
+def test_a_bad_row_is_named_by_file_and_line_as_before(tmp_path, at):
+    """Without --skip-bad-rows the first bad row stops the index, with the reference's message (file:line)."""
+    rows = [json.dumps(plain(i)).encode() for i in range(30)]
+    rows[at - 1] = lines()[{1: 10, 10: 11, 17: 23, 25: 17}[at]]
+    data = write(tmp_path / "a.jsonl", rows)
+    with pytest.raises(BadRowError) as old:
+        reference([data], False)
+    with pytest.raises(BadRowError) as new:
+        bulk([data], False)
+    assert str(new.value) == str(old.value) and f"a.jsonl:{at}:" in str(new.value)
+
+
+def test_a_final_line_without_newline_and_crlf_lines_keep_their_places(tmp_path):
+    """CRLF lines and a last line without a newline: each row read again from its locator is the row written."""
+    rows = [json.dumps(plain(i)).encode() + b"\r" for i in range(5)] + [b"", json.dumps(plain(9)).encode()]
+    data = write(tmp_path / "a.jsonl", rows, last_newline=False)
+    index = build_index([data], False, None)
+    assert index.number.tolist() == [1, 2, 3, 4, 5, 7]
+    read = [value.turns[0]["value"] for _where, value in index.rows(range(len(index)))]
+    assert read == [f"question {i}" for i in (0, 1, 2, 3, 4, 9)]
+    assert bulk([data], False) == reference([data], False)
+
+
+def test_other_inputs_and_mixed_kinds_are_read_as_before(tmp_path):
+    """A .json array and a .jsonl.gz beside a plain file share its duplicate check; pre-tokenized rows mix no kind."""
+    data = write(tmp_path / "a.jsonl", lines())
+    (tmp_path / "b.json").write_text(json.dumps([{"messages": M}, plain(5), plain(77)]))
+    with gzip.open(tmp_path / "c.jsonl.gz", "wb") as fh:
+        fh.write(b"\n".join([json.dumps(plain(6)).encode(), json.dumps(plain(78)).encode()]))
+    paths = [data, str(tmp_path / "b.json"), str(tmp_path / "c.jsonl.gz")]
+    assert bulk(paths, True) == reference(paths, True)
+    ids = write(tmp_path / "ids.jsonl", [json.dumps({"input_ids": [1, 2], "loss_mask": [0, 1]}).encode()])
+    with pytest.raises(BadRowError, match="mix pre-tokenized rows"):
+        bulk([data, ids], True)
+    both = write(tmp_path / "both.jsonl", [json.dumps({**plain(1), "input_ids": [1], "loss_mask": [1]}).encode()])
+    assert bulk([both], False) == reference([both], False) and bulk([both], False)[0] == "pretokenized"
+
+
+def test_msgspec_accepts_no_json_text_that_json_loads_refuses():
+    """The JSON texts where the two parsers might differ: msgspec never accepts one json.loads refuses."""
+    texts = [b"01", b"+1", b".5", b"1.", b"[1,]", b"{'a':1}", b'{"a":1,}', b"1e400", b"-0", b'"\\x"', b"tru"]
+    texts += [b"[1 2]", b'{"a" 1}', b"\xef\xbb\xbf{}", b"\x0c{}", b"{}\x0c", b"Infinity", b"NaN", b'"\\ud800"']
+    texts += [b'{"a":1}\t', b'{"a":1}\r', b" {}", b'"a\x7fb"', b'"\x1f"', b'{"a":1}{}', b'"\\/"', b"1E5", b"[]]"]
+    for text in texts:
+        try:
+            msgspec.json.decode(text)
+        except (msgspec.DecodeError, RecursionError):
+            continue
+        assert json.loads(text.decode("utf-8")) == msgspec.json.decode(text) or text == b"NaN", text
+
+
+def test_a_plain_rows_key_is_the_same_read_in_bulk_or_parsed():
+    """The key of a parsed plain row equals its bulk key; not-plain content has none."""
+    line = json.dumps({"messages": M, "id": 1}).encode()
+    assert row_shape.key_of(json.loads(line)) == hash(row_shape.DECODER.decode(line))
+    assert row_shape.key_of({"messages": M, "tools": []}) is None
+    assert row_shape.key_of({"messages": M, "conversations": []}) is None
+    assert row_shape.key_of({"messages": [{**M[0], "name": "x"}]}) is None
+    duplicates = Duplicates()
+    assert not duplicates.seen({"messages": M}) and duplicates.seen({"messages": M, "x": 1})
