@@ -25,6 +25,9 @@ duplicates and counts are those of :meth:`speculators_v016.run.sources.Source.ro
 
 from __future__ import annotations
 
+import gc
+from itertools import accumulate, repeat
+from operator import add
 from pathlib import Path
 
 from speculators_v016.run import row_shape
@@ -87,44 +90,86 @@ def _utf8(data: bytes) -> bool:
     return True
 
 
+def _block(block: list[bytes], utf8: bool):
+    """(turns, keys) of a block's lines: a line's turns (a tuple) and key where it is a plain row, else None (and
+    :data:`NOT_PLAIN_ROW`'s key); the plain lines decoded in one pass (msgspec over the list, in C)."""
+    decoded, lines = [], map(row_shape.DECODER.decode, block)
+    collecting = gc.isenabled()
+    gc.disable()  # a block's rows are all alive: the collector would walk them again and again, finding nothing
+    try:
+        while True:
+            try:
+                decoded.extend(lines)
+                break
+            except row_shape.NOT_PLAIN:  # that line is not plain: the rest of the block goes on
+                decoded.append(NOT_PLAIN_ROW)
+    finally:
+        if collecting:
+            gc.enable()
+    turns = list(map(row_shape.turns_of, decoded))
+    brackets = list(map(add, map(bytes.count, block, repeat(b"[")), map(bytes.count, block, repeat(b"{"))))
+    if max(brackets, default=0) >= DEPTH:  # nested deep enough for json.loads's limit, maybe: read as before
+        for i, count in enumerate(brackets):
+            if count >= DEPTH:
+                turns[i] = None
+    if not utf8:  # bytes that are not UTF-8 somewhere: each line checked
+        for i, raw in enumerate(block):
+            if turns[i] is not None and not _utf8(raw):
+                turns[i] = None
+    return turns, list(map(hash, decoded))
+
+
+#: what a line that is not a plain row decodes to here (neither conversations nor messages: turns_of is None)
+NOT_PLAIN_ROW = row_shape.PlainRow()
+
+
 def scan(number: int, source, duplicates, judge, take, take_plain) -> None:
     """Read source ``number`` (a :func:`plain_lines` source) once, in order, up to its cap: ``take_plain(number,
     offsets, lines, turns)`` (lists) for the plain rows not dropped as duplicates (empty ones too: ``turns`` 0),
     in order; other lines as before, ``judge(where, row)`` (the row's value, or None where it is dropped, counted;
-    or BadRowError) then ``take(number, (offset, line), where, value)``."""
+    or BadRowError) then ``take(number, (offset, line), where, value)``. A block whose lines are all plain rows of
+    new keys, within the cap, is taken whole (no Python a row); any other, line by line."""
     path = source.reader.path
     line_row = source.reader.readers.line_row
     duplicates.resolve[number] = lambda offset, line: _row_at(path, line_row, offset, line)
-    decode, turns_of, not_plain = row_shape.DECODER.decode, row_shape.turns_of, row_shape.NOT_PLAIN
     first, places = duplicates.plain_keys()
     cap, taken, offset, line = source.max_rows, 0, 0, 0
-    offsets, lines, counts = [], [], []
     for block, utf8, newline in _lines(path):
-        for raw in block:
+        turns, keys = _block(block, utf8)
+        count = len(block)
+        sizes = list(map(len, block)) if newline == 0 else list(map(add, map(len, block), repeat(newline)))
+        if (
+            None not in turns
+            and (cap is None or taken + count < cap)
+            and (first is None or (first.keys().isdisjoint(keys) and len(set(keys)) == count))
+        ):
+            starts = list(accumulate(sizes, initial=offset))
+            numbers = range(line + 1, line + count + 1)
+            if first is not None:
+                first.update(zip(keys, range(len(places[0]), len(places[0]) + count)))
+                places[0].extend(repeat(number, count))
+                places[1].extend(starts[:-1])
+                places[2].extend(numbers)
+            take_plain(number, starts[:-1], list(numbers), list(map(len, turns)))
+            taken, offset, line = taken + count, starts[-1], line + count
+            continue
+        offsets, lines, counts = [], [], []
+        for raw, its, key, size in zip(block, turns, keys, sizes, strict=True):
             line += 1
-            size = len(raw) + newline
-            turns = None
-            if (utf8 or _utf8(raw)) and (size < 2 * DEPTH or raw.count(b"[") + raw.count(b"{") < DEPTH):
-                try:
-                    plain = decode(raw)
-                except not_plain:
-                    pass
-                else:
-                    turns = turns_of(plain)
-            if turns is not None:
-                key = hash(plain)
+            if its is not None:
                 if first is None:
                     pass
                 elif key not in first:
-                    first[key] = len(places) // 3
-                    places.extend((number, offset, line))
+                    first[key] = len(places[0])
+                    for place, value in zip(places, (number, offset, line), strict=True):
+                        place.append(value)
                 elif duplicates.seen_again(key, line_row(f"{path}:{line}", raw, line == 1)):
                     source.skipped[DUPLICATE] += 1
                     offset += size
                     continue
                 offsets.append(offset)
                 lines.append(line)
-                counts.append(len(turns))
+                counts.append(len(its))
             else:  # not a plain row: read as before
                 where = f"{path}:{line}"
                 row = line_row(where, raw + b"\n" if newline else raw, line == 1)
@@ -145,11 +190,7 @@ def scan(number: int, source, duplicates, judge, take, take_plain) -> None:
             offset += size
             if cap is not None and taken >= cap:
                 break
-        else:
-            if offsets:
-                take_plain(number, offsets, lines, counts)
-                offsets, lines, counts = [], [], []
-            continue
-        break
-    if offsets:
-        take_plain(number, offsets, lines, counts)
+        if offsets:
+            take_plain(number, offsets, lines, counts)
+        if cap is not None and taken >= cap:
+            return

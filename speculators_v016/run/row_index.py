@@ -7,7 +7,10 @@ compressed file's offset in its text and line, a Parquet file's number and row, 
 :mod:`speculators_v016.run.sources`) and its size (turns of a conversation, for turn dropout; ids of a
 pre-tokenized row). A run keeps this, 24 bytes a row, not the rows; a shard reads its own rows again by locator
 (:meth:`RowIndex.rows`). Duplicates are told apart here, by a 16-byte digest of each row's content kept while the
-inputs are read (:class:`speculators_v016.run.sources.Duplicates`), so every shard drops the same rows.
+inputs are read (:class:`speculators_v016.run.sources.Duplicates`), so every shard drops the same rows. A JSON
+Lines file read with :func:`~speculators_v016.run.turns.read_chat` is read in bulk (:mod:`speculators_v016.run.
+line_scan`: plain rows decoded a block at a time, the same rows kept as row by row); an input whose sha256 is not
+remembered is hashed on a thread while the rows are read (sha256 lets go of the GIL), the cache asked after.
 
 Where every input is named by content (its files' sha256: :meth:`speculators_v016.run.sources.Source.identity`),
 the index is kept in the prepared-rows cache (:mod:`speculators_v016.store.prepared_cache`), keyed by
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 from array import array
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +36,7 @@ from speculators_v016.run.dataset import BadRowError, open_sources, read_row, sc
 from speculators_v016.run.sources import PREFETCH_ROWS
 from speculators_v016.run.turns import read_chat
 from speculators_v016.store import prepared_cache
-from speculators_v016.store.digest_memo import DigestMemo
+from speculators_v016.store.digest_memo import DigestMemo, NotRemembered
 
 #: what an index is, in its cache key: another version's entries are other entries
 VERSION = "row-index-2"
@@ -140,13 +144,29 @@ def build_index(
     """Index every row of ``paths`` (see the module's docstring); ``cache``: the prepared-rows folder (None: no
     cache, every input hashed); ``progress(bytes_done, rows)``: called as rows are read (a progress bar's);
     ``keep_duplicates``: rows equal to an earlier one are kept (else dropped and counted)."""
-    sources = open_sources(paths, hf_cache_dir, DigestMemo(cache))
+    memo = DigestMemo(cache)
+    sources = open_sources(paths, hf_cache_dir, memo)
     try:
-        key = index_key(sources, skip_bad_rows, reader, keep_duplicates)
-        found = _cached(cache, key, sources, reader) if cache is not None and key else None
+        memo.remembered_only = True
+        try:  # every input's digest remembered: the key at once, and the index maybe cached
+            key, keyed = index_key(sources, skip_bad_rows, reader, keep_duplicates), True
+        except NotRemembered:  # an input to hash: hashed on a thread while the rows are read (sha256 lets go of
+            keyed = False  # the GIL), the key checked after
+        finally:
+            memo.remembered_only = False
+        found = _cached(cache, key, sources, reader) if keyed and cache is not None and key else None
         if found is not None:
             return found
-        index = _read(sources, skip_bad_rows, hf_cache_dir, reader, progress, keep_duplicates)
+        if keyed:
+            index = _read(sources, skip_bad_rows, hf_cache_dir, reader, progress, keep_duplicates)
+        else:
+            with ThreadPoolExecutor(1, thread_name_prefix="input-sha256") as pool:
+                keying = pool.submit(index_key, sources, skip_bad_rows, reader, keep_duplicates)
+                index = _read(sources, skip_bad_rows, hf_cache_dir, reader, progress, keep_duplicates)
+                key = keying.result()
+            found = _cached(cache, key, sources, reader) if cache is not None and key else None
+            if found is not None:  # the same index, kept by an earlier run of these same inputs
+                return found
     except BaseException:
         for source in sources:
             source.close()

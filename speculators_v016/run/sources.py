@@ -113,7 +113,8 @@ class Duplicates:
         self.keep, self._digests = keep, set()
         self._first: dict[int, object] = {}  # plain key -> the first such row: its digest, or its place (an int)
         self._exact: dict[int, set] = {}  # plain key -> the digests of the rows of that key (after a second one)
-        self._places = array("q")  # (source, offset, number) of a plain row read in bulk, 3 per place
+        # (source, offset, number) of each plain row read in bulk whose key was new, in three arrays
+        self._places = (array("q"), array("q"), array("q"))
         self.resolve: dict[int, Callable] = {}  # source number -> its row at (offset, number), as json.loads gives it
 
     @staticmethod
@@ -141,11 +142,12 @@ class Duplicates:
         self._digests.add(digest)
         return False
 
-    def plain_keys(self) -> tuple[dict | None, array]:
-        """For plain rows read in bulk (:mod:`speculators_v016.run.line_scan`, one dict lookup a row): the keys seen
-        (None: duplicates are kept), and their rows' places. A row whose key (its PlainRow's hash) is not in the
-        dict is no duplicate: the reader adds the key, valued ``len(places) // 3``, and appends ``(source,
-        offset, line)`` to ``places``; else :meth:`seen_again` decides."""
+    def plain_keys(self) -> tuple[dict | None, tuple]:
+        """For plain rows read in bulk (:mod:`speculators_v016.run.line_scan`, a block's keys at once): the keys
+        seen (None: duplicates are kept), and the places of their first rows (three arrays: source, offset, line).
+        A row whose key (its PlainRow's hash) is not in the dict is no duplicate: the reader adds the key, valued
+        ``len(places[0])``, and appends its source, offset and line to the three arrays; else :meth:`seen_again`
+        decides."""
         return (None if self.keep else self._first), self._places
 
     def seen_again(self, key: int, row) -> bool:
@@ -168,7 +170,7 @@ class Duplicates:
     def _digest_of(self, first) -> bytes:
         if isinstance(first, bytes):
             return first
-        source, offset, number = self._places[3 * first : 3 * first + 3]
+        source, offset, number = (place[first] for place in self._places)
         return self.digest(self.resolve[source](offset, number))
 
 

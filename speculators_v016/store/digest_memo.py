@@ -42,13 +42,19 @@ def identity(path: str | Path) -> list:
     return [real, info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns]
 
 
+class NotRemembered(LookupError):
+    """A digest asked for with ``remembered_only`` set that would have to be read (the file's path says it)."""
+
+
 class DigestMemo:
     """sha256 of files, remembered in ``folder`` (None: every file hashed, nothing kept); ``hashed``: the files
-    this memo read through (a test's and the benchmark's count)."""
+    this memo read through (a test's and the benchmark's count); ``remembered_only``: a digest not remembered
+    raises :class:`NotRemembered` instead of reading the file (a caller that would rather hash it meanwhile)."""
 
     def __init__(self, folder: Path | None):
         self.folder = folder
         self.hashed = 0
+        self.remembered_only = False
         self._known: dict[tuple, str] = {}
 
     def sha256(self, path: str | Path) -> str:
@@ -62,6 +68,8 @@ class DigestMemo:
             if found is not None and found.get("identity") == before and isinstance(found.get("sha256"), str):
                 self._known[key] = found["sha256"]
                 return found["sha256"]
+        if self.remembered_only:
+            raise NotRemembered(before[0])
         started = time.time_ns()
         digest = file_sha256(before[0])
         self.hashed += 1

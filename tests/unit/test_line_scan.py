@@ -186,3 +186,16 @@ def test_a_plain_rows_key_is_the_same_read_in_bulk_or_parsed():
     assert row_shape.key_of({"messages": [{**M[0], "name": "x"}]}) is None
     duplicates = Duplicates()
     assert not duplicates.seen({"messages": M}) and duplicates.seen({"messages": M, "x": 1})
+
+
+@pytest.mark.parametrize("block", [1 << 23, 700, 3000])
+def test_blocks_of_plain_rows_keep_caps_and_drop_duplicates_as_before(tmp_path, monkeypatch, block):
+    """All-plain blocks taken whole: duplicates within a block and across blocks, caps falling inside a block."""
+    rows = [json.dumps(plain(i % 37)).encode() for i in range(120)]  # rows 37.. repeat earlier ones
+    rows[5] = json.dumps(plain(4)).encode()  # a duplicate in the first block
+    data = write(tmp_path / "a.jsonl", rows)
+    other = write(tmp_path / "b.jsonl", [json.dumps(plain(i)).encode() for i in range(30, 60)])
+    monkeypatch.setattr(line_scan, "BLOCK", block)
+    for paths in ([data], [other, data], [f"{data}#max=3", f"{other}#max=11", data], [f"{data}#max=36", other]):
+        assert bulk(paths, True) == reference(paths, True)
+        assert bulk(paths, True, keep=True) == reference(paths, True, keep=True)
