@@ -197,7 +197,7 @@ def _read(sources, skip_bad_rows, hf_cache_dir, reader, progress, keep_duplicate
         numbers.extend(numbers_)
         sizes.extend(turns)
         rows[0] += len(turns)
-        if progress is not None:
+        if progress is not None and offsets_:
             progress(before[number] + offsets_[-1], rows[0], before[-1])
 
     kind, sources, skipped = scan_rows(

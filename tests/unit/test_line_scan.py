@@ -199,3 +199,14 @@ def test_blocks_of_plain_rows_keep_caps_and_drop_duplicates_as_before(tmp_path, 
     for paths in ([data], [other, data], [f"{data}#max=3", f"{other}#max=11", data], [f"{data}#max=36", other]):
         assert bulk(paths, True) == reference(paths, True)
         assert bulk(paths, True, keep=True) == reference(paths, True, keep=True)
+
+
+def test_progress_follows_the_bytes_and_a_block_of_empty_rows_is_counted(tmp_path):
+    """The progress callback sees bytes grow to the total; a block whose rows are all empty is counted, not taken."""
+    empty = write(tmp_path / "empty.jsonl", [json.dumps({"messages": []}).encode()] * 3)
+    data = write(tmp_path / "a.jsonl", [json.dumps(plain(i)).encode() for i in range(50)])
+    seen = []
+    index = build_index([empty, data], False, None, progress=lambda *args: seen.append(args), keep_duplicates=True)
+    assert len(index) == 50 and index.skipped == {"empty conversation": 3}
+    total = sum((tmp_path / n).stat().st_size for n in ("empty.jsonl", "a.jsonl"))
+    assert seen[-1] == (None, 50, total) and seen[-2][0] <= total and seen[-2][1] == 50
