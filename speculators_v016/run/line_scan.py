@@ -35,7 +35,7 @@ from speculators_v016.run.sources import DUPLICATE, BadRowError, _JsonFile
 from speculators_v016.run.turns import read_chat
 
 #: bytes read at a time
-BLOCK = 8 << 20
+BLOCK = 1 << 20
 #: a line holding this many ``[`` and ``{`` together is read as before (json.loads's nesting limit decides it)
 DEPTH = 400
 
@@ -72,19 +72,18 @@ def _lines(path: Path):
                     yield [rest], _utf8(rest), 0
                 return
             data = rest + block if rest else block
-            end = data.rfind(b"\n") + 1
-            if end == 0:
-                rest = data
-                continue
-            rest = data[end:]
-            yield data[: end - 1].split(b"\n"), _utf8(data[:end]), 1
+            lines = data.split(b"\n")
+            rest = lines.pop()  # after the last newline: the start of the next block's first line
+            if lines:
+                yield lines, _utf8(data, len(data) - len(rest)), 1
 
 
-def _utf8(data: bytes) -> bool:
+def _utf8(data: bytes, end: int | None = None) -> bool:
+    """Whether ``data[:end]`` is UTF-8 text (ASCII at once, else decoded)."""
     if data.isascii():
         return True
     try:
-        data.decode("utf-8")
+        str(memoryview(data)[:end], "utf-8")
     except UnicodeDecodeError:
         return False
     return True
