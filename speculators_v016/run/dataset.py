@@ -59,6 +59,8 @@ def _line_row(where: str, raw: bytes, first: bool):
         return BadRowError(f"{where}: not valid JSON ({exc.msg})")
     except RecursionError:
         return BadRowError(f"{where}: {_TOO_DEEP}")
+    except ValueError as exc:  # an int of more digits than sys.get_int_max_str_digits() allows
+        return BadRowError(f"{where}: not valid JSON ({exc})")
 
 
 def _line_rows(path: Path, fh):

@@ -19,13 +19,16 @@ rows), so every row's content is still read here, but a plain row's (:mod:`specu
 
 ``msgspec`` accepts no JSON text that ``json.loads`` refuses (a test runs both over the corner cases) and gives the
 same strings; what it accepts that a line read as before would not (bytes that are not UTF-8 in a key or a field
-it skips, nesting deep enough for ``json.loads`` to give up) is checked above. The cap (``#max=N``), blank lines,
+it skips, nesting deep enough for ``json.loads`` to give up, an int longer than Python reads from text) is
+checked above. The cap (``#max=N``), blank lines,
 duplicates and counts are those of :meth:`speculators_v016.run.sources.Source.rows`.
 """
 
 from __future__ import annotations
 
 import gc
+import re
+import sys
 from itertools import accumulate, repeat
 from operator import add
 from pathlib import Path
@@ -38,6 +41,13 @@ from speculators_v016.run.turns import read_chat
 BLOCK = 1 << 20
 #: a line holding this many ``[`` and ``{`` together is read as before (json.loads's nesting limit decides it)
 DEPTH = 400
+
+
+def _long_digits():
+    """A line with a run of digits longer than ``sys.get_int_max_str_digits()`` (json.loads refuses such an int,
+    msgspec skips it in a field it does not read): such a line is read as before. None: no limit."""
+    limit = sys.get_int_max_str_digits()
+    return re.compile(rb"(?<![0-9])[0-9]{%d}" % (limit + 1)).search if limit else None
 
 
 def plain_lines(source, reader) -> bool:
@@ -110,6 +120,11 @@ def _block(block: list[bytes], utf8: bool):
     if max(brackets, default=0) >= DEPTH:  # nested deep enough for json.loads's limit, maybe: read as before
         for i, count in enumerate(brackets):
             if count >= DEPTH:
+                turns[i] = None
+    long_digits = _long_digits()
+    if long_digits is not None:  # an int json.loads refuses, maybe: read as before
+        for i, found in enumerate(map(long_digits, block)):
+            if found is not None:
                 turns[i] = None
     if not utf8:  # bytes that are not UTF-8 somewhere: each line checked
         for i, raw in enumerate(block):

@@ -210,3 +210,19 @@ def test_progress_follows_the_bytes_and_a_block_of_empty_rows_is_counted(tmp_pat
     assert len(index) == 50 and index.skipped == {"empty conversation": 3}
     total = sum((tmp_path / n).stat().st_size for n in ("empty.jsonl", "a.jsonl"))
     assert seen[-1] == (None, 50, total) and seen[-2][0] <= total and seen[-2][1] == 50
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_an_int_too_long_for_python_is_a_bad_row_named_by_its_line(tmp_path, skip):
+    """A field msgspec skips holding an int past sys.get_int_max_str_digits: a bad row (file:line), as before."""
+    rows = [json.dumps(plain(i)).encode() for i in range(6)]
+    rows[3] = json.dumps(plain(3)).encode()[:-1] + b', "n": ' + b"7" * 4301 + b"}"
+    rows[4] = json.dumps(plain(4)).encode()[:-1] + b', "n": ' + b"7" * 4300 + b", " + b'"s": "' + b"1" * 5000 + b'"}'
+    data = write(tmp_path / "a.jsonl", rows)
+    if skip:
+        assert bulk([data], True) == reference([data], True)
+        assert bulk([data], True)[2] == {"bad row": 1} and len(bulk([data], True)[1]) == 5
+        return
+    for read in (reference, bulk):
+        with pytest.raises(BadRowError, match=r"a\.jsonl:4: not valid JSON \(.*4300 digits"):
+            read([data], False)
