@@ -191,6 +191,8 @@ def _array_rows(path: Path, fh):
             row, raw = reader.value()
         except json.JSONDecodeError as exc:
             raise BadRowError(f"{where}: not valid JSON ({exc.msg}); the rest of the array cannot be read") from None
+        except ValueError as exc:  # an int of more digits than sys.get_int_max_str_digits() allows
+            raise BadRowError(f"{where}: not valid JSON ({exc}); the rest of the array cannot be read") from None
         except RecursionError:
             if reader.peek() not in ("[", "{") or not _skip_value(reader):
                 raise BadRowError(f"{where}: {_TOO_DEEP}; the rest of the array cannot be read") from None
@@ -231,7 +233,7 @@ def _row_at(path: Path, fh, array: bool, locator) -> tuple[str, object]:
         where = f"{path} row {number}"
         try:
             row, raw = _ArrayReader(fh, offset).value()
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):  # JSONDecodeError, or an int past sys.get_int_max_str_digits()
             return where, BadRowError(f"{where}: not valid JSON where it was read before (the file changed?)")
         return where, (BadRowError(f"{where}: not UTF-8 text") if _NOT_UTF8.search(raw) else row)
     where = f"{path}:{number}"

@@ -226,3 +226,14 @@ def test_an_int_too_long_for_python_is_a_bad_row_named_by_its_line(tmp_path, ski
     for read in (reference, bulk):
         with pytest.raises(BadRowError, match=r"a\.jsonl:4: not valid JSON \(.*4300 digits"):
             read([data], False)
+
+
+def test_an_int_too_long_for_python_in_a_json_array_is_a_bad_row_named_by_its_index(tmp_path):
+    """A .json array whose row holds an int past sys.get_int_max_str_digits: a bad row naming the row, not a crash."""
+    rows = [json.dumps(plain(i)) for i in range(4)]
+    rows[2] = rows[2][:-1] + ', "n": ' + "7" * 4301 + "}"
+    path = tmp_path / "a.json"
+    path.write_text("[" + ", ".join(rows) + "]")
+    for read in (reference, bulk):
+        with pytest.raises(BadRowError, match=r"a\.json row 2: not valid JSON \(.*4300 digits.*the rest of the array"):
+            read([str(path)], False)
