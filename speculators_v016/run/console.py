@@ -173,6 +173,7 @@ class Console:
 
     def close(self) -> None:
         logger.remove()
+        logger.disable("speculators_v016")  # the library is quiet again once the command is done (in-process callers)
         if self._saved is None:
             return
         try:

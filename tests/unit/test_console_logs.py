@@ -5,8 +5,9 @@ import stat
 import tempfile
 
 import pytest
+from loguru import logger
 
-from speculators_v016.run.console import open_log, private_dir, run_log_path, scratch_log_path
+from speculators_v016.run.console import Console, open_log, private_dir, run_log_path, scratch_log_path
 
 
 @pytest.fixture
@@ -77,3 +78,16 @@ def test_shard_logs_go_to_the_output_folder_beside_shard_folders(tmp, tmp_path):
     assert run_log_path(out, "run", "-shard-00001-of-00002").parent == out / "logs"
     (out / "notes.txt").write_text("not ours")
     assert run_log_path(out, "run").parent == private_dir()
+
+
+def test_the_library_is_quiet_again_after_the_console_closes():
+    """The CLI's console enables our package's log while it runs; once it closes, the library is quiet again."""
+    with Console(None, mode="quiet"):
+        pass
+    seen = []
+    sink = logger.add(seen.append)
+    try:
+        exec("from loguru import logger\nlogger.warning('should not appear')", {"__name__": "speculators_v016.x"})
+    finally:
+        logger.remove(sink)
+    assert seen == []
