@@ -140,16 +140,16 @@ class Assembler:
         pairs: list[Pair] = []
         try:
             done_before = len(self._complete)
-            self._attribute(capture, pairs)
+            with torch_threads(self.copy_threads):  # a generating request's pieces are copied in _attribute
+                self._attribute(capture, pairs)
+                if self.copies is None:
+                    for dst, src in pairs:
+                        dst.copy_(src)
+                    return
             completes = self._complete[done_before:]
-            if self.copies is not None:
-                del self._complete[done_before:]
-                self.copies.submit(capture.step, pairs, release, completes)
-                release = None  # the copies give it back
-                return
-            with torch_threads(self.copy_threads):
-                for dst, src in pairs:
-                    dst.copy_(src)
+            del self._complete[done_before:]
+            self.copies.submit(capture.step, pairs, release, completes)
+            release = None  # the copies give it back
         finally:
             if release is not None:
                 release()
@@ -189,11 +189,10 @@ class Assembler:
         for req_id in [r for r, step in self._closed.items() if step < self._last_step - 8]:
             del self._closed[req_id]  # no step in flight can hold rows of it any more
         offset = 0
-        with torch_threads(self.copy_threads):  # a generating request's pieces are copied here
-            for req_id, start, count in zip(capture.req_ids, capture.starts, capture.counts):
-                scales = capture.scales[:, offset : offset + count] if self.fp8 else None
-                self._add_rows(req_id, start, capture.states[:, offset : offset + count], scales, pairs)
-                offset += count
+        for req_id, start, count in zip(capture.req_ids, capture.starts, capture.counts):
+            scales = capture.scales[:, offset : offset + count] if self.fp8 else None
+            self._add_rows(req_id, start, capture.states[:, offset : offset + count], scales, pairs)
+            offset += count
         if self.prefault is not None:
             self._row = (capture.states.shape[2], capture.states.dtype, self.fp8 and capture.scales.dtype or None)
             self._offer_ahead()

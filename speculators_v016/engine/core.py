@@ -587,7 +587,6 @@ class CaptureEngine:
             self._abandon(waiting, in_flight)
             raise
         except BaseException as exc:
-            self._settle(assembler)
             self._broken = exc
             if self._executor_failed or getattr(self.executor, "is_failed", False):
                 raise EngineDeadError(
@@ -671,8 +670,8 @@ class CaptureEngine:
         for (the copy thread waits on nothing of the engine's)."""
         if self.ring is None:
             return True
-        if not self.ring.free:
-            assembler.land(wait=1 if assembler.copying else 0)
+        if not self.ring.free and assembler.copying:
+            assembler.land(wait=1)
         return self.ring.free > 0
 
     def _can_launch(self, in_flight: deque, assembler: Assembler) -> bool:

@@ -71,10 +71,10 @@ class RowCopies:
     def submit(self, step: int, pairs: Sequence[Pair], release: Callable[[], None] | None, completes: list) -> None:
         """Copy ``pairs`` after every step submitted before; then ``release`` and ``completes`` are
         :meth:`landed`'s."""
-        future = self._pool.submit(self._copy, list(pairs))
+        future = self._pool.submit(self._copy, pairs)
         self._jobs.append(_Job(step, future, release, completes))
 
-    def _copy(self, pairs: list[Pair]) -> None:
+    def _copy(self, pairs: Sequence[Pair]) -> None:
         began = time.perf_counter()
         with torch_threads(self.threads):
             for dst, src in pairs:
@@ -113,15 +113,9 @@ class RowCopies:
         return out
 
     def settle(self) -> list:
-        """Wait for every step's copies; what they completed (slots all given back, even on an error)."""
-        try:
-            return self.landed(wait=len(self._jobs))
-        finally:
-            while self._jobs:  # an error stopped the collection: the rest still give their slots back
-                job = self._jobs.popleft()
-                job.future.exception()
-                if job.release is not None:
-                    job.release()
+        """Wait for every step's copies; what they completed (slots all given back, even on an error: :meth:`landed`
+        collects every step before it raises the first failure)."""
+        return self.landed(wait=len(self._jobs))
 
     def close(self) -> None:
         """Wait for the copies, give their slots back, stop the thread."""

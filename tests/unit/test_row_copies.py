@@ -29,10 +29,9 @@ class FailingCopies(RowCopies):
 
     def __init__(self, failing):
         super().__init__(threads=None)
-        self.failing, self.step = set(failing), 0
+        self.failing = set(failing)
 
     def submit(self, step, pairs, release, completes):
-        self.step = step
         super().submit(step, [] if step not in self.failing else [(torch.empty(2), torch.empty(3))], release,
                        completes)  # fmt: skip
 
