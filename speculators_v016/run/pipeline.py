@@ -377,7 +377,13 @@ def host_line(host: dict) -> str:
             else f"copied rows for {host['engine_copied']:.1f} s"
         )
         + f" and waited {host['waited']:.1f} s for the writers (queue full); "
-        f"{host['workers']} write workers busy {host['busy']:.0%} of the time; buffer pool: {host['blocks_made']} "
+        f"{host['workers']} write workers busy {host['busy']:.0%} of the time"
+        + (
+            f" (on a CPU {host['on_cpu']:.0%} of it, {host['cpu_per_gib']:.2f} CPU-s per GiB written)"
+            if host.get("cpu_per_gib")
+            else ""
+        )
+        + f"; buffer pool: {host['blocks_made']} "
         f"blocks made, {host['blocks_reused']} reused"
         + (f", {host['samples_fresh']} samples in fresh memory (CPU engine)" if host.get("samples_fresh") else "")
         + (f"; this process used {host['cpu_seconds']:.1f} CPU-s (user + system)" if "cpu_seconds" in host else "")

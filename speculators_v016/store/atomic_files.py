@@ -49,9 +49,12 @@ def drop_pages(fd: int) -> None:
         pass
 
 
-#: Bytes written and hashed at a time: the hash reads what the write just read, from the core's cache
-#: (whole 14 MiB parts: the hash read every byte from memory once more; tools/benchmarks/host_path.py).
-WRITE_CHUNK = 1 << 19
+#: Bytes written and hashed at a time: the hash and the scans read what the write just read, from the cache
+#: (whole 14 MiB parts: the hash read every byte from memory once more; tools/benchmarks/host_path.py). 4 MiB, not
+#: less: each chunk costs its writer several trips through the GIL (the write, the hash, the scan), and beside the
+#: engine's thread those trips are waits: at 512 KiB, 8 writers at hidden 7168 on the H200's host ran on a CPU for
+#: only 70% of their busy time (docs/benchmarks/gpu_generator.md).
+WRITE_CHUNK = 1 << 22
 
 
 def write_parts(fh, parts: Sequence, digest, scans: Sequence | None = None) -> int:

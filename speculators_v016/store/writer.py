@@ -118,6 +118,7 @@ class SampleWriter:
         self.bytes = 0
         self.waited = 0.0  # seconds :meth:`put` waited on a full queue (the producer held up by the writers)
         self.busy = 0.0  # thread-seconds the workers spent on samples (check, encode, hash, write, fsync)
+        self.cpu = 0.0  # of which on a CPU (their threads' own CPU time): the rest is waiting (a core, the GIL)
         self.started = time.monotonic()
         self._rejected: list[tuple[int, Any]] = []
         self._lock = threading.Lock()
@@ -142,7 +143,7 @@ class SampleWriter:
             self._fail(exc)
         while (job := self.queue.get()) is not None:
             index, sample, done = job
-            began = time.monotonic()
+            began, began_cpu = time.monotonic(), time.thread_time()
             try:
                 if self.error is None:
                     self._write(index, sample)
@@ -150,6 +151,7 @@ class SampleWriter:
                 self._fail(exc)
             with self._lock:
                 self.busy += time.monotonic() - began
+                self.cpu += time.thread_time() - began_cpu
             try:
                 if done is not None:
                     done()
@@ -204,11 +206,19 @@ class SampleWriter:
 
     def load(self) -> dict:
         """What the host path did so far: ``workers``, ``busy`` (their share of the time since the writer was
-        made), ``waited`` (s the producer waited on a full queue: the writers set the pace there)."""
+        made), ``on_cpu`` (the share of that busy time their threads ran on a CPU: the rest they waited for a
+        core or the GIL), ``cpu_per_gib`` (their CPU seconds per GiB committed), ``waited`` (s the producer
+        waited on a full queue: the writers set the pace there)."""
         with self._lock:
-            busy = self.busy
+            busy, cpu, written = self.busy, self.cpu, self.bytes
         span = max(time.monotonic() - self.started, 1e-9)
-        return {"workers": len(self._threads), "busy": busy / (span * len(self._threads)), "waited": self.waited}
+        return {
+            "workers": len(self._threads),
+            "busy": busy / (span * len(self._threads)),
+            "on_cpu": cpu / busy if busy > 0 else 0.0,
+            "cpu_per_gib": cpu / (written / 2**30) if written else 0.0,
+            "waited": self.waited,
+        }
 
     def take_rejected(self) -> list[tuple[int, Any]]:
         """Samples ``reject`` or the NaN/Inf check refused since the last call: ``(index, reason)``."""

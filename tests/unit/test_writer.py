@@ -355,3 +355,24 @@ def test_load_says_whether_the_writers_set_the_pace(tmp_path):
         fast.put(i, sample(i))
     fast.close()
     assert fast.load()["waited"] == 0.0 and len(Manifest(tmp_path / "fast").entries()) == 4
+
+
+def spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_load_tells_cpu_from_waiting(tmp_path):
+    """The writers' busy time splits into their own CPU time and waits: a sleeping check waits, a spinning one computes."""
+    loads = {}
+    for name, check in {"sleeps": lambda s: time.sleep(0.1), "spins": lambda s: spin(0.1)}.items():
+        (tmp_path / name).mkdir()
+        writer = SampleWriter(tmp_path / name, "safetensors", [1, 2], workers=1, reject=check)
+        for i in range(3):
+            writer.put(i, sample(i))
+        writer.close()
+        loads[name] = writer.load()
+    assert loads["sleeps"]["on_cpu"] < 0.3 < 0.7 < loads["spins"]["on_cpu"] <= 1.0
+    written = writer.bytes / 2**30
+    assert loads["spins"]["cpu_per_gib"] >= 0.3 / written
