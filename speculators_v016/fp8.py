@@ -93,6 +93,15 @@ def _triton_kernel(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     return True
 
 
+def warm_up(hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Quantize one zero row of ``hidden`` ``dtype`` values on ``device``: a just-in-time kernel (Triton, on
+    CUDA) is compiled now, at the engine's start, not in a run's first step (about half a second on an H200,
+    inside the run's clock)."""
+    rows = torch.zeros((1, hidden), dtype=dtype, device=device)
+    quantize_into(rows, torch.empty((1, hidden), dtype=CODE_DTYPE, device=device),
+                  torch.empty((1,), dtype=SCALE_DTYPE, device=device))  # fmt: skip
+
+
 def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, scales)`` of ``rows``: float8_e4m3fn ``[..., hidden]`` and float32 ``[...]``."""
     codes = torch.empty(rows.shape, dtype=CODE_DTYPE, device=rows.device)

@@ -265,6 +265,8 @@ class Capture:
                     plan.buffer_bytes,
                     f"staging buffers could not be allocated ({exc}): direct copies",
                 )
+        if self.fp8:
+            fp8.warm_up(ring.hidden, ring.torch_dtype, device)  # the kernel compiled before the run's clock
         quant_bytes = 0
         if staging is not None:
             self.copier = StagedCopy(staging, self.fp8)

@@ -294,3 +294,31 @@ def test_fp8_capture_at_the_real_cadence():
             assert r["exact"] == r["steps"], r
     assert mean["none", "-"] >= 30, f"the stand-in forward takes {mean['none', '-']:.1f} ms, not >= 30 ms"
     assert added["staged"] <= MAX_ADDED_MS, added
+
+
+def compiled_variants(kernel) -> int:
+    """How many variants of a Triton kernel are compiled (its per-device caches; Triton 3's layout)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:
+        return sum(len(entry[0]) for entry in caches.values())
+    return sum(len(entry) for entry in kernel.cache.values())
+
+
+def test_warm_up_compiles_the_variant_a_step_uses():
+    """fp8.warm_up (the engine's start) compiles the very kernel variant a step's rows then use: none in the run."""
+    pytest.importorskip("triton")
+    from speculators_v016 import fp8_triton  # noqa: PLC0415 - Triton on CUDA only
+
+    hidden = 12304  # its block (16,384 columns) no other width here uses: a variant of its own, new to this process
+    before = compiled_variants(fp8_triton._quantize_rows)
+    fp8.warm_up(hidden, DTYPE, torch.device("cuda"))
+    warmed = compiled_variants(fp8_triton._quantize_rows)
+    assert warmed == before + 1
+    stage = Fp8Buffers(torch.empty((2, 8192, hidden), dtype=fp8.CODE_DTYPE, device="cuda"),
+                       torch.empty((2, 8192), dtype=fp8.SCALE_DTYPE, device="cuda"))  # fmt: skip
+    rows = torch.randn(3000, hidden, device="cuda").to(DTYPE)
+    fp8.quantize_into(rows, stage.codes[1, :3000], stage.scales[1, :3000])
+    torch.cuda.synchronize()
+    assert compiled_variants(fp8_triton._quantize_rows) == warmed
+    codes, scales = fp8.quantize(rows.cpu())
+    assert same_bits(stage.scales[1, :3000].cpu(), scales) and same_bits(stage.codes[1, :3000].cpu(), codes)
