@@ -136,7 +136,8 @@ class Assembler:
     def add(self, capture: StepCapture, release: Callable[[], None] | None = None) -> None:
         """A step's rows into its requests' tensors. ``release`` gives the step's slot back, exactly once: after
         the copies (with :attr:`copies`, once they have landed: :meth:`land`), or at once when the capture is
-        refused. The requests the rows complete are handed out (:meth:`pop_complete`) once their copies are done."""
+        refused. The requests the rows complete are handed out (:meth:`pop_complete`) once their copies are done; a
+        generating request's at once (its rows are copied on this thread), so the scheduler ends it as inline."""
         pairs: list[Pair] = []
         try:
             done_before = len(self._complete)
@@ -146,8 +147,12 @@ class Assembler:
                     for dst, src in pairs:
                         dst.copy_(src)
                     return
-            completes = self._complete[done_before:]
+            # a generating request's states were copied here, on this thread (_add_piece, _trim): it is handed out
+            # at once, as inline, so when the scheduler ends it never depends on the copy thread's pace
+            fresh = self._complete[done_before:]
             del self._complete[done_before:]
+            self._complete += [r for r in fresh if self._requests[r].generating]
+            completes = [r for r in fresh if not self._requests[r].generating]
             self.copies.submit(capture.step, pairs, release, completes)
             release = None  # the copies give it back
         finally:

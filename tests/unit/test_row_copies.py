@@ -136,6 +136,29 @@ def test_a_request_over_two_steps_waits_for_the_second_steps_copies():
     copies.close()
 
 
+def test_a_generating_request_is_handed_out_at_once_while_its_steps_slots_wait():
+    """A generating request (rows copied on the engine's thread) is handed out with the copy thread held, as inline:
+    when the scheduler ends it never waits on that thread; the prompt beside it and both slots wait for it."""
+    copies = GatedCopies()
+    asm = Assembler((0,), copies=copies)
+    asm.add_request("g", "G", 2, generating=True)
+    asm.add_request("p", "P", 2)
+    released = []
+    asm.expect(1, {"g": (0, 2)})
+    asm.add(StepCapture(1, ["g"], [0], [2], states=torch.ones(1, 2, 2)), lambda: released.append(1))
+    asm.grow("g", 3, final=True)  # one token sampled, the last: its row comes with the next step
+    asm.expect(2, {"g": (2, 1), "p": (0, 2)})
+    asm.add(StepCapture(2, ["g", "p"], [2, 0], [1, 2], states=torch.full((1, 3, 2), 2.0)), lambda: released.append(2))
+    [(key, [got])] = asm.pop_complete()
+    assert key == "G" and got[:, 0].tolist() == [1, 1, 2]
+    assert released == [] and asm.copying == 2 and "p" in asm.unfinished()
+    copies.gate.set()
+    asm.settle()
+    [(key, [got])] = asm.pop_complete()
+    assert key == "P" and got[:, 0].tolist() == [2, 2] and released == [1, 2]
+    copies.close()
+
+
 def test_a_failed_copy_is_raised_naming_its_step_with_every_slot_back():
     """A copy that fails raises RowCopyError naming the step on the engine's side; every slot still goes back."""
     copies = FailingCopies(failing={2})
