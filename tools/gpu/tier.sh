@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tier on a lent GPU machine, through ../shared/gpu-vllm (vLLM 0.16's own GPU code), in one command:
 #   . .gpu-vllm/install.sh && bash tools/gpu/tier.sh [PYTEST ARGS ...]   (default: tests/gpu)
+# .gpu-vllm built by tools/gpu/build_kit.sh (the shared kit plus compressed-tensors, which the INT4 tier needs).
 # One test process at a time: vLLM sizes its KV cache from the GPU's free memory, and engines of other
 # processes starting or stopping beside it fail its memory profiling ("Error in memory profiling") or leave
 # it no room. The run stops at GPU_TIER_LIMIT seconds (default 540) so that its log always comes back.
