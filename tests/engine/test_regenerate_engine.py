@@ -68,8 +68,9 @@ def regenerate(generator, prompts, generation, order=None, window=None, logprobs
     return out
 
 
-@pytest.fixture(scope="module")
-def greedy(generator, prompts, stop_ids):
+def recorded(generator, run):
+    """``run()``'s result and the steps the scheduler made meanwhile: which kinds of rows each held, and its batch
+    (prompt length, first position, rows) of each request (the prompts' lengths differ: a request's name)."""
     steps = []
     scheduler = generator.engine.scheduler
     schedule = scheduler.schedule
@@ -82,16 +83,24 @@ def greedy(generator, prompts, stop_ids):
             {
                 "prefill": any(start < prompt[rid] for rid, (start, _) in rows.items()),
                 "decode": any(start >= prompt[rid] for rid, (start, _) in rows.items()),
+                "batch": sorted((prompt[rid], start, n) for rid, (start, n) in rows.items()),
             }
         )
         return so
 
     scheduler.schedule = recording
     try:
-        results = regenerate(generator, prompts, Generation(NEW, stop_token_ids=stop_ids, logprobs=True), logprobs=True)
+        return run(), steps
     finally:
         del scheduler.schedule
-    return results, steps
+
+
+@pytest.fixture(scope="module")
+def greedy(generator, prompts, stop_ids):
+    return recorded(
+        generator,
+        lambda: regenerate(generator, prompts, Generation(NEW, stop_token_ids=stop_ids, logprobs=True), logprobs=True),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -209,17 +218,28 @@ def test_the_generators_stream_regenerates_with_upstreams_dict(generator, prompt
 
 def test_regeneration_with_the_rows_copied_on_a_thread_is_the_same(generator, greedy, prompts, stop_ids):
     """Rows copied on a thread of their own (the GPU default; here with the ring's slots of inline copies, so the
-    engine also waits for the copies to free one): the same tokens and bit-identical states."""
+    engine also waits for the copies to free one): the same tokens, and bit-identical states in the same batches.
+
+    Which rows share a step is not fixed: like vLLM's own loop, the engine waits on the oldest step first when
+    its output is already there (a busy machine changes that), and a stop seen earlier changes the next batches.
+    Where the batches differ, the states agree within the fp32 tolerance of other batchings (chunked against
+    unchunked: test_generator_consistency.py)."""
     engine = generator.engine
     engine.row_copies_apart = True
     try:
-        threaded = regenerate(
-            generator, prompts, Generation(NEW, stop_token_ids=stop_ids, logprobs=True), logprobs=True
+        threaded, steps = recorded(
+            generator,
+            lambda: regenerate(generator, prompts, Generation(NEW, stop_token_ids=stop_ids, logprobs=True), logprobs=True),
         )
     finally:
         engine.row_copies_apart = False
     assert engine.stats.copy_thread > 0
-    results, _ = greedy
+    results, greedy_steps = greedy
+    same_batches = [s["batch"] for s in steps] == [s["batch"] for s in greedy_steps]
     for i, r in results.items():
         assert threaded[i]["ids"] == r["ids"], f"prompt {i}"
-        assert all(torch.equal(a, b) for a, b in zip(threaded[i]["states"], r["states"])), f"prompt {i}"
+        if same_batches:
+            assert all(torch.equal(a, b) for a, b in zip(threaded[i]["states"], r["states"])), f"prompt {i}"
+        else:
+            worst = max(float((a - b).abs().max()) for a, b in zip(threaded[i]["states"], r["states"]))
+            assert worst < TOLERANCE, f"prompt {i}: {worst} (other batches than the reference's)"
