@@ -229,7 +229,9 @@ def test_regeneration_with_the_rows_copied_on_a_thread_is_the_same(generator, gr
     try:
         threaded, steps = recorded(
             generator,
-            lambda: regenerate(generator, prompts, Generation(NEW, stop_token_ids=stop_ids, logprobs=True), logprobs=True),
+            lambda: regenerate(
+                generator, prompts, Generation(NEW, stop_token_ids=stop_ids, logprobs=True), logprobs=True
+            ),
         )
     finally:
         engine.row_copies_apart = False
