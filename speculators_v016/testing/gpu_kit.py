@@ -3,7 +3,7 @@
 The GPU kit (``../shared/gpu-vllm``) is vLLM's Python code without its compiled libraries; the test
 kit stands in for the kernels its tests reach (:mod:`~speculators_v016.testing.moe_ops`: fused-MoE
 routing, alignment, activations; :mod:`~speculators_v016.testing.mla_ops`: MLA's cache and prefill
-ops; ``act_ops``: ``_C``'s activations; ``wna16_ops``: ``_moe_C.moe_wna16_gemm`` and the steering away
+ops; ``cache_ops``: the KV-cache write of the FlexAttention backend; ``act_ops``: ``_C``'s activations; ``wna16_ops``: ``_moe_C.moe_wna16_gemm`` and the steering away
 from Marlin's INT4 MoE where Marlin is absent). A test that starts the engine in its own process calls
 :func:`install` first. The real command runs in a fresh process: run this module with the command's
 arguments and it installs them, then runs the installed ``speculators-data-gen`` through its entry
@@ -25,12 +25,19 @@ def install() -> dict[str, dict]:
     """Register every stand-in of the kit in this process (idempotent); return each module's report."""
     from speculators_v016.testing import (  # noqa: PLC0415 - the kit's kernels only where an engine runs
         act_ops,
+        cache_ops,
         mla_ops,
         moe_ops,
         wna16_ops,
     )
 
-    return {"moe": moe_ops.install(), "mla": mla_ops.install(), "act": act_ops.install(), "wna16": wna16_ops.install()}
+    return {
+        "moe": moe_ops.install(),
+        "mla": mla_ops.install(),
+        "act": act_ops.install(),
+        "wna16": wna16_ops.install(),
+        "cache": cache_ops.install(),
+    }
 
 
 def main() -> None:
