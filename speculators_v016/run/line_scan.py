@@ -152,15 +152,19 @@ def scan(number: int, source, duplicates, judge, take, take_plain) -> None:
         turns, keys = _block(block, utf8)
         count = len(block)
         sizes = list(map(len, block)) if newline == 0 else list(map(add, map(len, block), repeat(newline)))
+        # the block's keys asked at once: known before it (a row-by-row look-up only where the table's levels
+        # changed within the block: run/key_table.py)
+        known = first.contains(keys).tolist() if first is not None else None
+        generation = first.generation if first is not None else 0
         if (
             None not in turns
             and (cap is None or taken + count < cap)
-            and (first is None or (first.keys().isdisjoint(keys) and len(set(keys)) == count))
+            and (first is None or (not any(known) and len(set(keys)) == count))
         ):
             starts = list(accumulate(sizes, initial=offset))
             numbers = range(line + 1, line + count + 1)
             if first is not None:
-                first.update(zip(keys, range(len(places[0]), len(places[0]) + count)))
+                first.add(keys, range(len(places[0]), len(places[0]) + count))
                 places[0].extend(repeat(number, count))
                 places[1].extend(starts[:-1])
                 places[2].extend(numbers)
@@ -168,12 +172,12 @@ def scan(number: int, source, duplicates, judge, take, take_plain) -> None:
             taken, offset, line = taken + count, starts[-1], line + count
             continue
         offsets, lines, counts = [], [], []
-        for raw, its, key, size in zip(block, turns, keys, sizes, strict=True):
+        for i, (raw, its, key, size) in enumerate(zip(block, turns, keys, sizes, strict=True)):
             line += 1
             if its is not None:
                 if first is None:
                     pass
-                elif key not in first:
+                elif not (known[i] or first.is_recent(key) or (first.generation != generation and key in first)):
                     first[key] = len(places[0])
                     for place, value in zip(places, (number, offset, line), strict=True):
                         place.append(value)
@@ -206,5 +210,7 @@ def scan(number: int, source, duplicates, judge, take, take_plain) -> None:
                 break
         if offsets:
             take_plain(number, offsets, lines, counts)
+        if first is not None:
+            first.settle()
         if cap is not None and taken >= cap:
             return

@@ -75,6 +75,7 @@ from pathlib import Path
 from loguru import logger
 
 from speculators_v016.run import row_shape
+from speculators_v016.run.key_table import KeyTable
 from speculators_v016.run.turns import BadRowError
 from speculators_v016.store.run_config import file_sha256
 
@@ -111,7 +112,10 @@ class Duplicates:
 
     def __init__(self, keep: bool = False):
         self.keep, self._digests = keep, set()
-        self._first: dict[int, object] = {}  # plain key -> the first such row: its digest, or its place (an int)
+        # plain key -> the first such row: its place (>= 0, in the three arrays below) or its digest (-1 - i: the
+        # i-th 16 bytes of _first_digests); compact, as the keys of a million rows are (run/key_table.py)
+        self._first = KeyTable()
+        self._first_digests = bytearray()
         self._exact: dict[int, set] = {}  # plain key -> the digests of the rows of that key (after a second one)
         # (source, offset, number) of each plain row read in bulk whose key was new, in three arrays
         self._places = (array("q"), array("q"), array("q"))
@@ -142,12 +146,12 @@ class Duplicates:
         self._digests.add(digest)
         return False
 
-    def plain_keys(self) -> tuple[dict | None, tuple]:
+    def plain_keys(self) -> tuple[KeyTable | None, tuple]:
         """For plain rows read in bulk (:mod:`speculators_v016.run.line_scan`, a block's keys at once): the keys
-        seen (None: duplicates are kept), and the places of their first rows (three arrays: source, offset, line).
-        A row whose key (its PlainRow's hash) is not in the dict is no duplicate: the reader adds the key, valued
-        ``len(places[0])``, and appends its source, offset and line to the three arrays; else :meth:`seen_again`
-        decides."""
+        seen (a :class:`~speculators_v016.run.key_table.KeyTable`; None: duplicates are kept), and the places of
+        their first rows (three arrays: source, offset, line). A row whose key (its PlainRow's hash) is not in the
+        table is no duplicate: the reader adds the key, valued ``len(places[0])``, and appends its source, offset
+        and line to the three arrays; else :meth:`seen_again` decides."""
         return (None if self.keep else self._first), self._places
 
     def seen_again(self, key: int, row) -> bool:
@@ -157,7 +161,8 @@ class Duplicates:
     def _seen_key(self, key: int, digest: bytes) -> bool:
         first = self._first.get(key)
         if first is None:
-            self._first[key] = digest
+            self._first[key] = -1 - len(self._first_digests) // 16
+            self._first_digests += digest
             return False
         exact = self._exact.get(key)
         if exact is None:
@@ -167,9 +172,10 @@ class Duplicates:
         exact.add(digest)
         return False
 
-    def _digest_of(self, first) -> bytes:
-        if isinstance(first, bytes):
-            return first
+    def _digest_of(self, first: int) -> bytes:
+        if first < 0:
+            at = 16 * (-1 - first)
+            return bytes(self._first_digests[at : at + 16])
         source, offset, number = (place[first] for place in self._places)
         return self.digest(self.resolve[source](offset, number))
 

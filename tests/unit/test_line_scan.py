@@ -8,7 +8,7 @@ import json
 import msgspec
 import pytest
 
-from speculators_v016.run import line_scan, row_shape
+from speculators_v016.run import key_table, line_scan, row_shape
 from speculators_v016.run.dataset import BadRowError, open_sources, scan_rows
 from speculators_v016.run.row_index import build_index
 from speculators_v016.run.sources import Duplicates
@@ -114,6 +114,21 @@ def test_every_kind_of_line_is_read_as_json_loads_reads_it(tmp_path, monkeypatch
         monkeypatch.setattr(line_scan, "BLOCK", block)
         assert bulk(paths, True) == expected
     assert bulk(paths, True, keep=True) == reference(paths, True, keep=True)
+
+
+@pytest.mark.parametrize("recent", [1, 2, 5])
+def test_the_key_tables_levels_changing_within_a_block_drop_the_same_rows(tmp_path, monkeypatch, recent):
+    """The duplicate check's table settling every few keys (run/key_table.py), mid-block: the same rows as parsed."""
+    monkeypatch.setattr(key_table, "RECENT", recent)
+    rows = [json.dumps(plain(i % 7)).encode() for i in range(40)] + lines()
+    data = write(tmp_path / "a.jsonl", rows)
+    more = write(tmp_path / "b.jsonl", [json.dumps(plain(i)).encode() for i in range(3, 12)] + lines()[:9])
+    paths = [data, more, f"{more}#max=4"]
+    expected = reference(paths, True)
+    assert expected[2]["duplicate row"] > 40
+    for block in (64, 1 << 12):
+        monkeypatch.setattr(line_scan, "BLOCK", block)
+        assert bulk(paths, True) == expected
 
 
 def test_equal_keys_are_told_apart_by_the_contents_digest(tmp_path, monkeypatch):
