@@ -150,3 +150,21 @@ def pytest_sessionfinish(session, exitstatus):
         if left:
             print(f"\nFAILED: this test run left shared memory in /dev/shm: {left}")
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Each test's setup, call and teardown seconds, summed by file (the xdist controller receives them all)."""
+    name = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[name] = _FILE_SECONDS.get(name, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The 12 files that took longest in this round (a whole file runs on one worker: what a round's length
+    is made of, for keeping CI under its limit)."""
+    if _FILE_SECONDS:
+        terminalreporter.write_sep("=", "slowest files (seconds, setup + call + teardown)")
+        for name, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:12]:
+            terminalreporter.write_line(f"{seconds:8.1f}s  {name}")
