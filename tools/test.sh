@@ -29,4 +29,5 @@ trap 'wait "$peer" || true' EXIT  # never a half-made venv left behind by a fail
 # CPU MoE layer (which outlives its engine) kept a KV cache per MoE engine: workers reached 11-14 GiB and
 # the kernel's OOM killer took one on a 24 GiB machine. Now they peak at 2-4 GiB; the rounds stay a guard.
 "$py" -m pytest -q --durations=25 -n "$workers" --dist loadfile -m "not alone" "$@" tests/cli
-"$py" -m pytest -q --durations=25 -n "$workers" --dist loadfile -m "not alone" "$@" tests/engine tests/unit tests/distribution tests/gpu
+"$py" -m pytest -q --durations=25 -n "$workers" --dist loadfile --no-loadscope-reorder -m "not alone" "$@" \
+  tests/engine tests/unit tests/distribution tests/gpu  # the longest files first: tests/conftest.py LONGEST_FIRST
