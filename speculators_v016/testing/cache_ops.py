@@ -9,7 +9,7 @@ first step: "'_OpNamespace' '_C_cache_ops' object has no attribute 'reshape_and_
 
 The stand-in is pure torch, checked against a plain loop in ``tests/engine/test_cache_ops.py``, never
 synchronizes with the host, refuses an FP8 cache by name, and is set only where no compiled op of that
-name is loaded (:func:`~speculators_v016.testing.op_registry.set_attribute`). :data:`CALLS` counts its
+name is loaded (:func:`~speculators_v016.testing.op_registry.set_attributes`). :data:`CALLS` counts its
 calls in this process. This module is a test kit: no run imports it.
 """
 
@@ -19,7 +19,7 @@ from collections import Counter
 
 import torch
 
-from speculators_v016.testing.op_registry import empty_report, load_vllm_kernels, set_attribute
+from speculators_v016.testing.op_registry import set_attributes
 
 #: Calls of each stand-in in this process, by op name.
 CALLS: Counter[str] = Counter()
@@ -67,8 +67,4 @@ OPS = {("_C_cache_ops", "reshape_and_cache_flash"): reshape_and_cache_flash}
 def install() -> dict[str, list[str]]:
     """Set the stand-in on ``torch.ops._C_cache_ops`` where no compiled op of that name is loaded; idempotent.
     Returns ``{"installed": [...], "kept": [...]}`` (qualified names)."""
-    load_vllm_kernels()
-    report = empty_report()
-    for (namespace, name), fn in OPS.items():
-        set_attribute(namespace, name, fn, report)
-    return report
+    return set_attributes(OPS)

@@ -3,8 +3,8 @@
 The GPU kit (``../shared/gpu-vllm``) is vLLM's Python code without its compiled libraries; the test
 kit stands in for the kernels its tests reach (:mod:`~speculators_v016.testing.moe_ops`: fused-MoE
 routing, alignment, activations; :mod:`~speculators_v016.testing.mla_ops`: MLA's cache and prefill
-ops; ``cache_ops``: the KV-cache write of the FlexAttention backend; ``act_ops``: ``_C``'s activations; ``wna16_ops``: ``_moe_C.moe_wna16_gemm`` and the steering away
-from Marlin's INT4 MoE where Marlin is absent). A test that starts the engine in its own process calls
+ops; ``cache_ops``: the FlexAttention backend's KV-cache write; ``act_ops``: ``_C``'s activations;
+``wna16_ops``: ``_moe_C.moe_wna16_gemm`` and the steering away from Marlin's INT4 MoE where Marlin is absent). A test that starts the engine in its own process calls
 :func:`install` first. The real command runs in a fresh process: run this module with the command's
 arguments and it installs them, then runs the installed ``speculators-data-gen`` through its entry
 point (as :mod:`~speculators_v016.testing.faults` does, never importing the CLI). vLLM's worker

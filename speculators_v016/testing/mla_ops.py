@@ -44,7 +44,7 @@ from collections import Counter
 
 import torch
 
-from speculators_v016.testing.op_registry import empty_report, load_vllm_kernels, set_attribute
+from speculators_v016.testing.op_registry import set_attributes
 
 #: Query rows per block of the attention stand-in (bounds its float32 score matrix).
 QUERY_BLOCK = 1024
@@ -291,8 +291,4 @@ def install() -> dict[str, list[str]]:
     """Set the stand-ins on ``torch.ops._C_cache_ops``, ``torch.ops._vllm_fa2_C`` and ``torch.ops._C`` where no
     compiled op of that name is loaded; idempotent. Returns ``{"installed": [...], "kept": [...]}`` (qualified
     names)."""
-    load_vllm_kernels()
-    report = empty_report()
-    for (namespace, name), fn in OPS.items():
-        set_attribute(namespace, name, fn, report)
-    return report
+    return set_attributes(OPS)

@@ -76,3 +76,13 @@ def set_attribute(namespace: str, name: str, fn: Callable, report: dict) -> None
 
 def empty_report() -> dict[str, list[str]]:
     return {"installed": [], "kept": []}
+
+
+def set_attributes(ops: dict[tuple[str, str], Callable]) -> dict[str, list[str]]:
+    """Every ``(namespace, name) -> fn`` of ``ops`` put in place by :func:`set_attribute`, vLLM's kernels loaded
+    first (:func:`load_vllm_kernels`); idempotent. Returns the report (``{"installed": [...], "kept": [...]}``)."""
+    load_vllm_kernels()
+    report = empty_report()
+    for (namespace, name), fn in ops.items():
+        set_attribute(namespace, name, fn, report)
+    return report

@@ -44,8 +44,10 @@ def test_the_write_equals_a_loop(tokens, padded):
     expected = looped(key, value, slots, cache)
     key_cache, value_cache = cache.unbind(0)
     scale = torch.ones(())
+    calls = cache_ops.CALLS["reshape_and_cache_flash"]
     cache_ops.reshape_and_cache_flash(key, value, key_cache, value_cache, slots, "auto", scale, scale)
     assert torch.equal(cache, expected)
+    assert cache_ops.CALLS["reshape_and_cache_flash"] == calls + 1
     assert not torch.equal(cache, step(tokens, padded, seed=tokens + padded)[3])  # it wrote something
 
 
