@@ -297,6 +297,7 @@ def scan_rows(
     opened=None,
     keep_duplicates: bool = False,
     take_plain=None,
+    kept=None,
 ):
     """Read every input in order; ``take(source number, locator, where, value)`` for each row kept (``value``:
     ``(ids, mask)`` or the reader's ChatRow). ``(kind, sources, skipped)``; the sources stay open for
@@ -304,10 +305,16 @@ def scan_rows(
     dropped here, at read time, by their digest (:class:`speculators_v016.run.sources.Duplicates`), unless
     ``keep_duplicates``: every shard reads every row here, so every shard drops the same ones. ``take_plain(source
     number, offsets, lines, turns)`` (lists): where given, a JSON Lines file's plain rows are read in bulk and given so, no
-    value made (:mod:`speculators_v016.run.line_scan`); the same rows kept, the same counts."""
+    value made (:mod:`speculators_v016.run.line_scan`); the same rows kept, the same counts. ``kept``, with
+    ``take_plain``: three sequences (source number, offset, line) that ``take`` and ``take_plain`` extend by each
+    row they are given (the row index's arrays): the duplicate check reads a plain row's first place there."""
+    if take_plain is not None and kept is None:
+        raise ValueError("scan_rows: take_plain needs kept (the kept rows' places, which the duplicate check reads)")
     sources = opened if opened is not None else open_sources(paths, hf_cache_dir)
     skipped, kinds = Counter(), set()
     duplicates = input_sources.Duplicates(keep=keep_duplicates)
+    if kept is not None:
+        duplicates.kept = kept
 
     def judge(where, row):
         try:
@@ -376,11 +383,16 @@ def shuffled(count: int, seed: int):
     ``numpy.random.default_rng(seed).permutation(count)``), as an int64 array; a test compares the two."""
     import numpy as np  # noqa: PLC0415 - numpy only where a run orders its rows
 
-    return np.random.default_rng(seed).permutation(count).astype(np.int64) if count else np.zeros(0, np.int64)
+    return (
+        np.random.default_rng(seed).permutation(count).astype(np.int64, copy=False) if count else np.zeros(0, np.int64)
+    )
 
 
 def run_order(count: int, seed: int, max_samples: int | None):
     """The rows a run uses, in its order: shuffled as upstream does (datasets' shuffle with the seed), then cut
-    (an int64 array: position -> row)."""
+    (position -> row: an int32 array, 4 bytes a row, where every row number fits; else int64)."""
+    import numpy as np  # noqa: PLC0415 - numpy only where a run orders its rows
+
     order = shuffled(count, seed)
-    return order if max_samples is None else order[:max_samples]
+    order = order if max_samples is None else order[:max_samples]
+    return order.astype(np.int32) if count - 1 <= np.iinfo(np.int32).max else order

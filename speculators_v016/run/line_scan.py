@@ -142,11 +142,15 @@ def scan(number: int, source, duplicates, judge, take, take_plain) -> None:
     offsets, lines, turns)`` (lists) for the plain rows not dropped as duplicates (empty ones too: ``turns`` 0),
     in order; other lines as before, ``judge(where, row)`` (the row's value, or None where it is dropped, counted;
     or BadRowError) then ``take(number, (offset, line), where, value)``. A block whose lines are all plain rows of
-    new keys, within the cap, is taken whole (no Python a row); any other, line by line."""
+    new keys, none empty, within the cap, is taken whole (no Python a row); any other, line by line.
+
+    ``take`` and ``take_plain`` put each kept row (not an empty one) in ``duplicates.kept``: a plain row's first
+    place is its position there (an empty row's: its digest), and the rows waiting for ``take_plain`` are given
+    before any row's duplicate check may read a place."""
     path = source.reader.path
     line_row = source.reader.readers.line_row
     duplicates.resolve[number] = lambda offset, line: _row_at(path, line_row, offset, line)
-    first, places = duplicates.plain_keys()
+    first, kept = duplicates.plain_keys(), duplicates.kept[0]
     cap, taken, offset, line = source.max_rows, 0, 0, 0
     for block, utf8, newline in _lines(path):
         turns, keys = _block(block, utf8)
@@ -157,38 +161,35 @@ def scan(number: int, source, duplicates, judge, take, take_plain) -> None:
         known = first.contains(keys).tolist() if first is not None else None
         generation = first.generation if first is not None else 0
         if (
-            None not in turns
+            all(turns)  # every line a plain row (None: not plain), none empty
             and (cap is None or taken + count < cap)
             and (first is None or (not any(known) and len(set(keys)) == count))
         ):
             starts = list(accumulate(sizes, initial=offset))
             numbers = range(line + 1, line + count + 1)
-            if first is not None:
-                first.add(keys, range(len(places[0]), len(places[0]) + count))
-                places[0].extend(repeat(number, count))
-                places[1].extend(starts[:-1])
-                places[2].extend(numbers)
+            if first is not None:  # their positions in kept, once given
+                first.add(keys, range(len(kept), len(kept) + count))
             take_plain(number, starts[:-1], list(numbers), list(map(len, turns)))
             taken, offset, line = taken + count, starts[-1], line + count
             continue
-        offsets, lines, counts = [], [], []
+        waiting = _Waiting(number, take_plain)
         for i, (raw, its, key, size) in enumerate(zip(block, turns, keys, sizes, strict=True)):
             line += 1
             if its is not None:
-                if first is None:
-                    pass
-                elif not (known[i] or first.is_recent(key) or (first.generation != generation and key in first)):
-                    first[key] = len(places[0])
-                    for place, value in zip(places, (number, offset, line), strict=True):
-                        place.append(value)
-                elif duplicates.seen_again(key, line_row(f"{path}:{line}", raw, line == 1)):
-                    source.skipped[DUPLICATE] += 1
-                    offset += size
-                    continue
-                offsets.append(offset)
-                lines.append(line)
-                counts.append(len(its))
+                new = first is not None and not (
+                    known[i] or first.is_recent(key) or (first.generation != generation and key in first)
+                )
+                if new and its:
+                    first[key] = len(kept) + waiting.rows  # its position in kept, once given
+                elif first is not None:  # a key seen before, or an empty row (its digest is its first place)
+                    waiting.give()  # every row before it in kept: a first place can be read
+                    if duplicates.seen_again(key, line_row(f"{path}:{line}", raw, line == 1)):
+                        source.skipped[DUPLICATE] += 1
+                        offset += size
+                        continue
+                waiting.add(offset, line, len(its))
             else:  # not a plain row: read as before
+                waiting.give()
                 where = f"{path}:{line}"
                 row = line_row(where, raw + b"\n" if newline else raw, line == 1)
                 if row is None:  # a blank line: not a row
@@ -200,17 +201,36 @@ def scan(number: int, source, duplicates, judge, take, take_plain) -> None:
                     continue
                 value = judge(where, row)
                 if value is not None:
-                    if offsets:  # the plain rows before it first, in order
-                        take_plain(number, offsets, lines, counts)
-                        offsets, lines, counts = [], [], []
                     take(number, (offset, line), where, value)
             taken += 1
             offset += size
             if cap is not None and taken >= cap:
                 break
-        if offsets:
-            take_plain(number, offsets, lines, counts)
+        waiting.give()
         if first is not None:
             first.settle()
         if cap is not None and taken >= cap:
             return
+
+
+class _Waiting:
+    """A block's plain rows not given to ``take_plain`` yet (given in one call); ``rows``: those that will be kept
+    (not empty)."""
+
+    def __init__(self, number: int, take_plain):
+        self.number, self.take_plain = number, take_plain
+        self.offsets, self.lines, self.counts = [], [], []
+        self.rows = 0
+
+    def add(self, offset: int, line: int, turns: int) -> None:
+        self.offsets.append(offset)
+        self.lines.append(line)
+        self.counts.append(turns)
+        self.rows += turns > 0
+
+    def give(self) -> None:
+        """The rows waiting, to ``take_plain`` (in order: before a later row is taken or read)."""
+        if self.offsets:
+            self.take_plain(self.number, self.offsets, self.lines, self.counts)
+            self.offsets, self.lines, self.counts = [], [], []
+            self.rows = 0

@@ -5,12 +5,14 @@ bad, empty and duplicate rows dropped and counted before the shuffle, as always)
 row's source, its locator in that source (two integers: a JSON file's byte offset and line or element number, a
 compressed file's offset in its text and line, a Parquet file's number and row, a ``datasets`` row's number:
 :mod:`speculators_v016.run.sources`) and its size (turns of a conversation, for turn dropout; ids of a
-pre-tokenized row). A run keeps this, 24 bytes a row, not the rows; a shard reads its own rows again by locator
-(:meth:`RowIndex.rows`). Duplicates are told apart here, by a 16-byte digest of each row's content kept while the
-inputs are read (:class:`speculators_v016.run.sources.Duplicates`), so every shard drops the same rows. A JSON
-Lines file read with :func:`~speculators_v016.run.turns.read_chat` is read in bulk (:mod:`speculators_v016.run.
-line_scan`: plain rows decoded a block at a time, the same rows kept as row by row); an input whose sha256 is not
-remembered is hashed on a thread while the rows are read (sha256 lets go of the GIL), the cache asked after.
+pre-tokenized row). A run keeps this, not the rows: 14 bytes a row where the values allow (fewer than 256 inputs,
+fewer than 256 turns a row, lines within int32: :mod:`speculators_v016.run.narrow_column`), more where they do not;
+a shard reads its own rows again by locator (:meth:`RowIndex.rows`). Duplicates are told apart here, by a 16-byte
+digest of each row's content kept while the inputs are read (:class:`speculators_v016.run.sources.Duplicates`),
+so every shard drops the same rows. A JSON Lines file read with :func:`~speculators_v016.run.turns.read_chat` is
+read in bulk (:mod:`speculators_v016.run.line_scan`: plain rows decoded a block at a time, the same rows kept as row
+by row); an input whose sha256 is not remembered is hashed on a thread while the rows are read (sha256 lets go of
+the GIL), the cache asked after.
 
 Where every input is named by content (its files' sha256: :meth:`speculators_v016.run.sources.Source.identity`),
 the index is kept in the prepared-rows cache (:mod:`speculators_v016.store.prepared_cache`), keyed by
@@ -23,7 +25,6 @@ arrays are memory-mapped: a shard reads the pages of its own rows.
 from __future__ import annotations
 
 import json
-from array import array
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ import numpy as np
 from loguru import logger
 
 from speculators_v016.run.dataset import BadRowError, open_sources, read_row, scan_rows
+from speculators_v016.run.narrow_column import NarrowColumn
 from speculators_v016.run.sources import PREFETCH_ROWS
 from speculators_v016.run.turns import read_chat
 from speculators_v016.store import prepared_cache
@@ -47,10 +49,11 @@ class RowIndex:
     kind: str  # "conversations" or "pretokenized"
     sources: list  # the open sources (speculators_v016.run.sources.Source), in the order given
     skipped: Counter  # rows dropped as read, by reason
-    source: np.ndarray  # int32, per row
-    offset: np.ndarray  # int64, per row: the locator's first integer
-    number: np.ndarray  # int64, per row: the locator's second integer
-    size: np.ndarray  # int32, per row: turns (conversations) or ids (pre-tokenized)
+    # per row, each in the narrowest integer dtype that holds its values (run/narrow_column.py)
+    source: np.ndarray  # uint8, int32 or int64
+    offset: np.ndarray  # int64: the locator's first integer
+    number: np.ndarray  # int32 or int64: the locator's second integer
+    size: np.ndarray  # uint8, int32 or int64: turns (conversations) or ids (pre-tokenized)
     reader: object = read_chat
     key: str | None = None  # index_key (None: the inputs are not all named by content)
 
@@ -178,7 +181,8 @@ def build_index(
 
 
 def _read(sources, skip_bad_rows, hf_cache_dir, reader, progress, keep_duplicates) -> RowIndex:
-    source_of, offsets, numbers, sizes = array("i"), array("q"), array("q"), array("i")
+    # each column in the narrowest dtype its values fit (run/narrow_column.py): 14 bytes a row, usually
+    source_of, offsets, numbers, sizes = NarrowColumn("Biq"), NarrowColumn("q"), NarrowColumn("iq"), NarrowColumn("Biq")
     before = np.cumsum([0] + [s.bytes() for s in sources]).tolist()  # bytes of the earlier inputs
     rows = [0]
 
@@ -201,20 +205,19 @@ def _read(sources, skip_bad_rows, hf_cache_dir, reader, progress, keep_duplicate
             progress(before[number] + offsets_[-1], rows[0], before[-1])
 
     kind, sources, skipped = scan_rows(
-        [s.given for s in sources], skip_bad_rows, hf_cache_dir, take, reader, sources, keep_duplicates, take_plain
+        [s.given for s in sources],
+        skip_bad_rows,
+        hf_cache_dir,
+        take,
+        reader,
+        sources,
+        keep_duplicates,
+        take_plain,
+        kept=(source_of, offsets, numbers),
     )
     if progress is not None:
         progress(None, rows[0], before[-1])
-    return RowIndex(
-        kind,
-        sources,
-        skipped,
-        np.frombuffer(source_of, np.int32).copy(),
-        np.frombuffer(offsets, np.int64).copy(),
-        np.frombuffer(numbers, np.int64).copy(),
-        np.frombuffer(sizes, np.int32).copy(),
-        reader,
-    )
+    return RowIndex(kind, sources, skipped, source_of.array(), offsets.array(), numbers.array(), sizes.array(), reader)
 
 
 def _cached(cache: Path, key: str, sources: list, reader) -> RowIndex | None:

@@ -66,7 +66,6 @@ import json
 import os
 import re
 import zlib
-from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -112,13 +111,14 @@ class Duplicates:
 
     def __init__(self, keep: bool = False):
         self.keep, self._digests = keep, set()
-        # plain key -> the first such row: its place (>= 0, in the three arrays below) or its digest (-1 - i: the
-        # i-th 16 bytes of _first_digests); compact, as the keys of a million rows are (run/key_table.py)
+        # plain key -> the first such row: its position among the kept rows (>= 0: its place in ``kept``) or its
+        # digest (-1 - i: the i-th 16 bytes of _first_digests); compact, as a million rows' keys are (run/key_table.py)
         self._first = KeyTable()
         self._first_digests = bytearray()
         self._exact: dict[int, set] = {}  # plain key -> the digests of the rows of that key (after a second one)
-        # (source, offset, number) of each plain row read in bulk whose key was new, in three arrays
-        self._places = (array("q"), array("q"), array("q"))
+        # the kept rows' (source, offset, number), three sequences the reader's caller fills as it keeps rows (the
+        # row index's own arrays: no copy of the first rows' places is kept here)
+        self.kept: tuple = ((), (), ())
         self.resolve: dict[int, Callable] = {}  # source number -> its row at (offset, number), as json.loads gives it
 
     @staticmethod
@@ -146,13 +146,13 @@ class Duplicates:
         self._digests.add(digest)
         return False
 
-    def plain_keys(self) -> tuple[KeyTable | None, tuple]:
+    def plain_keys(self) -> KeyTable | None:
         """For plain rows read in bulk (:mod:`speculators_v016.run.line_scan`, a block's keys at once): the keys
-        seen (a :class:`~speculators_v016.run.key_table.KeyTable`; None: duplicates are kept), and the places of
-        their first rows (three arrays: source, offset, line). A row whose key (its PlainRow's hash) is not in the
-        table is no duplicate: the reader adds the key, valued ``len(places[0])``, and appends its source, offset
-        and line to the three arrays; else :meth:`seen_again` decides."""
-        return (None if self.keep else self._first), self._places
+        seen (a :class:`~speculators_v016.run.key_table.KeyTable`; None: duplicates are kept). A row whose key (its
+        PlainRow's hash) is not in the table is no duplicate: the reader adds the key, valued with the position the
+        row will have in :attr:`kept` (the kept rows' source, offset and line, filled by the caller); else, once
+        every row before it is in :attr:`kept`, :meth:`seen_again` decides."""
+        return None if self.keep else self._first
 
     def seen_again(self, key: int, row) -> bool:
         """:meth:`seen` of a plain row read in bulk whose key an earlier plain row had (``row``: as parsed)."""
@@ -176,7 +176,7 @@ class Duplicates:
         if first < 0:
             at = 16 * (-1 - first)
             return bytes(self._first_digests[at : at + 16])
-        source, offset, number = (place[first] for place in self._places)
+        source, offset, number = (int(place[first]) for place in self.kept)
         return self.digest(self.resolve[source](offset, number))
 
 

@@ -252,3 +252,27 @@ def test_an_int_too_long_for_python_in_a_json_array_is_a_bad_row_named_by_its_in
     for read in (reference, bulk):
         with pytest.raises(BadRowError, match=r"a\.json row 2: not valid JSON \(.*4300 digits.*the rest of the array"):
             read([str(path)], False)
+
+
+@pytest.mark.parametrize("equal_keys", [False, True])
+def test_a_first_rows_place_is_its_row_index_position_past_empty_rows(tmp_path, monkeypatch, equal_keys):
+    """First places are row-index positions: empty rows (not indexed) before them shift none; duplicates still found."""
+    rows = [json.dumps(plain(i)).encode() for i in range(8)]
+    empty, empty_too = json.dumps({"messages": []}).encode(), json.dumps({"conversations": []}).encode()
+    by_line = write(tmp_path / "a.jsonl", [rows[0], empty, rows[1], b"", rows[2]])  # a blank line: row by row
+    whole = write(tmp_path / "c.jsonl", [rows[3], empty_too, rows[4], rows[5]])  # new keys: taken whole, else
+    again = write(tmp_path / "b.jsonl", [rows[1], rows[2], rows[7], rows[0], empty, rows[4], rows[5], empty_too])
+    paths = [by_line, whole, again]
+    if equal_keys:  # every key equal: each row's check reads an earlier row at its place, even within a block
+        monkeypatch.setattr(line_scan, "hash", lambda _row: 0, raising=False)
+        monkeypatch.setattr(row_shape, "hash", lambda _row: 0, raising=False)
+    expected = reference(paths, True)
+    assert expected[2] == {"empty conversation": 2, "duplicate row": 7}
+    assert bulk(paths, True) == expected
+    assert [loc[1] for _, loc, _ in expected[1]] == [1, 3, 5, 1, 3, 4, 3]
+
+
+def test_scan_rows_in_bulk_needs_the_kept_rows_places():
+    """take_plain without kept is refused: the duplicate check would have no first places to read."""
+    with pytest.raises(ValueError, match="take_plain needs kept"):
+        scan_rows([], False, None, lambda *a: None, take_plain=lambda *a: None)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from speculators_v016.run import chat_samples, prefill, prepared
+from speculators_v016.run import chat_samples, dataset, prefill, prepared
 from speculators_v016.run.dataset import load_rows, run_order, shuffled
 from speculators_v016.run.prefill import PrefillWork, check_numbering
 from speculators_v016.run.prepared import Options, plan_run, prepare_samples
@@ -154,6 +154,17 @@ def test_a_resumed_shard_feeds_its_pending_rows_only(tmp_path, tok):
     assert work.dropped == len([n for n in pending if n not in by_name]) > 0
 
 
+def test_the_order_takes_four_bytes_a_row_where_row_numbers_fit(monkeypatch):
+    """The run's order is int32 (datasets' shuffle, the same values) while every row number fits, else int64; a cut
+    order holds its own rows only (no view of the whole shuffle)."""
+    order = run_order(1000, 3, None)
+    assert order.dtype == np.int32 and order.tolist() == shuffled(1000, 3).tolist()
+    cut = run_order(1000, 3, 10)
+    assert cut.dtype == np.int32 and cut.base is None and cut.tolist() == shuffled(1000, 3)[:10].tolist()
+    monkeypatch.setattr(dataset, "shuffled", lambda count, seed: np.arange(3, dtype=np.int64))
+    assert run_order(2**31, 0, None).dtype == np.int32 and run_order(2**31 + 1, 0, None).dtype == np.int64
+
+
 def test_every_pending_row_dropped_is_said_before_the_engine(tmp_path, tok):
     """A shard whose pending rows are all dropped after tokenizing: begin() says no sample will come."""
     rows = [{"conversations": [{"from": "human", "value": f"question {i}, which nobody answers"}]} for i in range(3)]
@@ -273,6 +284,20 @@ def test_rows_are_read_again_by_their_place_in_the_file(tmp_path, monkeypatch):
             index.close()
         assert [(w, c.turns) for w, c in again] == [(w, c.turns) for w, c in streamed]
         assert index.size.tolist() == [2] * 40
+
+
+def test_the_row_index_takes_the_narrowest_dtypes_its_values_fit(tmp_path, tok):
+    """A few inputs of short conversations: source and size one byte a row, line int32, offset int64 (14 bytes);
+    a row of 300 turns widens its column, the values whole; the index cached and read back the same."""
+    data = write(tmp_path / "d.jsonl", chats(30, seed=2))
+    index = build_index([data, data], False, None, keep_duplicates=True)
+    dtypes = [a.dtype for a in (index.source, index.offset, index.number, index.size)]
+    assert dtypes == [np.uint8, np.int64, np.int32, np.uint8] and index.source.tolist() == [0] * 30 + [1] * 30
+    long = [{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}] * 150}]
+    wide = build_index([write(tmp_path / "w.jsonl", chats(3, seed=2) + long)], False, None, cache=tmp_path / "c")
+    assert wide.size.dtype == np.int32 and wide.size.tolist()[-1] == 300
+    again = build_index([str(tmp_path / "w.jsonl")], False, None, cache=tmp_path / "c")
+    assert again.size.dtype == np.int32 and again.size.tolist() == wide.size.tolist()
 
 
 def test_a_changed_input_is_refused_when_read_again(tmp_path, tok):
