@@ -26,8 +26,10 @@ import time
 from collections import Counter
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
+from itertools import chain
 from pathlib import Path
 
+import numpy as np
 import torch
 from loguru import logger
 from tqdm import tqdm
@@ -214,11 +216,11 @@ def _run_work(opts, work, target, model_config, directory, plan, summary, starte
         existing["speculators_v016"]["numbering"] = prefill.NUMBERING  # proven the same (an earlier release's)
     done = Manifest(directory).reconcile()
     algorithm = checksum_of_run(directory, existing, done, opts.checksum)
-    mine = work.shard(opts.num_shards, opts.shard_index)
+    mine = np.asarray(work.shard(opts.num_shards, opts.shard_index), np.int64)
     settled = work.settled(directory, done) if opts.regenerate else set()  # folded into listed samples
-    pending = [i for i in mine if i + opts.start_idx not in done and i + opts.start_idx not in settled]
+    pending = pending_positions(mine, opts.start_idx, done, settled)
     summary.already_done = len(mine) - len(pending)
-    if pending and not opts.regenerate and not work.begin(pending):  # every pending row dropped: no engine
+    if len(pending) and not opts.regenerate and not work.begin(pending):  # every pending row dropped: no engine
         work.settle()
         _note_prepared(work, summary, opts)
         if existing is None:
@@ -232,7 +234,7 @@ def _run_work(opts, work, target, model_config, directory, plan, summary, starte
         existing["speculators_v016"]["last_run"] = asdict(summary)
         run_config.save(directory, existing)
         return summary
-    if not pending:
+    if not len(pending):
         logger.info("all {} samples of this shard are already written", len(mine))
         if opts.regenerate:  # a run killed before it wrote regenerated.jsonl: written now
             work.begin(directory, [], done, None)
@@ -294,7 +296,16 @@ def _run_work(opts, work, target, model_config, directory, plan, summary, starte
     return summary
 
 
-def _prefill_tokens(work: PrefillWork, pending: list[int]) -> tuple[int, str]:
+def pending_positions(mine: np.ndarray, start_idx: int, done, settled) -> np.ndarray:
+    """The positions of ``mine`` (int64) whose names (``start_idx`` + position) are in neither ``done`` nor
+    ``settled`` (collections of names), in ``mine``'s order: ``mine`` itself where none of them is done."""
+    names = np.fromiter(chain(done, settled), np.int64, len(done) + len(settled))
+    if not len(names):
+        return mine
+    return mine[~np.isin(mine, names - start_idx)]
+
+
+def _prefill_tokens(work: PrefillWork, pending: np.ndarray) -> tuple[int, str]:
     """The pending samples' tokens: exact where all are tokenized, else estimated from the rows that are."""
     exact = work.tokens(pending)
     if exact is not None:
@@ -404,7 +415,7 @@ def _cpu_since(before: os.times_result) -> float:
 def _generate(
     generator,
     work,
-    pending: list[int],
+    pending: np.ndarray,
     directory: Path,
     opts: RunConfig,
     summary: RunSummary,
@@ -419,7 +430,7 @@ def _generate(
     layer_ids = list(generator.plan.layer_ids)
     engine = generator.engine
     checker = _logit_checker(generator, opts) if opts.logit_check_samples > 0 else None
-    checked = set(pending[: opts.logit_check_samples]) if checker is not None and checker.active else set()
+    checked = set(pending[: opts.logit_check_samples].tolist()) if checker is not None and checker.active else set()
     if opts.regenerate:
         work.begin(directory, pending, done or {}, checked.__contains__)
     if checked:

@@ -135,17 +135,18 @@ class PrefillWork:
             bar.close()
         return cls(plan, opts.num_shards, opts.shard_index, token_counts)
 
-    def shard(self, num_shards: int, shard_index: int) -> list[int]:
-        return list(self.plan.positions(num_shards, shard_index))
+    def shard(self, num_shards: int, shard_index: int) -> np.ndarray:
+        """The shard's positions (an int64 array, ascending)."""
+        mine = self.plan.positions(num_shards, shard_index)
+        return np.arange(mine.start, mine.stop, mine.step, dtype=np.int64)
 
-    def _chunk_index(self, position: int) -> int:
-        return (position - self.shard_index) // self.num_shards // CHUNK_ROWS
-
-    def begin(self, pending: list[int]) -> bool:
+    def begin(self, pending) -> bool:
         """Start tokenizing ``pending``'s chunks (every chunk of the shard where token counts are wanted); wait
-        for the first sample. False where none will come (every pending row dropped)."""
-        self._pending = np.asarray(sorted(pending), np.int64)
-        wanted = sorted({self._chunk_index(int(p)) for p in self._pending})
+        for the first sample. False where none will come (every pending row dropped). ``pending``: positions of
+        the shard (an int64 array, best ascending: then it is kept as it is, not copied)."""
+        pending = np.asarray(pending, np.int64)
+        self._pending = pending if bool((pending[1:] >= pending[:-1]).all()) else np.sort(pending)
+        wanted = self._chunks_holding(self._pending)
         if self.token_counts is not None:
             wanted = list(range(self.plan.chunks(self.num_shards, self.shard_index)))
         mine = self.plan.positions(self.num_shards, self.shard_index)
@@ -161,6 +162,13 @@ class PrefillWork:
         if not self._ended and len(self._head) == len(wanted):
             self._ended = True
         return any(self._in_pending(chunk.names).any() for _, chunk in self._head)
+
+    def _chunks_holding(self, positions: np.ndarray) -> list[int]:
+        """The shard's chunks holding any of ``positions`` (ascending positions of the shard), in order: a look-up
+        of each chunk's first position, no array the size of ``positions``."""
+        chunks = self.plan.chunks(self.num_shards, self.shard_index)
+        starts = self.shard_index + np.arange(chunks + 1, dtype=np.int64) * (CHUNK_ROWS * self.num_shards)
+        return np.flatnonzero(np.diff(np.searchsorted(positions, starts))).tolist()
 
     def close(self) -> None:
         if self._stream is not None:
@@ -219,14 +227,14 @@ class PrefillWork:
                 self._masks[name] = np.array(chunk.masks[start:stop])
                 yield name, chunk.ids[start:stop].tolist()
 
-    def tokens(self, pending: list[int]) -> int | None:
+    def tokens(self, pending) -> int | None:
         """The pending samples' tokens where every one is tokenized already (one chunk), else None (the bar
         counts samples)."""
         if not self._ended:
             return None
         return sum(int((np.diff(c.offsets)[self._in_pending(c.names)]).sum()) for _, c in self._head)
 
-    def estimated_tokens(self, pending: list[int]) -> tuple[int, int]:
+    def estimated_tokens(self, pending) -> tuple[int, int]:
         """``(tokens, rows it is from)``: the pending samples' tokens, from the rows tokenized so far."""
         rows = tokens = 0
         for k, chunk in self._head:

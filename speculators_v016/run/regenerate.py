@@ -730,7 +730,7 @@ class RegenerationWork:
                     f"{str(exc)[:200]})"
                 ) from exc
 
-        mine = set(pending)
+        mine = set(map(int, pending))
         convs = [c for c in self.conversations if any(c.first_index + t in mine for t in range(c.answers))]
         return Regeneration(
             self.tokenizer,

@@ -165,6 +165,40 @@ def test_the_order_takes_four_bytes_a_row_where_row_numbers_fit(monkeypatch):
     assert run_order(2**31, 0, None).dtype == np.int32 and run_order(2**31 + 1, 0, None).dtype == np.int64
 
 
+def test_pending_positions_are_an_int64_array_without_the_done_names():
+    """A shard's pending positions: those whose names (start_idx + position) are neither done nor settled, in order;
+    nothing done: the shard's own array, not a copy."""
+    from speculators_v016.run.pipeline import pending_positions  # noqa: PLC0415 - the pipeline imports the engine
+
+    mine = np.arange(1, 40, 3, dtype=np.int64)
+    assert pending_positions(mine, 100, {}, set()) is mine
+    got = pending_positions(mine, 100, {104: "entry", 110: "entry", 999: "another shard's"}, {119})
+    assert got.dtype == np.int64 and got.tolist() == [1, 7, 13, 16, 22, 25, 28, 31, 34, 37]
+    assert pending_positions(mine, 0, dict.fromkeys(mine.tolist()), set()).tolist() == []
+
+
+def test_begin_tokenizes_the_chunks_holding_pending_rows_given_in_any_order(tmp_path):
+    """The shard's positions are an int64 array; begin() keeps ascending pending positions as given (no copy) and
+    sorts others; only the chunks holding a pending row are tokenized, and those rows fed in order."""
+    rows = [{"input_ids": [i % 50, 1, 2], "loss_mask": [0, 1, 1]} for i in range(1200)]
+    data = write(tmp_path / "p.jsonl", rows)
+    work = PrefillWork(plan_run([data], None, Options(16, num_proc=1, keep_duplicates=True)))
+    try:
+        mine = work.shard(1, 0)
+        assert mine.dtype == np.int64 and mine.tolist() == list(range(1200))
+        pending = np.array([1100, 3, 1050], np.int64)
+        assert work.begin(pending) and work._stream.want == [0, 2]
+        assert [name for name, _ in work.feed(pending)] == [3, 1050, 1100]
+    finally:
+        work.close()
+    again = PrefillWork(plan_run([data], None, Options(16, num_proc=1, keep_duplicates=True)), 2, 1)
+    try:
+        ascending = again.shard(2, 1)[300:]
+        assert again.begin(ascending) and again._pending is ascending and again._stream.want == [0, 1]
+    finally:
+        again.close()
+
+
 def test_every_pending_row_dropped_is_said_before_the_engine(tmp_path, tok):
     """A shard whose pending rows are all dropped after tokenizing: begin() says no sample will come."""
     rows = [{"conversations": [{"from": "human", "value": f"question {i}, which nobody answers"}]} for i in range(3)]
