@@ -155,6 +155,9 @@ class WorkerSetup:
     capture_ranks: tuple[int, ...] = ()
     #: GPU staging buffers: one per step in flight (0: one fewer than the ring's slots)
     staging_buffers: int = 0
+    #: the output rank hands its aux states over as they are, no ring and no copy (an in-process CPU engine:
+    #: :mod:`~speculators_v016.worker.held_states`); ``StepCapture.states`` is then one tensor per layer
+    by_reference: bool = False
 
     @property
     def capturing_ranks(self) -> tuple[int, ...]:
@@ -167,7 +170,9 @@ class StepCapture:
 
     ``states`` is ``[num_capture_ids, rows, hidden]``: in the reply it is None
     when the rows sit in ring slot ``slot`` (the engine fills it in with a view
-    of the slot); with no ring it is a host tensor. With FP8 storage
+    of the slot); with no ring it is a host tensor; handed over by reference
+    (``WorkerSetup.by_reference``) a list of one ``[rows, hidden]`` tensor per
+    captured layer, the model's own. With FP8 storage
     ``states`` holds the e4m3 codes and ``scales`` (``[num_capture_ids,
     rows]`` float32) one scale per row; otherwise ``scales`` is None.
 
@@ -182,7 +187,7 @@ class StepCapture:
     starts: list[int]  # position in the prompt of each request's first row
     counts: list[int]  # rows per request
     slot: int | None = None
-    states: torch.Tensor | None = None
+    states: torch.Tensor | list[torch.Tensor] | None = None
     scales: torch.Tensor | None = None
     layers: tuple[int, int] | None = None  # rows of the captured stack this reply filled (None: all)
     stage: int = 0  # the pipeline stage that captured them

@@ -97,6 +97,7 @@ class Assembler:
         copies: RowCopies | None = None,
     ):
         self.capture_order = capture_order  # requested layer j -> row in the captured stack
+        self._captured = max(capture_order, default=-1) + 1  # layers a capture holds at least
         self.copies = copies  # runs each step's copies on its own thread (None: on the caller's, in add)
         self.allocate = allocate or fresh_tensors
         self.prefault = prefault  # makes the next prompts' tensors ahead (with this ``allocate``)
@@ -186,20 +187,26 @@ class Assembler:
                 f"step {capture.step}: the runner computed {got} (request: (start, rows)), "
                 f"the scheduler scheduled {expected}"
             )
-        if capture.states is None or sum(capture.counts) != capture.states.shape[1]:
-            held = None if capture.states is None else capture.states.shape[1]
-            raise AttributionError(f"step {capture.step}: {held} rows for {sum(capture.counts)} scheduled tokens")
+        # one [rows, hidden] tensor per captured layer: views of the slot's stack, or the states handed over
+        layers = None if capture.states is None else list(capture.states)
+        total = sum(capture.counts)
+        held = None if layers is None else sorted({t.shape[0] for t in layers})
+        if held != [total]:
+            shown = held[0] if held and len(held) == 1 else held
+            raise AttributionError(f"step {capture.step}: {shown} rows for {total} scheduled tokens")
+        if len(layers) < self._captured:
+            raise AttributionError(f"step {capture.step}: {len(layers)} captured layers, {self._captured} expected")
         self._check_storage(capture)
         self._last_step = max(self._last_step, capture.step)
         for req_id in [r for r, step in self._closed.items() if step < self._last_step - 8]:
             del self._closed[req_id]  # no step in flight can hold rows of it any more
         offset = 0
         for req_id, start, count in zip(capture.req_ids, capture.starts, capture.counts):
-            scales = capture.scales[:, offset : offset + count] if self.fp8 else None
-            self._add_rows(req_id, start, capture.states[:, offset : offset + count], scales, pairs)
+            scales = [t[offset : offset + count] for t in capture.scales] if self.fp8 else None
+            self._add_rows(req_id, start, [t[offset : offset + count] for t in layers], scales, pairs)
             offset += count
         if self.prefault is not None:
-            self._row = (capture.states.shape[2], capture.states.dtype, self.fp8 and capture.scales.dtype or None)
+            self._row = (layers[0].shape[1], layers[0].dtype, self.fp8 and capture.scales.dtype or None)
             self._offer_ahead()
 
     def _specs(self, prompt_len: int, hidden: int, dtype: torch.dtype, scales_dtype: torch.dtype | None) -> list:
@@ -238,10 +245,10 @@ class Assembler:
             )
 
     def _add_rows(
-        self, req_id: str, start: int, rows: torch.Tensor, scales: torch.Tensor | None, pairs: list[Pair]
+        self, req_id: str, start: int, rows: list[torch.Tensor], scales: list[torch.Tensor] | None, pairs: list[Pair]
     ) -> None:
-        """Name the copies of ``rows`` (``[capture ids, count, hidden]``; FP8: plus ``scales``
-        ``[capture ids, count]``) into the request's tensors at ``start`` (a generating request's: copied now)."""
+        """Name the copies of ``rows`` (one ``[count, hidden]`` per capture id; FP8: plus ``scales``, one ``[count]``
+        each) into the request's tensors at ``start`` (a generating request's: copied now)."""
         req = self._requests.get(req_id)
         if req is None:
             if req_id in self._closed:  # a generating request already handed out: a step past its end
@@ -250,7 +257,7 @@ class Assembler:
         if req.pieces is not None:
             self._add_piece(req_id, req, start, rows, scales)
             return
-        keep = max(0, min(rows.shape[1], req.prompt_len - start))  # rows past the prompt are decode steps
+        keep = max(0, min(rows[0].shape[0], req.prompt_len - start))  # rows past the prompt are decode steps
         if keep == 0:
             return
         if start == 0 and req.chunks:  # preempted and recomputed from the start (no prefix cache)
@@ -260,12 +267,12 @@ class Assembler:
             raise AttributionError(f"request {req_id}: positions from {start} captured twice")
         if req.out is None:
             layers = len(self.capture_order)
-            specs = self._specs(req.prompt_len, rows.shape[2], rows.dtype, None if scales is None else scales.dtype)
+            specs = self._specs(req.prompt_len, rows[0].shape[1], rows[0].dtype, scales and scales[0].dtype)
             tensors = self.prefault.take(req_id, specs) if req.offered else self.allocate(specs)
             req.out, req.scales = tensors[:layers], (tensors[layers:] if scales is not None else None)
-        pairs += [(out[start : start + keep], rows[j, :keep]) for out, j in zip(req.out, self.capture_order)]
+        pairs += [(out[start : start + keep], rows[j][:keep]) for out, j in zip(req.out, self.capture_order)]
         if scales is not None:
-            pairs += [(out[start : start + keep], scales[j, :keep]) for out, j in zip(req.scales, self.capture_order)]
+            pairs += [(out[start : start + keep], scales[j][:keep]) for out, j in zip(req.scales, self.capture_order)]
         req.chunks[start] = keep
         req.rows += keep
         if req.rows == req.prompt_len:
@@ -273,14 +280,15 @@ class Assembler:
         elif req.rows > req.prompt_len:
             raise AttributionError(f"request {req_id}: {req.rows} rows for a {req.prompt_len}-token prompt")
 
-    def _add_piece(self, req_id: str, req: _Request, start: int, rows: torch.Tensor, scales) -> None:
+    def _add_piece(self, req_id: str, req: _Request, start: int, rows: list[torch.Tensor], scales) -> None:
         """A generating request's rows, copied out of the step and kept until its length is final."""
-        if start + rows.shape[1] > req.prompt_len and req.growing:
+        count = rows[0].shape[0]
+        if start + count > req.prompt_len and req.growing:
             raise AttributionError(
-                f"request {req_id}: rows up to position {start + rows.shape[1] - 1} before its token there was "
+                f"request {req_id}: rows up to position {start + count - 1} before its token there was "
                 f"sampled ({req.prompt_len} known)"
             )
-        keep = max(0, min(rows.shape[1], req.prompt_len - start))  # past a final length: the step past the end
+        keep = max(0, min(count, req.prompt_len - start))  # past a final length: the step past the end
         if keep == 0:
             return
         if start == 0 and req.chunks:  # preempted and recomputed from the start
@@ -290,8 +298,8 @@ class Assembler:
         if start in req.chunks:
             raise AttributionError(f"request {req_id}: positions from {start} captured twice")
         order = list(self.capture_order)
-        picked = rows[order, :keep]  # indexing with a list copies: the piece outlives the step's slot
-        piece_scales = scales[order, :keep] if scales is not None else None
+        picked = torch.stack([rows[j][:keep] for j in order])  # a copy: the piece outlives the step's states
+        piece_scales = torch.stack([scales[j][:keep] for j in order]) if scales is not None else None
         req.pieces.append((start, picked, piece_scales))
         req.chunks[start] = keep
         req.rows += keep

@@ -146,6 +146,13 @@ def copies_apart(row_copies: str, device_type: str) -> bool:
     return row_copies == "thread" or (row_copies == "auto" and device_type != "cpu")
 
 
+def by_reference(executor_kind: str, device_type: str, fp8: bool) -> bool:
+    """Does the engine read its worker's aux states as they are, with no ring and no copy into one? An in-process
+    CPU engine storing the engine's dtype: the worker's tensors are this process's memory
+    (:mod:`~speculators_v016.worker.held_states` refuses a model that reuses them across forwards)."""
+    return executor_kind == "uni" and device_type == "cpu" and not fp8
+
+
 def release_kv_caches(layers: dict) -> None:
     """A shut-down in-process engine's layers (``static_forward_context``) drop their KV cache, then the dict them."""
     for layer in layers.values():
@@ -237,8 +244,10 @@ class CaptureEngine:
         # A record of what this engine holds in /dev/shm, for the next run if this one is killed: only
         # with worker processes (the uniprocess executor creates nothing there; Ray's workers are not ours).
         self.shm_record = RunRecord.open() if self.executor_kind not in ("uni", "ray") else None
+        #: an in-process CPU engine reads its worker's aux states as they are: no ring, no copy into one
+        self.by_reference = by_reference(self.executor_kind, config.device_config.device_type, self.config.fp8)
         try:
-            self.ring = self._make_ring(config)
+            self.ring = None if self.by_reference else self._make_ring(config)
             try:
                 cpu, workers = config.device_config.device_type == "cpu", config.parallel_config.world_size
                 # vLLM's queues and semaphores, recorded as they appear; CPU workers bound where vLLM cannot
@@ -250,6 +259,7 @@ class CaptureEngine:
                             self.capture,
                             self.ring,
                             planned_depth(self.async_scheduling, config.parallel_config.pipeline_parallel_size),
+                            self.by_reference,
                         ),
                         log_stats=False,
                         executor_fail_callback=self._on_executor_failure,
@@ -314,7 +324,8 @@ class CaptureEngine:
         self.stats = EngineStats()
 
     def _make_ring(self, config) -> SlotRing | None:
-        """The capture slots of ``max_num_batched_tokens`` rows (none for Ray): depth + 1 (the steps in flight
+        """The capture slots of ``max_num_batched_tokens`` rows (none for Ray, nor for an in-process CPU engine,
+        which reads its states by reference): depth + 1 (the steps in flight
         and the one whose capture the worker still holds), and without pipeline parallelism one more: the step
         waited on keeps its slot while the next step is launched, so its rows are copied out while the device
         computes (:meth:`stream`)."""
@@ -544,7 +555,8 @@ class CaptureEngine:
         if self._broken is not None:
             raise RuntimeError(f"this engine failed earlier and cannot be used again: {self._broken}")
         prefault = prefaulter(allocate or fresh_tensors, self.copy_threads)
-        copies = RowCopies(self.copy_threads) if self.row_copies_apart and self.ring is not None else None
+        held = self.ring is not None or self.by_reference  # rows to copy out of a slot, or out of the worker's states
+        copies = RowCopies(self.copy_threads) if self.row_copies_apart and held else None
         assembler = Assembler(self.plan.capture_order, allocate, fp8=self.config.fp8, copy_threads=self.copy_threads,
                               prefault=prefault, copies=copies)  # fmt: skip
         feed, waiting, in_flight = iter(prompts), set(), deque()

@@ -50,12 +50,15 @@ def executor_kind(base: type) -> str:
     return base.__name__
 
 
-def capture_executor(base: type, capture: CaptureConfig, ring: SlotRing | None, in_flight: int = 0) -> type:
+def capture_executor(
+    base: type, capture: CaptureConfig, ring: SlotRing | None, in_flight: int = 0, by_reference: bool = False
+) -> type:
     """``base`` executor + capture set-up (and ring mapping) right after model load, + a capture RPC.
 
     The set-up sends every worker one :class:`~speculators_v016.protocol.WorkerSetup`: ``capture``,
     the output rank (known once vLLM's workers exist), the ring's spec and ``in_flight``, the steps in
-    flight (a GPU worker stages one per step; 0: one fewer than the ring's slots)."""
+    flight (a GPU worker stages one per step; 0: one fewer than the ring's slots), and ``by_reference``
+    (an in-process CPU engine: the states handed over as they are, no ring)."""
     one_reply = executor_kind(base) == "mp"  # the multiprocess executor can ask one rank alone
 
     class CaptureExecutor(base):
@@ -69,7 +72,7 @@ def capture_executor(base: type, capture: CaptureConfig, ring: SlotRing | None, 
             self.capture_ranks = capture_ranks(par.world_size, par.tensor_parallel_size, par.pipeline_parallel_size)
             setup = WorkerSetup(
                 capture, self.capture_output_rank, ring.spec if ring is not None else None,
-                capture_ranks=self.capture_ranks, staging_buffers=in_flight,
+                capture_ranks=self.capture_ranks, staging_buffers=in_flight, by_reference=by_reference,
             )  # fmt: skip
             self.capture_info = list(self.collective_rpc("speculators_capture_setup", args=(setup,)))
 

@@ -26,7 +26,10 @@ and reported in the set-up info (``copy_path``):
 
 Either way the copy is ordered after the step's forward and before the next
 forward overwrites any buffer (CUDA graphs reuse theirs). On CPU it is a
-plain copy. The reply is the *previous* step's metadata
+plain copy, or, in an in-process CPU engine (``WorkerSetup.by_reference``),
+none: the step's aux states are handed to the engine's thread as they are
+(``reference``), checked not to lie in memory an earlier step's states still
+use (:mod:`~speculators_v016.worker.held_states`). The reply is the *previous* step's metadata
 (:class:`StepCapture`: slot, request ids, starts, counts), waiting for its
 copy into the slot to complete (with ``speculators_capture_sample``, on vLLM's
 output thread, beside the sampled tokens): the host thread never waits for
@@ -72,6 +75,7 @@ from speculators_v016.worker import cpu_async, cpu_rope
 from speculators_v016.worker.aux_outputs import find_decoder_stack, install_aux_outputs
 from speculators_v016.worker.check_forward import engine_check_forward
 from speculators_v016.worker.cpu_seeds import discarded_generators_aside
+from speculators_v016.worker.held_states import HeldStates
 from speculators_v016.worker.pipeline_stage import LastForwardAux, StageLayers, keep_prompt_rows, stage_of
 from speculators_v016.worker.staging import Fp8Buffers, StagingCopier, StagingPlan, plan_staging
 
@@ -150,6 +154,12 @@ class HostQuantize(HostCopy):
     def copy(self, aux, total: int, dst: torch.Tensor, dst_scales: torch.Tensor | None) -> None:
         for j, layer in enumerate(aux):
             fp8.quantize_into(layer[:total], dst[j], dst_scales[j])
+
+
+class Reference:
+    """``reference``: an in-process CPU engine reads the step's aux states themselves (no ring, no copy)."""
+
+    name = "reference"
 
 
 class DirectCopy:
@@ -244,6 +254,16 @@ class Capture:
         self.copier = None if not self.is_output else DirectCopy() if device.type == "cuda" else HostCopy()
         if self.fp8 and self.copier is not None:
             self.copier = DirectQuantize() if device.type == "cuda" else HostQuantize()
+        self.held: HeldStates | None = None
+        if setup.by_reference and self.copier is not None:
+            if device.type != "cpu" or self.fp8 or ring is not None or stage is not None:
+                raise ValueError(
+                    "aux states are handed over by reference only by an in-process CPU engine storing the "
+                    f"engine's dtype, without a ring or pipeline stages (device {device.type}, "
+                    f"hidden_states_dtype {capture.hidden_states_dtype!r}, ring {ring is not None}, "
+                    f"stage {stage is not None})"
+                )
+            self.copier, self.held = Reference(), HeldStates()
         self.copy_info: dict = {"copy_path": self.copier.name if self.copier is not None else "none"}
         if not (self.is_output and ring is not None):
             return
@@ -382,6 +402,14 @@ class Capture:
             layers=self.rows if self.stage is not None else None,
             stage=self.stage.rank if self.stage is not None else 0,
         )
+        if self.held is not None:  # an in-process CPU engine: the states themselves, once proven not reused
+            if slot is not None:
+                raise RuntimeError(
+                    f"step {step}: slot {slot} given, but this worker hands its states over by reference"
+                )
+            capture.states = [layer[:total] for layer in aux]
+            self.held.hand_over(step, capture.states)
+            return _Pending(capture, None)
         dst, dst_scales = self._destination(step, slot, total, aux[0])
         if slot is None:
             capture.states, capture.scales = dst, dst_scales

@@ -5,6 +5,7 @@ import torch
 
 from helpers.reference import NUM_LAYERS, TOLERANCE, hf_layer_outputs, max_abs_error, random_prompts
 from speculators_v016.generator import VllmHiddenStatesGenerator
+from speculators_v016.worker.held_states import ReusedStateError
 
 LAYERS = list(range(NUM_LAYERS))
 LENGTHS = [300, 7, 150, 61, 2, 520]
@@ -64,3 +65,31 @@ def test_row_copies_on_their_own_thread_are_bit_identical(model_dir, prompts, ch
     assert engine.row_copies_apart and engine.stats.copy_thread > 0
     for a, b in zip(chunked_async, threaded):
         assert all(torch.equal(x, y) for x, y in zip(a["hidden_states"], b["hidden_states"]))
+
+
+def test_states_read_by_reference_equal_the_ring_s_bit_for_bit(model_dir, prompts, chunked_async, monkeypatch):
+    """In process on CPU the worker's own states are read (no ring); through a ring as before: the same bits."""
+    monkeypatch.setattr("speculators_v016.engine.core.by_reference", lambda *args: False)
+    ringed, engine, _ = run(model_dir, prompts, enforce_eager=True, max_num_batched_tokens=128)
+    assert not engine.by_reference and engine.capture_info[0]["copy_path"] == "host"
+    for a, b in zip(chunked_async, ringed):
+        assert all(torch.equal(x, y) for x, y in zip(a["hidden_states"], b["hidden_states"]))
+
+
+def test_a_model_reusing_its_state_buffers_is_refused_when_read_by_reference(model_dir, prompts):
+    """States left in a buffer the next forward overwrites, before the engine copied them: refused, naming both steps."""
+    with VllmHiddenStatesGenerator(model_dir, **BASE, enforce_eager=True, max_num_batched_tokens=128) as gen:
+        capture = gen.engine.executor.driver_worker.worker._speculators_capture
+        real, kept = capture._aux, {}
+
+        def kept_across_forwards(runner, step):  # what a model with a persistent output buffer would return
+            out = []
+            for j, layer in enumerate(real(runner, step)):
+                buffer = kept.setdefault(j, torch.empty(256, layer.shape[1], dtype=layer.dtype))
+                out.append(buffer[: layer.shape[0]].copy_(layer))
+            return out
+
+        capture._aux = kept_across_forwards
+        with pytest.raises(ReusedStateError, match=r"step \d+: the aux state of captured layer 0 lies in the memory "
+                           r"of step \d+'s layer 0, which the engine has not copied out yet"):  # fmt: skip
+            gen.generate(prompts)

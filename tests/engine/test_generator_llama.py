@@ -52,9 +52,10 @@ def test_runs_async_with_two_steps_in_flight(generator, results):
 
 
 def test_the_next_step_is_launched_before_rows_are_copied(generator, results):
-    """The ring's spare slot lets a step be launched before the waited step's rows leave the ring."""
+    """In process on CPU the worker's states are read as they are (no ring); the next step goes before their copy."""
     engine = generator.engine
-    assert engine.ring.spec.slots == engine.depth + 2
+    assert engine.ring is None and engine.by_reference
+    assert [info["copy_path"] for info in engine.capture_info] == ["reference"]
     assert engine.stats.launched_before_copy >= engine.stats.steps // 2
 
 

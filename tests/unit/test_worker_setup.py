@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +13,7 @@ from helpers.capture import worker_setup
 from speculators_v016.engine.executor import capture_executor
 from speculators_v016.protocol import CaptureConfig, WorkerSetup
 from speculators_v016.shared.slot_ring import SlotRing
-from speculators_v016.worker.capture import DirectCopy, DirectQuantize, HostCopy, HostQuantize
+from speculators_v016.worker.capture import DirectCopy, DirectQuantize, HostCopy, HostQuantize, Reference
 
 
 @pytest.fixture
@@ -84,3 +85,35 @@ def test_the_worker_holds_one_capture_whose_copy_path_is_chosen_at_setup(cudart,
         worker.speculators_capture_close()
     finally:
         ring.close()
+
+
+def test_an_in_process_cpu_worker_hands_its_states_over_by_reference():
+    """By reference (no ring): the copy path says so, and a step's states are the model's own tensors' rows."""
+    runner = Runner("cpu")
+    worker = Worker(runner)
+    capture = worker.speculators_capture_attach(replace(worker_setup(2, None), by_reference=True))
+    assert type(capture.copier) is Reference and capture.copy_info == {"copy_path": "reference"}
+    aux = runner.step(6, seed=3)
+    assert capture.advance(runner, 1, None) is None
+    states = capture.flush().states
+    assert [t.data_ptr() for t in states] == [a.data_ptr() for a in aux] and [len(t) for t in states] == [6, 6]
+
+
+@pytest.mark.parametrize(
+    "device, dtype, ring, refused",
+    [
+        ("cuda", "auto", False, "device cuda"),
+        ("cpu", "fp8_e4m3", False, "'fp8_e4m3'"),
+        ("cpu", "auto", True, "ring True"),
+    ],
+)
+def test_states_by_reference_are_refused_off_an_in_process_cpu_engine(cudart, device, dtype, ring, refused):  # noqa: F811
+    """By reference only on CPU, in the engine's dtype, without a ring: otherwise refused, naming what stands in the way."""
+    made = SlotRing.create(slots=3, num_ids=2, max_rows=8, hidden=4, dtype=torch.float32, shared=False,
+                           hidden_states_dtype=dtype)  # fmt: skip
+    try:
+        setup = worker_setup(2, made.spec if ring else None, staging="off", hidden_states_dtype=dtype)
+        with pytest.raises(ValueError, match=rf"handed over by reference only by an in-process CPU engine.*{refused}"):
+            Worker(Runner(device)).speculators_capture_attach(replace(setup, by_reference=True))
+    finally:
+        made.close()
