@@ -10,13 +10,20 @@ measured in a fresh process (peak RSS is that process's, the imports' baseline s
   on a machine (the row index read from the file), another shard (the index from the prepared-rows cache, its own
   rows tokenized, the input's sha256 remembered by its stat: store/digest_memo.py) and shard 0 again (a resume:
   nothing tokenized); beside them, what every shard did before (all 10k rows tokenized). The first shard reads
-  the whole input (the index: every row, its sha256) and grows with it; what is left in proportion to the
-  dataset for the others is the cached index's check (its sha256, 24 bytes a row) and the run's order (8 bytes a
-  row);
+  the whole input once (the index: every row, its sha256) and grows with it: its time is shown whole, as the
+  one-time index read (plan_run) and the rest, each compared on its own; what is left in proportion to the dataset
+  for the others is the cached index's check (its sha256, 14 bytes a row) and the run's order (4 bytes a row).
+  Each figure is the median of several measurements (``--repeat``; time.perf_counter): the first shard and
+  another shard in a fresh process each (a fresh cache for each first shard, another shard index for each other
+  one), shard 0 again ``--again-repeat`` times in one process (a few milliseconds each);
 * **(b) a whole run's rows streamed as a run feeds them** (one shard, no cache) at 10k, 100k and 1M rows: rows/s,
-  bytes a token of the prepared arrays, peak RSS, and the time to the first sample.
+  bytes a token of the prepared arrays, peak RSS, and the time to the first sample. Each sample fed is finished
+  (``PrefillWork.finish``, as the engine's loop does: its loss mask handed over and let go of); the page's
+  measurements of code d063a50 and before did not, and the masks of every sample fed stayed in memory (about
+  30 MiB at 50,000 samples) in their peak RSS, a cost no run has.
 
     python tools/benchmarks/dataset_scale.py [--sizes 10000 100000 1000000] [--workers 2] [--stream-limit ROWS]
+        [--repeat 5] [--again-repeat 20]
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import argparse
 import json
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,7 +63,7 @@ def write_rows(path: Path, count: int, seed: int = 0) -> None:
 
 
 def child_main(args: dict) -> dict:
-    """One measurement, in this fresh process."""
+    """One measurement (``repeat`` of them, medians), in this fresh process."""
     from collections import Counter  # noqa: PLC0415 - imports before the baseline
 
     import numpy as np  # noqa: PLC0415
@@ -73,49 +81,60 @@ def child_main(args: dict) -> dict:
     baseline = peak_mib()
     cache = Path(args["cache"]) if args.get("cache") else None
     options = Options(2048, num_proc=args["workers"])
-    started = time.perf_counter()
-    plan = plan_run([args["data"]], tokenizer, options, cache=cache)
-    indexed = time.perf_counter() - started
-    shard = args.get("shard", 0)
-    work = PrefillWork(plan, args["shards"], shard)
-    pending = work.shard(args["shards"], shard)
-    tokens = samples = 0
+
+    def once() -> dict:
+        hashed.clear()
+        started = time.perf_counter()
+        plan = plan_run([args["data"]], tokenizer, options, cache=cache)
+        indexed = time.perf_counter() - started
+        shard = args.get("shard", 0)
+        work = PrefillWork(plan, args["shards"], shard)
+        pending = work.shard(args["shards"], shard)
+        tokens = samples = 0
+        try:
+            work.begin(pending)
+            first = time.perf_counter() - started
+            limit = args.get("limit") or len(pending)
+            for name, ids in work.feed(pending):
+                work.finish(name, ids, None)  # as the engine's loop does once the sample is back
+                samples += 1
+                tokens += len(ids)
+                if samples == 1:
+                    first = time.perf_counter() - started
+                if samples >= limit:
+                    break
+            else:
+                for _ in work.feed(None):
+                    pass
+        finally:
+            work.close()
+        seconds = time.perf_counter() - started
+        return {
+            "rows": samples + work.dropped,
+            "indexed_rows": len(pending),
+            "samples": samples,
+            "tokens": tokens,
+            "seconds": seconds,
+            "indexed": indexed,
+            "first": first,
+            "tokenized": plan.built,
+            "hashed": len(hashed),
+        }
+
+    runs = [once() for _ in range(args.get("repeat", 1))]
+    out = {**runs[0], **{k: statistics.median(r[k] for r in runs) for k in ("seconds", "indexed", "first")}}
     arrays = Counter()  # the bytes of the prepared arrays of the samples: uint32 ids, uint8 masks, int64 offsets
-    try:
-        work.begin(pending)
-        first = time.perf_counter() - started
-        limit = args.get("limit") or len(pending)
-        for _name, ids in work.feed(pending):
-            samples += 1
-            tokens += len(ids)
-            if samples == 1:
-                first = time.perf_counter() - started
-            if samples >= limit:
-                break
-        else:
-            for _ in work.feed(None):
-                pass
-    finally:
-        work.close()
-    seconds = time.perf_counter() - started
-    arrays["ids"] = tokens * np.dtype(np.uint32).itemsize
-    arrays["masks"] = tokens
-    arrays["offsets"] = (samples + 1) * 8
-    return {
-        "rows": samples + work.dropped,
-        "indexed_rows": len(pending),
-        "samples": samples,
-        "tokens": tokens,
-        "seconds": seconds,
-        "indexed": indexed,
-        "first": first,
-        "peak": peak_mib(),
-        "workers_peak": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
-        "baseline": baseline,
-        "bytes_per_token": sum(arrays.values()) / max(tokens, 1),
-        "tokenized": plan.built,
-        "hashed": len(hashed),
-    }
+    arrays["ids"] = out["tokens"] * np.dtype(np.uint32).itemsize
+    arrays["masks"] = out["tokens"]
+    arrays["offsets"] = (out["samples"] + 1) * 8
+    out.update(
+        times=[r["seconds"] for r in runs],
+        peak=peak_mib(),
+        workers_peak=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+        baseline=baseline,
+        bytes_per_token=sum(arrays.values()) / max(out["tokens"], 1),
+    )
+    return out
 
 
 def run_child(args: dict) -> dict:
@@ -125,6 +144,22 @@ def run_child(args: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def median_of(runs: list[dict]) -> dict:
+    """Measurements of one figure in several processes: the median of each time, every time, the largest peak."""
+    out = {**runs[0], **{k: statistics.median(r[k] for r in runs) for k in ("seconds", "indexed", "first")}}
+    out.update(times=[t for r in runs for t in r["times"]], peak=max(r["peak"] for r in runs))
+    out.update(hashed=min(r["hashed"] for r in runs), tokenized=max(r["tokenized"] for r in runs))
+    return out
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:7.1f} ms"
+
+
+def spread(times: list[float]) -> str:
+    return f"{len(times)} runs, {min(times) * 1000:.1f}-{max(times) * 1000:.1f} ms"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
@@ -132,6 +167,8 @@ def main() -> None:
     ap.add_argument(
         "--stream-limit", type=int, default=None, help="stream at most this many rows of each size (all indexed)"
     )
+    ap.add_argument("--repeat", type=int, default=5, help="processes measuring a first shard, and another shard")
+    ap.add_argument("--again-repeat", type=int, default=20, help="measurements of shard 0 again, in one process")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     opts = ap.parse_args()
     if opts.child:
@@ -151,20 +188,27 @@ def main() -> None:
         common = {"tokenizer": str(tmp / "tokenizer"), "workers": opts.workers}
         shard_runs = {}
         for size, shards in ((10_000, 100), (100_000, 1_000)):
-            cache = tmp / f"cache-{size}"
-            mine = {**common, "data": str(files[size]), "shards": shards, "cache": str(cache)}
-            cold = run_child(mine)  # the first shard on the machine: the row index read from the file
-            other = run_child({**mine, "shard": 1})  # another shard: the index from the cache, its rows tokenized
-            again = run_child(mine)  # shard 0 again (a resume, a second run): nothing tokenized
-            shard_runs[size] = (shards, cold, other, again)
+            mine = {**common, "data": str(files[size]), "shards": shards}
+            # the first shard on the machine: the row index read from the file, each time with a fresh cache
+            cold = [run_child({**mine, "cache": str(tmp / f"cache-{size}-{i}")}) for i in range(opts.repeat)]
+            cache = str(tmp / f"cache-{size}-0")
+            # another shard: the index from the cache, its own rows tokenized (shards 1, 2, ...: each its first time)
+            other = [run_child({**mine, "cache": cache, "shard": 1 + i}) for i in range(opts.repeat)]
+            # shard 0 again (a resume, a second run): nothing tokenized, measured again and again in one process
+            again = run_child({**mine, "cache": cache, "repeat": opts.again_repeat})
+            shard_runs[size] = (shards, median_of(cold), median_of(other), median_of([again]))
         every = run_child({**common, "data": str(files[10_000]), "shards": 1})
         whole = {
             size: run_child({**common, "data": str(files[size]), "shards": 1, "limit": opts.stream_limit})
             for size in opts.sizes
         }
         with recording(__file__):
-            print(f"demo tokenizer, --seq-length 2048, {opts.workers} tokenizing processes; a fresh process per figure")
-            print("(a) shard 0 (100 samples): its preparation's wall time and peak RSS (imports' baseline in brackets)")
+            print(f"demo tokenizer, --seq-length 2048, {opts.workers} tokenizing processes; fresh processes per figure")
+            print(
+                "(a) shard 0 (100 samples): its preparation's wall time, median of the runs (time.perf_counter), as the "
+                "index read (plan_run: the row index, read or cached, and the order) + the rest; peak RSS (imports' "
+                "baseline in brackets)"
+            )
             labels = (
                 "first shard on the machine (index read)",
                 "another shard (index and sha256 cached)",
@@ -173,15 +217,19 @@ def main() -> None:
             for size, (shards, *runs) in shard_runs.items():
                 for label, r in zip(labels, runs, strict=True):
                     print(
-                        f"  {size:>7,} rows / {shards:>5,} shards, {label:42}: {r['seconds']:6.2f} s "
-                        f"(index {r['indexed']:5.2f} s), peak {r['peak']:6.0f} MiB ({r['baseline']:.0f}), "
-                        f"{r['tokenized']} rows tokenized, input {'hashed' if r['hashed'] else 'not read to be named'}"
+                        f"  {size:>7,} rows / {shards:>5,} shards, {label:42}: {ms(r['seconds'])} = index read "
+                        f"{ms(r['indexed'])} + the rest {ms(r['seconds'] - r['indexed'])} ({spread(r['times'])}), "
+                        f"peak {r['peak']:6.0f} MiB ({r['baseline']:.0f}), {r['tokenized']} rows tokenized, "
+                        f"input {'hashed' if r['hashed'] else 'not read to be named'}"
                     )
             small, large = shard_runs[10_000], shard_runs[100_000]
             for i, label in ((1, "first shard"), (2, "another shard"), (3, "shard 0 again")):
+                a, b = small[i], large[i]
+                rest = (b["seconds"] - b["indexed"]) / (a["seconds"] - a["indexed"])
                 print(
-                    f"  100k/1,000 vs 10k/100, {label}: {large[i]['seconds'] / small[i]['seconds']:.2f}x the time, "
-                    f"{large[i]['peak'] / small[i]['peak']:.2f}x the peak RSS"
+                    f"  100k/1,000 vs 10k/100, {label}: {b['seconds'] / a['seconds']:.2f}x the time (index read "
+                    f"{b['indexed'] / a['indexed']:.2f}x, for 10x the rows; without it {rest:.2f}x), "
+                    f"{b['peak'] / a['peak']:.2f}x the peak RSS"
                 )
             print(
                 f"  before: every shard tokenized every row: 10k rows {every['seconds']:.1f} s, peak {every['peak']:.0f} "
