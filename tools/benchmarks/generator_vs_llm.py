@@ -283,7 +283,8 @@ def main() -> None:
             got = child(__file__, {**base, "mode": mode, "prompts": opts.prompts}, code_from=code)
             rates.setdefault(key, []).append(got["tokens_per_s"])
             if got.get("steady_tokens_per_s") is not None:
-                rates.setdefault(f"{mode}-steady", []).append(got["steady_tokens_per_s"])
+                steady = f"{mode}-steady" + ("" if code is None else " (before)")  # each code's own figure
+                rates.setdefault(steady, []).append(got["steady_tokens_per_s"])
             if got.get("cpu_per_k") is not None:
                 cpu.setdefault(key, []).append(got["cpu_per_k"])
             ring = got.get("ring") or ring
@@ -323,6 +324,8 @@ def main() -> None:
             for ref in ("llm", "async", "async (before)"):
                 if key.startswith("cli") and ref == "llm":
                     continue  # the CLI against the generator: what writing the files costs
+                if key.startswith("cli") and ref.endswith("(before)") != key.endswith("(before)"):
+                    continue  # each code's CLI against its own generator
                 if key != ref and ref in med and key != "llm" and (ref != "async" or not key.endswith("(before)")):
                     # each round's runs side by side (one machine state): the ratio noise moves least
                     rounds = [mine / theirs for mine, theirs in zip(rates[key], rates[ref])]
