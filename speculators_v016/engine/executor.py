@@ -123,8 +123,10 @@ def capture_executor(
             return Pair(self.sample_tokens(grammar_output, non_block=True), capture)
 
         def shutdown(self) -> None:
-            """Release the capture in the workers (staging, the ring's pinned registration), then vLLM's shutdown."""
-            closing = ring is not None and hasattr(self, "capture_info") and not getattr(self, "is_failed", False)
+            """Release the capture in the workers (staging, the ring's pinned registration, the states held by
+            reference), then vLLM's shutdown."""
+            holds = ring is not None or by_reference
+            closing = holds and hasattr(self, "capture_info") and not getattr(self, "is_failed", False)
             if closing and not getattr(self, "_capture_closed", False):
                 self._capture_closed = True
                 try:

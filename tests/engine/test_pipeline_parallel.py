@@ -63,7 +63,7 @@ def run(model_dir, prompts, **engine) -> dict:
             "info": gen.engine.capture_info,
             "stages": gen.engine.stage_lines,
             "depth": gen.engine.depth,
-            "slots": gen.engine.ring.spec.slots,
+            "slots": gen.engine.ring.spec.slots if gen.engine.ring is not None else None,  # PP 1 on CPU: by reference
         }
 
 
