@@ -42,6 +42,10 @@ from speculators_v016.engine.row_copies import Pair, RowCopies, torch_threads
 from speculators_v016.fp8 import CODE_DTYPE, SCALE_DTYPE, Fp8States
 from speculators_v016.protocol import StepCapture
 
+#: A request's rows of one step: a slot's ``[capture ids, count, hidden]`` view, or (states handed over by
+#: reference) one ``[count, hidden]`` tensor per capture id; either way ``rows[j]`` is capture id ``j``'s.
+Rows = torch.Tensor | list[torch.Tensor]
+
 
 class AttributionError(RuntimeError):
     """Captured rows do not match what the scheduler ran: refuse to guess."""
@@ -200,11 +204,14 @@ class Assembler:
         self._last_step = max(self._last_step, capture.step)
         for req_id in [r for r, step in self._closed.items() if step < self._last_step - 8]:
             del self._closed[req_id]  # no step in flight can hold rows of it any more
+        stacked = isinstance(capture.states, torch.Tensor)  # a slot's [layers, rows, hidden]: one slice a request
         offset = 0
         for req_id, start, count in zip(capture.req_ids, capture.starts, capture.counts):
-            scales = [t[offset : offset + count] for t in capture.scales] if self.fp8 else None
-            self._add_rows(req_id, start, [t[offset : offset + count] for t in layers], scales, pairs)
-            offset += count
+            end = offset + count
+            rows = capture.states[:, offset:end] if stacked else [t[offset:end] for t in layers]
+            scales = capture.scales[:, offset:end] if self.fp8 else None
+            self._add_rows(req_id, start, rows, scales, pairs)
+            offset = end
         if self.prefault is not None:
             self._row = (layers[0].shape[1], layers[0].dtype, self.fp8 and capture.scales.dtype or None)
             self._offer_ahead()
@@ -244,11 +251,9 @@ class Assembler:
                 f"{SCALE_DTYPE} scales {tuple(rows)}; got {capture.states.dtype} and {got}"
             )
 
-    def _add_rows(
-        self, req_id: str, start: int, rows: list[torch.Tensor], scales: list[torch.Tensor] | None, pairs: list[Pair]
-    ) -> None:
-        """Name the copies of ``rows`` (one ``[count, hidden]`` per capture id; FP8: plus ``scales``, one ``[count]``
-        each) into the request's tensors at ``start`` (a generating request's: copied now)."""
+    def _add_rows(self, req_id: str, start: int, rows: Rows, scales: torch.Tensor | None, pairs: list[Pair]) -> None:
+        """Name the copies of ``rows`` (``rows[j]``: capture id ``j``'s ``[count, hidden]``; FP8: plus ``scales``
+        ``[capture ids, count]``) into the request's tensors at ``start`` (a generating request's: copied now)."""
         req = self._requests.get(req_id)
         if req is None:
             if req_id in self._closed:  # a generating request already handed out: a step past its end
@@ -267,12 +272,14 @@ class Assembler:
             raise AttributionError(f"request {req_id}: positions from {start} captured twice")
         if req.out is None:
             layers = len(self.capture_order)
-            specs = self._specs(req.prompt_len, rows[0].shape[1], rows[0].dtype, scales and scales[0].dtype)
+            specs = self._specs(
+                req.prompt_len, rows[0].shape[1], rows[0].dtype, None if scales is None else scales.dtype
+            )
             tensors = self.prefault.take(req_id, specs) if req.offered else self.allocate(specs)
             req.out, req.scales = tensors[:layers], (tensors[layers:] if scales is not None else None)
         pairs += [(out[start : start + keep], rows[j][:keep]) for out, j in zip(req.out, self.capture_order)]
         if scales is not None:
-            pairs += [(out[start : start + keep], scales[j][:keep]) for out, j in zip(req.scales, self.capture_order)]
+            pairs += [(out[start : start + keep], scales[j, :keep]) for out, j in zip(req.scales, self.capture_order)]
         req.chunks[start] = keep
         req.rows += keep
         if req.rows == req.prompt_len:
@@ -280,7 +287,7 @@ class Assembler:
         elif req.rows > req.prompt_len:
             raise AttributionError(f"request {req_id}: {req.rows} rows for a {req.prompt_len}-token prompt")
 
-    def _add_piece(self, req_id: str, req: _Request, start: int, rows: list[torch.Tensor], scales) -> None:
+    def _add_piece(self, req_id: str, req: _Request, start: int, rows: Rows, scales) -> None:
         """A generating request's rows, copied out of the step and kept until its length is final."""
         count = rows[0].shape[0]
         if start + count > req.prompt_len and req.growing:
@@ -299,7 +306,7 @@ class Assembler:
             raise AttributionError(f"request {req_id}: positions from {start} captured twice")
         order = list(self.capture_order)
         picked = torch.stack([rows[j][:keep] for j in order])  # a copy: the piece outlives the step's states
-        piece_scales = torch.stack([scales[j][:keep] for j in order]) if scales is not None else None
+        piece_scales = scales[order, :keep] if scales is not None else None  # indexing with a list copies
         req.pieces.append((start, picked, piece_scales))
         req.chunks[start] = keep
         req.rows += keep
