@@ -643,6 +643,14 @@ class RunConfig:
         section=OUTPUT,
         min=1,
     )
+    direct_io: bool = setting(
+        True,
+        "Write sample files through the page cache (default: O_DIRECT, from the states' memory to the disk, "
+        "where the file system takes it; the summary's host path line says how the bytes went).",
+        option="--no-direct-io",
+        negate=True,
+        section=OUTPUT,
+    )
     checksum: Checksum | None = setting(
         None,
         "Digest of each sample file in the manifest (default: blake3 for a new folder, a resumed folder's own; "

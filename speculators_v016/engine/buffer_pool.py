@@ -28,6 +28,15 @@ benchmark's CLI faulted 11.0 M pages in its pass against the generator's
 with fresh memory 9.7-10.3 M (``tools/benchmarks/generator_vs_llm.py``,
 docs/benchmarks/README.md). Tensors at or above the ceiling are always fresh
 mmaps in glibc, so they stay pooled.
+
+A sample's tensors lie as its file's data does (``align``, the sample file
+format's ``DATA_ALIGN``): one after the other from a block start that is a
+multiple of ``align`` (fresh tensors: each at an address equal to that offset
+modulo ``align``), so the writer sends them to the disk with ``O_DIRECT`` from
+where they lie, no copy (:mod:`~speculators_v016.store.direct_io`). A tensor
+whose offset is not a multiple of its element size starts at the next one
+(correct still: that tensor and those after it are written through a bounce
+buffer).
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from math import prod
 
 import torch
 
-ALIGN = 64  # bytes: each tensor of a block starts on a cache line
+TORCH_ALIGN = 64  # bytes: where torch's CPU allocator starts every allocation (a multiple of it)
 #: glibc's largest dynamic mmap threshold on 64-bit hosts (``DEFAULT_MMAP_THRESHOLD_MAX``, mallopt(3)): smaller
 #: allocations may come from (and go back to) its heap, larger ones are always mmaps of their own.
 MALLOC_MMAP_CEILING = 32 << 20
@@ -56,8 +65,9 @@ def size_class(nbytes: int) -> int:
 class BufferPool:
     """Blocks of host memory carved into a sample's tensors, handed out and taken back by whole blocks."""
 
-    def __init__(self, keep_bytes: int = 2 << 30, fresh_below: int = 0):
+    def __init__(self, keep_bytes: int = 2 << 30, fresh_below: int = 0, align: int = 64):
         self.keep_bytes = keep_bytes
+        self.align = align  # a block's first tensor starts at a multiple of it (see the module's docstring)
         self.fresh_below = fresh_below  # a sample whose tensors are all smaller: fresh tensors, not a block
         self._free: OrderedDict[int, torch.Tensor] = OrderedDict()  # data_ptr -> block, oldest first
         self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> block
@@ -69,21 +79,36 @@ class BufferPool:
 
     def take(self, specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> list[torch.Tensor]:
         """Uninitialised contiguous tensors of the given shapes and dtypes, all in one block."""
-        sizes = [prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
+        itemsizes = [torch.empty((), dtype=dtype).element_size() for _, dtype in specs]
+        sizes = [prod(shape) * item for (shape, _), item in zip(specs, itemsizes)]
+        offsets, total = [], 0
+        for size, item in zip(sizes, itemsizes):
+            total += -total % item
+            offsets.append(total)
+            total += size
         if specs and max(sizes) < self.fresh_below:
-            tensors = [torch.empty(tuple(shape), dtype=dtype) for shape, dtype in specs]
+            tensors = [self._fresh_tensor(o, n, shape, dtype) for o, n, (shape, dtype) in zip(offsets, sizes, specs)]
             with self._lock:
                 self._fresh.add(tensors[0].untyped_storage().data_ptr())
                 self.fresh += 1
             return tensors
-        offsets, total = [], 0
-        for size in sizes:
-            offsets.append(total)
-            total += -(-size // ALIGN) * ALIGN
+        total += max(0, self.align - TORCH_ALIGN)  # room to start on a multiple of align
         block = self._reuse(total)
         if block is None:
             block = self._allocate(total)
-        return [block[o : o + n].view(dtype).view(tuple(shape)) for o, n, (shape, dtype) in zip(offsets, sizes, specs)]
+        base = -block.data_ptr() % self.align
+        return [
+            block[base + o : base + o + n].view(dtype).view(tuple(shape))
+            for o, n, (shape, dtype) in zip(offsets, sizes, specs)
+        ]
+
+    def _fresh_tensor(self, offset: int, size: int, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A fresh tensor at an address equal to ``offset`` modulo :attr:`align` (its own storage)."""
+        if self.align <= TORCH_ALIGN and offset % self.align == 0:
+            return torch.empty(tuple(shape), dtype=dtype)
+        raw = torch.empty(size + self.align, dtype=torch.uint8)
+        start = (offset - raw.data_ptr()) % self.align
+        return raw[start : start + size].view(dtype).view(tuple(shape))
 
     def _reuse(self, total: int) -> torch.Tensor | None:
         with self._lock:

@@ -59,7 +59,7 @@ from speculators_v016.store.atomic_files import WriteError
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.outdir import OutputDir, ShardedRoot, shard_dir
 from speculators_v016.store.regenerated import NOT_GENERATED, STOPPED, not_generated
-from speculators_v016.store.sample_format import MODEL_ARGS_KEY, parse_sample_name
+from speculators_v016.store.sample_format import DATA_ALIGN, MODEL_ARGS_KEY, parse_sample_name
 from speculators_v016.store.writer import SampleWriter
 from speculators_v016.target import PromptError, TargetInfo, check_token_ids
 
@@ -394,6 +394,7 @@ def host_line(host: dict) -> str:
             if host.get("cpu_per_gib")
             else ""
         )
+        + _paths(host)
         + f"; buffer pool: {host['blocks_made']} "
         f"blocks made, {host['blocks_reused']} reused"
         + (f", {host['samples_fresh']} samples in fresh memory (CPU engine)" if host.get("samples_fresh") else "")
@@ -403,6 +404,19 @@ def host_line(host: dict) -> str:
             if host.get("drain_seconds") is not None
             else ""
         )
+    )
+
+
+def _paths(host: dict) -> str:
+    """How the files' bytes reached the disk: with O_DIRECT from the samples' memory, through its bounce buffer,
+    through the page cache (a file system that refuses O_DIRECT)."""
+    total = sum(host.get(k, 0) for k in ("direct", "bounced", "buffered"))
+    if not total:
+        return ""
+    return (
+        f"; bytes written with O_DIRECT {host.get('direct', 0) / total:.1%} from the samples' memory, "
+        f"{host.get('bounced', 0) / total:.1%} through a bounce buffer, {host.get('buffered', 0) / total:.1%} "
+        "through the page cache"
     )
 
 
@@ -437,7 +451,7 @@ def _generate(
         engine.warm_prompt_logprobs()  # vLLM compiles its prompt-logprobs kernel here, not in the first step
     # each sample's states: one block, back to the pool once its file is written; on a CPU engine, whose forward
     # shares this process's heap, samples under glibc's mmap ceiling come fresh (speculators_v016.engine.buffer_pool)
-    pool = BufferPool(fresh_below=MALLOC_MMAP_CEILING if engine.device_type == "cpu" else 0)
+    pool = BufferPool(fresh_below=MALLOC_MMAP_CEILING if engine.device_type == "cpu" else 0, align=DATA_ALIGN)
     stats = engine.stats  # the engine's thread's time, counted from here
     before = (stats.stepped, stats.copied, stats.copy_thread, stats.copy_waited)
 
@@ -451,6 +465,7 @@ def _generate(
         checksum=algorithm,
         model_args=model_args,
         screen=WriterScreen(layer_ids, zero_ids),  # the degenerate-row screen, off the engine's thread
+        direct=opts.direct_io,
     )
 
     def put(name: int, sample: dict, record: dict | None = None) -> None:

@@ -6,7 +6,9 @@ and written as they are, hashed on the way (BLAKE3 or sha256:
 it is written from, no joined copy of the file is ever made, and the file is
 never read back. A chunk may also be *scanned* while it is in the core's cache
 (``scans``, e.g. the NaN/Inf check): a scan that refuses a chunk stops the write
-and no file is left, under either name.
+and no file is left, under either name. With ``direct`` the bytes go to the disk
+past the page cache where the file system allows it
+(:mod:`~speculators_v016.store.direct_io`), the same bytes either way.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from speculators_v016.store import checksum, no_links
+from speculators_v016.store import checksum, direct_io, no_links
 from speculators_v016.store.no_links import LinkedEntryError
 
 TMP_PREFIX = ".tmp-"
@@ -57,14 +59,16 @@ def drop_pages(fd: int) -> None:
 WRITE_CHUNK = 1 << 22
 
 
-def write_parts(fh, parts: Sequence, digest, scans: Sequence | None = None) -> int:
-    """Write ``parts`` in order to ``fh``, hashing on the way; return the bytes written.
+def write_parts(fh, parts: Sequence, digest, scans: Sequence | None = None, sink=None) -> int:
+    """Write ``parts`` in order to ``fh`` (or ``sink``, a :class:`~speculators_v016.store.direct_io.DirectSink`),
+    hashing on the way; return the bytes written.
 
     Each ``WRITE_CHUNK`` of a part is written, then hashed while it is still in
-    the core's cache. Both release the GIL for large buffers, so writers in
-    several threads hash and write on several cores. ``scans``: one callable
-    or None per part; ``scan(chunk)`` is called on each chunk of its part from
-    the cache as well, and a false result raises :class:`ChunkRefused`.
+    the core's cache (a direct write leaves nothing there: the hash is then
+    the chunk's one read from memory). Both release the GIL for large buffers,
+    so writers in several threads hash and write on several cores. ``scans``:
+    one callable or None per part; ``scan(chunk)`` is called on each chunk of
+    its part from the cache as well, and a false result raises :class:`ChunkRefused`.
     """
     size = 0
     for position, part in enumerate(parts):
@@ -72,12 +76,17 @@ def write_parts(fh, parts: Sequence, digest, scans: Sequence | None = None) -> i
         scan = scans[position] if scans is not None else None
         for start in range(0, len(view), WRITE_CHUNK):
             chunk = rest = view[start : start + WRITE_CHUNK]
+            if sink is not None:
+                sink.write(chunk)
+                rest = None
             while rest:  # an unbuffered file may write less than asked
                 rest = rest[fh.write(rest) :]
             digest.update(chunk)
             if scan is not None and not scan(chunk):
                 raise ChunkRefused(position)
         size += len(view)
+    if sink is not None:
+        sink.finish()
     return size
 
 
@@ -89,6 +98,7 @@ def write_durable(
     drop_cache: bool = False,
     algorithm: str = checksum.DEFAULT,
     scans: Sequence | None = None,
+    direct: dict | None = None,
 ) -> tuple[int, str]:
     """Write ``parts`` (in order) to ``directory/name``: temporary name, fsync, rename; return (bytes, hex digest).
 
@@ -106,6 +116,10 @@ def write_durable(
     (``POSIX_FADV_DONTNEED``; advice only, never an error). ``scans``: see
     :func:`write_parts`; a refused chunk raises :class:`ChunkRefused` and the
     temporary file is deleted, like the one of any write that fails.
+    ``direct``: written with ``O_DIRECT`` (:mod:`~speculators_v016.store.direct_io`) where the file system
+    takes it; where it refuses, at the start or at a write, the file is written again from its start, buffered.
+    The dict counts the bytes: ``direct`` (from the parts' memory), ``bounced`` (through the bounce buffer),
+    ``buffered`` (through the page cache).
     """
     parts = [memoryview(p).cast("B") for p in ([parts] if isinstance(parts, (bytes, bytearray)) else parts)]
     digest = checksum.new(algorithm)  # an unknown algorithm fails before any file is made
@@ -118,7 +132,7 @@ def write_durable(
         raise WriteError(exc.errno, f"cannot write {directory / name}: {exc.strerror or exc}") from exc
     try:
         with fh:
-            size = write_parts(fh, parts, digest, scans)
+            size, digest = _write_file(fh, parts, digest, scans, direct, algorithm)
             os.fsync(fh.fileno())
             if drop_cache:
                 drop_pages(fh.fileno())
@@ -130,6 +144,29 @@ def write_durable(
         tmp.unlink(missing_ok=True)
         raise
     return size, digest.hexdigest()
+
+
+def _write_file(fh, parts: list, digest, scans, direct: dict | None, algorithm: str):
+    """The file's bytes written, direct where asked and taken: (size, digest). Where a direct write is refused
+    the file starts over, buffered, with a fresh digest."""
+    fd = fh.fileno()
+    if direct is not None and direct_io.enable(fd):
+        sink = direct_io.DirectSink(fd)
+        try:
+            size = write_parts(fh, parts, digest, scans, sink=sink)
+        except direct_io.DirectRefused:
+            direct_io.disable(fd)
+            os.ftruncate(fd, 0)
+            fh.seek(0)
+            digest = checksum.new(algorithm)
+        else:
+            direct["direct"] = direct.get("direct", 0) + sink.direct
+            direct["bounced"] = direct.get("bounced", 0) + sink.copied
+            return size, digest
+    size = write_parts(fh, parts, digest, scans)
+    if direct is not None:
+        direct["buffered"] = direct.get("buffered", 0) + size
+    return size, digest
 
 
 def write_atomic(

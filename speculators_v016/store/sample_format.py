@@ -6,7 +6,12 @@ order of ``data_config.json``'s ``layer_ids``.
 
 * ``safetensors``: keys ``input_ids``, ``loss_mask``, ``hidden_states.0`` ...
   ``hidden_states.{k-1}``; the header's metadata names the format and layer
-  ids. Loading never unpickles anything. With FP8 storage
+  ids. The header is padded with spaces (as the format allows) so the data
+  starts at a multiple of :data:`DATA_ALIGN`, and the states come first
+  (then FP8 scales, ``input_ids``, ``loss_mask``), each where the one before
+  it ends: memory that holds each tensor at an address equal to its offset in
+  the data modulo :data:`DATA_ALIGN` (the CLI's buffer pool places them so) is
+  written to the disk from where it lies (:mod:`~speculators_v016.store.direct_io`). Loading never unpickles anything. With FP8 storage
   (``--hidden-states-dtype fp8_e4m3``) ``hidden_states.{j}`` holds e4m3 codes
   (``F8_E4M3`` ``[T, hidden]``) and ``hidden_states_scale.{j}`` one float32
   scale per token (``F32`` ``[T]``); the metadata says ``hidden_states_dtype``
@@ -33,6 +38,7 @@ from safetensors.torch import load_file
 
 from speculators_v016 import fp8
 from speculators_v016.fp8 import Fp8States
+from speculators_v016.store.direct_io import ALIGN as DATA_ALIGN
 
 FORMATS = {"safetensors": ".safetensors", "pt": ".pt"}
 FORMAT_TAG = "speculators-v016/sample-v1"
@@ -76,7 +82,8 @@ def safetensors_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]
     """A safetensors file as ``[header, tensor bytes...]``: the tensors' own memory, never joined.
 
     The layout is the format's: 8-byte little-endian header length, the JSON
-    header (padded with spaces to 8 bytes), then each tensor's data in header order.
+    header (padded with spaces so the data starts at a multiple of
+    :data:`DATA_ALIGN`), then each tensor's data in header order.
     """
     header: dict = {"__metadata__": metadata}
     buffers, offset = [], 0
@@ -92,7 +99,7 @@ def safetensors_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]
         offset += raw.nbytes
         buffers.append(raw)
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
+    text += b" " * (-(8 + len(text)) % DATA_ALIGN)
     return [struct.pack("<Q", len(text)) + text, *buffers]
 
 
@@ -141,13 +148,14 @@ def encode_typed(
     if any(quantized) and not all(quantized):
         raise ValueError("a sample mixes FP8 and unquantized layers")
     if fmt == "safetensors":
-        tensors = {"input_ids": sample["input_ids"], "loss_mask": sample["loss_mask"]}
         metadata = header_metadata(layer_ids, bool(quantized) and all(quantized), model_args)
+        # the states first, in the order of the engine's memory for them (buffer_pool): codes, then scales
         if quantized and all(quantized):
-            tensors.update({f"hidden_states.{j}": h.codes for j, h in enumerate(states)})
+            tensors = {f"hidden_states.{j}": h.codes for j, h in enumerate(states)}
             tensors.update({SCALE_KEY.format(j): h.scales for j, h in enumerate(states)})
         else:
-            tensors.update({f"hidden_states.{j}": h for j, h in enumerate(states)})
+            tensors = {f"hidden_states.{j}": h for j, h in enumerate(states)}
+        tensors.update({"input_ids": sample["input_ids"], "loss_mask": sample["loss_mask"]})
         return safetensors_parts(tensors, metadata), [None, *(t.dtype for t in tensors.values())]
     if fmt == "pt":
         if any(quantized):

@@ -3,7 +3,8 @@
 Each worker takes a sample, checks it (``reject``: a rejected sample is not
 written and :meth:`SampleWriter.take_rejected` reports it), writes it under a
 temporary name in the output folder straight from the tensors' memory, hashing
-on the way, fsyncs it and renames it to its final name
+on the way (with ``O_DIRECT`` where the file system takes it: no copy into the
+page cache, :mod:`~speculators_v016.store.direct_io`), fsyncs it and renames it to its final name
 (``data_{index}.{ext}``, :func:`~speculators_v016.store.atomic_files.write_durable`).
 :class:`~speculators_v016.store.group_commit.GroupCommit` then makes the
 renames durable and appends the manifest lines, a batch at a time. With
@@ -80,6 +81,7 @@ class SampleWriter:
     ``non_finite``: samples holding NaN/Inf are not written; it returns the
     reason :meth:`take_rejected` reports (None for a clean sample), and is
     called on such samples only (``.pt``: on every sample, before its write).
+    ``direct``: files written with ``O_DIRECT`` where the file system takes it (False: through the page cache).
     ``screen``: the degenerate-row screen (:class:`~speculators_v016.checks.self_check.WriterScreen`), run on
     each layer's chunks as they are written and judged before the file is named; what it raises (a
     ``SelfCheckError``) stops the run as it is, and that sample's file is not kept.
@@ -101,6 +103,7 @@ class SampleWriter:
         nice: int = WRITER_NICE_INCREMENT,
         checksum: str = checksums.DEFAULT,
         model_args: dict | None = None,
+        direct: bool = True,
     ):
         if workers < 1:
             raise ValueError(f"write workers must be at least 1, got {workers}")
@@ -120,6 +123,8 @@ class SampleWriter:
         self.busy = 0.0  # thread-seconds the workers spent on samples (check, encode, hash, write, fsync)
         self.cpu = 0.0  # of which on a CPU (their threads' own CPU time): the rest is waiting (a core, the GIL)
         self.started = time.monotonic()
+        self.direct = direct  # O_DIRECT where the file system takes it (store/direct_io.py)
+        self.paths = {"direct": 0, "bounced": 0, "buffered": 0}  # bytes by how they reached the file
         self._rejected: list[tuple[int, Any]] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -175,6 +180,7 @@ class SampleWriter:
             self._refuse(index, reason)
             return
         name = sample_name(index, self.fmt)
+        paths: dict = {}
         try:
             size, digest = write_durable(
                 self.directory,
@@ -183,6 +189,7 @@ class SampleWriter:
                 drop_cache=True,
                 algorithm=self.checksum,
                 scans=scans,
+                direct=paths if self.direct else None,
             )
         except ChunkRefused as refused:
             reason = self.non_finite(sample)
@@ -193,6 +200,9 @@ class SampleWriter:
                 ) from refused
             self._refuse(index, reason)
             return
+        with self._lock:
+            for path, count in (paths if self.direct else {"buffered": size}).items():
+                self.paths[path] += count
         self.commit.add(Entry(index, name, size, digest, int(sample["input_ids"].shape[0]), self.checksum))
 
     def _refuse(self, index: int, reason: Any) -> None:
@@ -208,9 +218,11 @@ class SampleWriter:
         """What the host path did so far: ``workers``, ``busy`` (their share of the time since the writer was
         made), ``on_cpu`` (the share of that busy time their threads ran on a CPU: the rest they waited for a
         core or the GIL), ``cpu_per_gib`` (their CPU seconds per GiB committed), ``waited`` (s the producer
-        waited on a full queue: the writers set the pace there)."""
+        waited on a full queue: the writers set the pace there), ``direct``, ``bounced``, ``buffered`` (the
+        bytes written from the samples' memory with ``O_DIRECT``, through its bounce buffer, through the page
+        cache)."""
         with self._lock:
-            busy, cpu, written = self.busy, self.cpu, self.bytes
+            busy, cpu, written, paths = self.busy, self.cpu, self.bytes, dict(self.paths)
         span = max(time.monotonic() - self.started, 1e-9)
         return {
             "workers": len(self._threads),
@@ -218,6 +230,7 @@ class SampleWriter:
             "on_cpu": cpu / busy if busy > 0 else 0.0,
             "cpu_per_gib": cpu / (written / 2**30) if written else 0.0,
             "waited": self.waited,
+            **paths,
         }
 
     def take_rejected(self) -> list[tuple[int, Any]]:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from helpers.cli import CPU, assert_one_voice, conversations, invoke, load_all, write_jsonl
+from helpers.direct import takes_direct
 from helpers.reference import TOLERANCE, hf_layer_outputs
 from speculators_v016.config import ConfigError, RunConfig, launcher_shards
 from speculators_v016.run.cli import _join_multi_value
@@ -63,6 +64,11 @@ def test_demo_runs_and_verifies(tmp_path):
     assert host and float(host[1]) > 0 and int(host[2]) >= 1 and int(host[3]) <= 100, result.output[-3000:]
     # a CPU engine: every sample (under glibc's mmap ceiling) in fresh memory, none in pooled blocks
     assert (int(host[4]), int(host[5]), int(host[6])) == (0, 0, 20)
+    paths = re.search(r"bytes written with O_DIRECT ([\d.]+)% from the samples' memory, ([\d.]+)% through a bounce "
+                      r"buffer, ([\d.]+)% through the page cache", result.output)  # fmt: skip
+    assert paths and sum(map(float, paths.groups())) == pytest.approx(100, abs=0.2), result.output[-3000:]
+    if takes_direct(tmp_path):  # the states' memory placed as the files' data is: most bytes go from there
+        assert float(paths[3]) == 0 and float(paths[1]) > 50, paths.group(0)
 
 
 def test_reference_run_is_complete_and_exact(reference_run, model_dir):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from speculators_v016.engine.assembly import Assembler
-from speculators_v016.engine.buffer_pool import ALIGN, MALLOC_MMAP_CEILING, BufferPool, size_class
+from speculators_v016.engine.buffer_pool import MALLOC_MMAP_CEILING, BufferPool, size_class
 from speculators_v016.protocol import StepCapture
 
 
@@ -15,12 +15,15 @@ def test_size_classes_waste_at_most_an_eighth():
         assert n <= c <= max(4096, n * 9 // 8 + 1)
 
 
-def test_one_block_holds_a_samples_tensors():
-    """Shapes and dtypes as asked, contiguous, aligned, non-overlapping, in one block."""
-    pool = BufferPool()
+@pytest.mark.parametrize("align", [64, 4096])
+def test_one_block_holds_a_samples_tensors(align):
+    """Shapes and dtypes as asked, contiguous, non-overlapping, in one block laid out as the file's data is: one
+    after the other from a multiple of ``align``, each at a multiple of its element size."""
+    pool = BufferPool(align=align)
     a, b, c = pool.take([((5, 3), torch.bfloat16), ((5, 3), torch.bfloat16), ((5,), torch.float32)])
     assert (a.shape, a.dtype, c.shape, c.dtype) == ((5, 3), torch.bfloat16, (5,), torch.float32)
-    assert all(t.is_contiguous() and t.data_ptr() % ALIGN == 0 for t in (a, b, c))
+    assert all(t.is_contiguous() for t in (a, b, c)) and a.data_ptr() % align == 0
+    assert b.data_ptr() == a.data_ptr() + 30 and c.data_ptr() == a.data_ptr() + 60  # 60: b's end rounded to 4
     assert a.untyped_storage().data_ptr() == c.untyped_storage().data_ptr()
     a.fill_(1), b.fill_(2), c.fill_(3)
     assert a.sum() == 15 and b.sum() == 30 and c.sum() == 15
@@ -77,6 +80,17 @@ def test_samples_under_the_fresh_limit_get_fresh_tensors_and_give_them_back():
         pool.give_back(fresh)
     pool.give_back(big)
     assert pool.lent == 0 and pool.free_bytes > 0
+
+
+def test_fresh_tensors_lie_at_their_file_offsets_modulo_align():
+    """Fresh tensors (a CPU engine's) are placed as a block's would be: address = offset in the data, mod align."""
+    pool = BufferPool(fresh_below=1 << 30, align=4096)
+    tensors = pool.take([((37, 896), torch.bfloat16)] * 3 + [((37,), torch.float32)])
+    offsets = [0, 37 * 896 * 2, 2 * 37 * 896 * 2, 3 * 37 * 896 * 2]
+    assert [t.data_ptr() % 4096 for t in tensors] == [o % 4096 for o in offsets]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 4 and pool.fresh == 1
+    pool.give_back(tensors)
+    assert pool.lent == 0
 
 
 def test_the_fresh_limit_is_glibcs_mmap_ceiling():

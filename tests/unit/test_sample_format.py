@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from speculators_v016 import fp8
 from speculators_v016.fp8 import Fp8States
 from speculators_v016.store.atomic_files import write_atomic
-from speculators_v016.store.sample_format import FORMAT_TAG, encode_parts, load_sample, safetensors_parts
+from speculators_v016.store.sample_format import DATA_ALIGN, FORMAT_TAG, encode_parts, load_sample, safetensors_parts
 
 
 def sample(dtype, length=7, hidden=5, layers=3):
@@ -46,7 +46,21 @@ def test_safetensors_parts_are_the_tensors_own_memory():
     data = sample(torch.float32)
     parts = encode_parts(data, "safetensors", [0, 1, 2])
     data["hidden_states"][1][0, 0] = 123.0
-    assert torch.frombuffer(parts[4], dtype=torch.float32)[0].item() == 123.0
+    assert torch.frombuffer(parts[2], dtype=torch.float32)[0].item() == 123.0  # the states first, in order
+
+
+def test_safetensors_data_starts_on_a_block_states_first(tmp_path):
+    """The header is padded (with spaces) so the data starts at a multiple of DATA_ALIGN; the states lead it."""
+    data = sample(torch.bfloat16)
+    parts = encode_parts(data, "safetensors", [0, 1, 2])
+    assert len(parts[0]) % DATA_ALIGN == 0 and parts[0].rstrip(b" ").endswith(b"}")
+    header = json.loads(parts[0][8:])
+    starts = {name: v["data_offsets"][0] for name, v in header.items() if name != "__metadata__"}
+    assert sorted(starts, key=starts.get) == ["hidden_states.0", "hidden_states.1", "hidden_states.2", "input_ids",
+                                              "loss_mask"]  # fmt: skip
+    write_atomic(tmp_path, "data_0.safetensors", parts)
+    back = load_sample(tmp_path / "data_0.safetensors")  # safetensors' own reader takes the padding
+    assert all(torch.equal(a, b) for a, b in zip(back["hidden_states"], data["hidden_states"]))
 
 
 def test_pt_format_is_upstreams_layout(tmp_path):

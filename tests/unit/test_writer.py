@@ -108,10 +108,10 @@ def test_a_write_error_stops_the_writer_naming_the_file(tmp_path, monkeypatch):
     """ENOSPC on a sample: close() raises WriteError naming it; files written before it stay listed."""
     real = atomic_files.write_parts
 
-    def write_parts(fh, parts, digest, scans=None):
+    def write_parts(fh, parts, digest, scans=None, sink=None):
         if "data_4" in fh.name:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fh, parts, digest, scans)
+        return real(fh, parts, digest, scans, sink)
 
     monkeypatch.setattr(atomic_files, "write_parts", write_parts)
     writer = SampleWriter(tmp_path, "safetensors", [1, 2], workers=1)
@@ -321,7 +321,7 @@ def test_a_scan_the_whole_sample_check_contradicts_stops_the_run(tmp_path, monke
     monkeypatch.setattr(finite, "bytes_finite", lambda data, dtype: False)
     writer = SampleWriter(tmp_path, "safetensors", [1, 2], workers=1, non_finite=lambda s: None)
     writer.put(0, sample(0))
-    with pytest.raises(WriterThreadError, match=r"sample 0: the check during the write found NaN/Inf in its part 3"):
+    with pytest.raises(WriterThreadError, match=r"sample 0: the check during the write found NaN/Inf in its part 1"):
         writer.close()
     assert not list(tmp_path.glob("*data_0*"))
 

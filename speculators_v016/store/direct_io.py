@@ -1,0 +1,145 @@
+"""A file's bytes written with ``O_DIRECT``: from the callers' memory to the disk, past the page cache.
+
+A buffered write copies every byte into the page cache (the kernel's copy,
+half of a writer thread's CPU at hidden 7168), allocates and charges those
+pages, and the sample writer then drops them again: all of it work on the
+cores the engine uses, and the page allocator's locks it shares with the
+engine's own page faults. With ``O_DIRECT`` the device reads the caller's
+memory itself.
+
+The kernel takes a direct write only where the memory address, the file
+offset and the length are all multiples of the device's logical block
+(512 B or 4 KiB: :data:`ALIGN` covers both). :class:`DirectSink` takes
+buffers in file order and writes each stretch whose memory lies at the same
+offset modulo :data:`ALIGN` as its bytes in the file straight from that
+memory; everything else (a file's header, small tensors, the block where two
+tensors meet, the last partial block) is gathered into an aligned bounce
+buffer first. Memory laid out for it (``sample_format``'s layout,
+``buffer_pool``'s placement) is written without a copy; any other memory is
+written correctly through the bounce buffer, one user-space copy instead of
+the kernel's. The last block is padded and the file cut to its size.
+
+Where a file system refuses ``O_DIRECT`` (``fcntl`` or the first write says
+``EINVAL``), :func:`enable` answers False and the caller writes as before.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import threading
+
+import numpy as np
+
+#: Memory, offset and length granule of a direct write: 4 KiB, a multiple of every common logical block size.
+ALIGN = 4096
+#: The bounce buffer: what is gathered before one write (a header and small tensors, or copied memory).
+BOUNCE_BYTES = 1 << 20
+
+_local = threading.local()
+
+
+class DirectRefused(OSError):
+    """The file system refused a direct write (``EINVAL``): the caller writes the file again, buffered."""
+
+
+def address(view: memoryview) -> int:
+    """The memory address of a byte view's first byte."""
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
+
+
+def enable(fd: int) -> bool:
+    """Switch ``fd`` to direct writes; False where the file system refuses (the descriptor is left as it was)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | flag)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return False
+        raise
+    return True
+
+
+def disable(fd: int) -> None:
+    """Back to buffered writes on ``fd``."""
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~getattr(os, "O_DIRECT", 0))
+
+
+def _bounce() -> np.ndarray:
+    """This thread's bounce buffer (page-aligned: an anonymous mapping), made once."""
+    buffer = getattr(_local, "bounce", None)
+    if buffer is None:
+        _local.mapping = mmap.mmap(-1, BOUNCE_BYTES)
+        buffer = _local.bounce = np.frombuffer(_local.mapping, dtype=np.uint8)
+    return buffer
+
+
+class DirectSink:
+    """Writes buffers in file order to a descriptor opened for direct writes, from position 0.
+
+    ``copied`` counts the bytes that went through the bounce buffer, ``direct`` those written from the callers'
+    memory as it is.
+    """
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.bounce = _bounce()
+        self.base = 0  # file offset of the bounce buffer's first byte (a multiple of ALIGN)
+        self.fill = 0  # bytes gathered in the bounce buffer
+        self.direct = 0
+        self.copied = 0
+
+    def write(self, data) -> None:
+        """Append ``data`` (any contiguous buffer) to the file."""
+        view = memoryview(data).cast("B")
+        start, size = 0, len(view)
+        while start < size:
+            rest = size - start
+            if self.fill % ALIGN == 0 and rest >= ALIGN and address(view[start:]) % ALIGN == 0:
+                if self.fill:
+                    self._flush()
+                count = rest - rest % ALIGN
+                self._put(view[start : start + count])
+                self.direct += count
+                start += count
+                continue
+            room = ALIGN - self.fill % ALIGN if self.fill % ALIGN else len(self.bounce) - self.fill
+            count = min(rest, room)
+            np.copyto(self.bounce[self.fill : self.fill + count], np.frombuffer(view[start : start + count], np.uint8))
+            self.fill += count
+            self.copied += count
+            start += count
+            if self.fill == len(self.bounce):
+                self._flush()
+
+    def finish(self) -> int:
+        """Write what is gathered (its last block padded with zeros) and cut the file to its size; the size."""
+        size = self.base + self.fill
+        if self.fill:
+            padded = -(-self.fill // ALIGN) * ALIGN
+            self.bounce[self.fill : padded] = 0
+            self.fill = padded
+            self._flush()
+            os.ftruncate(self.fd, size)
+        return size
+
+    def _flush(self) -> None:
+        self._put(memoryview(self.bounce)[: self.fill])
+        self.fill = 0
+
+    def _put(self, view: memoryview) -> None:
+        while view:  # a direct write may also be short
+            try:
+                done = os.pwrite(self.fd, view, self.base)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL:
+                    raise DirectRefused(exc.errno, "the file system refused a direct write") from exc
+                raise
+            if done <= 0 or done % ALIGN:
+                raise DirectRefused(errno.EIO, f"a direct write wrote {done} bytes of {len(view)}")
+            view = view[done:]
+            self.base += done
