@@ -60,8 +60,8 @@ WRITE_CHUNK = 1 << 22
 
 
 def write_parts(fh, parts: Sequence, digest, scans: Sequence | None = None, sink=None) -> int:
-    """Write ``parts`` in order to ``fh`` (or ``sink``, a :class:`~speculators_v016.store.direct_io.DirectSink`),
-    hashing on the way; return the bytes written.
+    """Write ``parts`` in order to ``fh`` (or ``sink``, a :class:`~speculators_v016.store.direct_io.DirectSink`,
+    whose caller finishes it), hashing on the way; return the bytes written.
 
     Each ``WRITE_CHUNK`` of a part is written, then hashed while it is still in
     the core's cache (a direct write leaves nothing there: the hash is then
@@ -85,8 +85,6 @@ def write_parts(fh, parts: Sequence, digest, scans: Sequence | None = None, sink
             if scan is not None and not scan(chunk):
                 raise ChunkRefused(position)
         size += len(view)
-    if sink is not None:
-        sink.finish()
     return size
 
 
@@ -154,6 +152,7 @@ def _write_file(fh, parts: list, digest, scans, direct: dict | None, algorithm: 
         sink = direct_io.DirectSink(fd)
         try:
             size = write_parts(fh, parts, digest, scans, sink=sink)
+            sink.finish()  # the gathered tail, padded, and the file cut to its size
         except direct_io.DirectRefused:
             direct_io.disable(fd)
             os.ftruncate(fd, 0)

@@ -134,24 +134,24 @@ def install() -> None:
     if point in ("kill-mid-write", "enospc-write"):
         original_parts = atomic_files.write_parts
 
-        def write_parts(fh, parts, digest, scans=None):
+        def write_parts(fh, parts, digest, scans=None, sink=None):
             final = os.path.basename(fh.name).removeprefix(atomic_files.TMP_PREFIX).rpartition(".")[0]
             if parse_sample_name(final) is None:
-                return original_parts(fh, parts, digest, scans)  # only sample files count (not data_config.json)
+                return original_parts(fh, parts, digest, scans, sink)  # only sample files count (not data_config.json)
             views = [memoryview(p).cast("B") for p in parts]
             scans = list(scans) if scans is not None else [None] * len(views)
             if len(views) == 1:  # split a single buffer so the fault lands mid-file
                 half = len(views[0]) // 2
                 views, scans = [views[0][:half], views[0][half:]], scans * 2
             first = (len(views) + 1) // 2
-            size = original_parts(fh, views[:first], digest, scans[:first])
+            size = original_parts(fh, views[:first], digest, scans[:first], sink)
             if _armed(point):
                 fh.flush()
                 if point == "kill-mid-write":
                     _wait_for_entries(os.path.dirname(fh.name), _passed[point] - 1)
                     _kill()
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), fh.name)
-            return size + original_parts(fh, views[first:], digest, scans[first:])
+            return size + original_parts(fh, views[first:], digest, scans[first:], sink)
 
         atomic_files.write_parts = write_parts
     elif point == "kill-after-rename":

@@ -10,8 +10,10 @@ average), so some straddle two steps. Printed, interleaved over --rounds
 (medians): GiB/s of samples made durable and listed, for each --workers count,
 against raw ``write`` + ``fsync`` of the same bytes to the same folder (one
 stream, and as many streams as the most workers) and against each piece of the
-writer's CPU alone on one thread (BLAKE3, sha256, the NaN/Inf check); the
-writer with BLAKE3 (the default) and with sha256 side by side, with whole
+writer's CPU alone on one thread (BLAKE3, sha256, the NaN/Inf check), and a
+raw write with ``O_DIRECT`` (one stream); the writer with BLAKE3 (the default,
+``O_DIRECT`` from the pool's blocks where the folder's file system takes it),
+through the page cache (``--no-direct-io``) and with sha256 side by side, with whole
 parts hashed after their write instead of chunk by chunk, and with the NaN/Inf
 check in a pass of its own over each sample instead of on each chunk as it is
 written (both the previous release's ways), and with the degenerate-row
@@ -68,6 +70,10 @@ CURRENT = "reject" in inspect.signature(SampleWriter.__init__).parameters  # Fal
 CHECKSUMS = "checksum" in inspect.signature(SampleWriter.__init__).parameters
 FUSED_CHECK = "non_finite" in inspect.signature(SampleWriter.__init__).parameters  # NaN check in the write loop
 WRITER_SCREEN = "screen" in inspect.signature(SampleWriter.__init__).parameters  # degenerate screen on writers
+DIRECT = "direct" in inspect.signature(SampleWriter.__init__).parameters  # O_DIRECT writes from placed memory
+if DIRECT:
+    from speculators_v016.store import direct_io
+    from speculators_v016.store.sample_format import DATA_ALIGN
 if WRITER_SCREEN:
     from speculators_v016.checks.self_check import WriterScreen
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -126,6 +132,7 @@ def through_writer(
     whole_parts: bool = False,
     own_pass: bool = False,
     screen: str | None = "writer",
+    direct: bool = True,
 ) -> dict:
     """Slots -> assembler -> writer -> durable files, as the pipeline runs them; bytes, seconds, CPU, copy time.
 
@@ -138,7 +145,8 @@ def through_writer(
     the NaN/Inf check reads the sample in a pass of its own before the write (the
     previous release's way), not each chunk from the cache as it is written. ``screen``: the degenerate-row
     screen on the writer's threads (``"writer"``, the run's way where the checkout has it), on this thread
-    before each put (``"engine"``, the previous way, timed as the engine thread's), or none (None).
+    before each put (``"engine"``, the previous way, timed as the engine thread's), or none (None). ``direct``:
+    False writes through the page cache (``--no-direct-io``).
     """
     options = {"checksum": algorithm} if algorithm else {}
     if CURRENT:
@@ -146,6 +154,8 @@ def through_writer(
         options.update({"reject": check} if own_pass or not FUSED_CHECK else {"non_finite": check})
         if screen == "writer" and WRITER_SCREEN:
             options["screen"] = WriterScreen(LAYER_IDS)
+        if DIRECT:
+            options["direct"] = direct
         writer = SampleWriter(folder, "safetensors", LAYER_IDS, workers=workers, **options)
         assembler = Assembler(
             tuple(range(LAYERS)),
@@ -282,6 +292,35 @@ def raw_write(buffers: list[memoryview], folder: Path, streams: int) -> dict:
     return {"bytes": sum(len(b) for b in buffers), "seconds": time.perf_counter() - start, "cpu": cpu_seconds() - cpu}
 
 
+def raw_direct(buffers: list[memoryview], folder: Path) -> dict:
+    """The same bytes, one file each, written with O_DIRECT by one stream (page-aligned ring memory) and fsynced."""
+    start, cpu = time.perf_counter(), cpu_seconds()
+    for i, data in enumerate(buffers):
+        fd = os.open(folder / f"raw_{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            if not direct_io.enable(fd):
+                raise RuntimeError(f"{folder}: the file system takes no O_DIRECT")
+            sink = direct_io.DirectSink(fd)
+            sink.write(data)
+            sink.finish()
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return {"bytes": sum(len(b) for b in buffers), "seconds": time.perf_counter() - start, "cpu": cpu_seconds() - cpu}
+
+
+def takes_direct(folder: Path) -> bool:
+    """This checkout writes with O_DIRECT and the folder's file system takes it."""
+    if not DIRECT:
+        return False
+    fd = os.open(folder / "probe", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        return direct_io.enable(fd)
+    finally:
+        os.close(fd)
+        os.unlink(folder / "probe")
+
+
 def hash_alone(buffers: list[memoryview], algorithm: str) -> dict:
     start, cpu = time.perf_counter(), cpu_seconds()
     for b in buffers:
@@ -341,13 +380,18 @@ def main() -> None:
             offset = 0
         buffers.append(memoryview(raw_bytes[offset : offset + n * size]))
         offset += n * size
-    pool = BufferPool()
+    pool = BufferPool(align=DATA_ALIGN) if DIRECT else BufferPool()  # placed as the run's pool places samples
     runs: dict[str, list[dict]] = {}
     base = Path(tempfile.mkdtemp(prefix="host-path-", dir=opts.dir))
     try:
         configs = [
             ("raw write+fsync, 1 stream", lambda: raw_write(buffers, base, 1)),
             (f"raw write+fsync, {max(workers)} streams", lambda: raw_write(buffers, base, max(workers))),
+            *(
+                [("raw write+fsync, O_DIRECT, 1 stream", lambda: raw_direct(buffers, base))]
+                if takes_direct(base)
+                else []
+            ),
             ("blake3 alone, 1 thread", lambda: hash_alone(buffers, "blake3")),
             ("sha256 alone, 1 thread", lambda: hash_alone(buffers, "sha256")),
             ("NaN/Inf check alone, 1 thread", lambda: finite_alone(buffers)),
@@ -359,6 +403,13 @@ def main() -> None:
             )
             for w in workers
         ]
+        if DIRECT:
+            configs.append(
+                (
+                    f"writer, {DEFAULT_WRITE_WORKERS} worker(s), blake3, page cache",
+                    lambda: through_writer(ring, lengths, base, DEFAULT_WRITE_WORKERS, pool, direct=False),
+                )
+            )
         configs += [
             (
                 f"writer, {DEFAULT_WRITE_WORKERS} worker(s), sha256",
