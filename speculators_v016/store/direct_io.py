@@ -64,6 +64,17 @@ def enable(fd: int) -> bool:
     return True
 
 
+def takes(folder) -> bool:
+    """``folder``'s file system takes ``O_DIRECT`` (a probe file made, switched and removed)."""
+    probe = os.path.join(folder, f".direct-probe.{os.getpid()}.{threading.get_native_id()}")
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        return enable(fd)
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
 def disable(fd: int) -> None:
     """Back to buffered writes on ``fd``."""
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~getattr(os, "O_DIRECT", 0))

@@ -10,12 +10,7 @@ TAKE_DIRECT = ("ext4", "xfs", "btrfs")
 
 def takes_direct(folder) -> bool:
     """The folder's file system takes O_DIRECT (tmpfs before Linux 6.6 and some others do not)."""
-    fd = os.open(folder / ".probe", os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        return direct_io.enable(fd)
-    finally:
-        os.close(fd)
-        os.unlink(folder / ".probe")
+    return direct_io.takes(folder)
 
 
 def fs_type(path) -> str:

@@ -311,14 +311,7 @@ def raw_direct(buffers: list[memoryview], folder: Path) -> dict:
 
 def takes_direct(folder: Path) -> bool:
     """This checkout writes with O_DIRECT and the folder's file system takes it."""
-    if not DIRECT:
-        return False
-    fd = os.open(folder / "probe", os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        return direct_io.enable(fd)
-    finally:
-        os.close(fd)
-        os.unlink(folder / "probe")
+    return DIRECT and direct_io.takes(folder)
 
 
 def hash_alone(buffers: list[memoryview], algorithm: str) -> dict:
