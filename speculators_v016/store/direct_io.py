@@ -19,8 +19,9 @@ buffer first. Memory laid out for it (``sample_format``'s layout,
 written correctly through the bounce buffer, one user-space copy instead of
 the kernel's. The last block is padded and the file cut to its size.
 
-Where a file system refuses ``O_DIRECT`` (``fcntl`` or the first write says
-``EINVAL``), :func:`enable` answers False and the caller writes as before.
+Where a file system refuses ``O_DIRECT``, :func:`enable` answers False (``fcntl``
+said ``EINVAL``) or a write raises :class:`DirectRefused`; the caller then
+writes the file through the page cache, as before.
 """
 
 from __future__ import annotations
@@ -127,8 +128,8 @@ class DirectSink:
             if self.fill == len(self.bounce):
                 self._flush()
 
-    def finish(self) -> int:
-        """Write what is gathered (its last block padded with zeros) and cut the file to its size; the size."""
+    def finish(self) -> None:
+        """Write what is gathered (its last block padded with zeros) and cut the file to its size."""
         size = self.base + self.fill
         if self.fill:
             padded = -(-self.fill // ALIGN) * ALIGN
@@ -136,7 +137,6 @@ class DirectSink:
             self.fill = padded
             self._flush()
             os.ftruncate(self.fd, size)
-        return size
 
     def _flush(self) -> None:
         self._put(memoryview(self.bounce)[: self.fill])

@@ -11,7 +11,8 @@ order of ``data_config.json``'s ``layer_ids``.
   (then FP8 scales, ``input_ids``, ``loss_mask``), each where the one before
   it ends: memory that holds each tensor at an address equal to its offset in
   the data modulo :data:`DATA_ALIGN` (the CLI's buffer pool places them so) is
-  written to the disk from where it lies (:mod:`~speculators_v016.store.direct_io`). Loading never unpickles anything. With FP8 storage
+  written to the disk from where it lies (:mod:`~speculators_v016.store.direct_io`).
+  Loading never unpickles anything. With FP8 storage
   (``--hidden-states-dtype fp8_e4m3``) ``hidden_states.{j}`` holds e4m3 codes
   (``F8_E4M3`` ``[T, hidden]``) and ``hidden_states_scale.{j}`` one float32
   scale per token (``F32`` ``[T]``); the metadata says ``hidden_states_dtype``

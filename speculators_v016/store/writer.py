@@ -4,8 +4,8 @@ Each worker takes a sample, checks it (``reject``: a rejected sample is not
 written and :meth:`SampleWriter.take_rejected` reports it), writes it under a
 temporary name in the output folder straight from the tensors' memory, hashing
 on the way (with ``O_DIRECT`` where the file system takes it: no copy into the
-page cache, :mod:`~speculators_v016.store.direct_io`), fsyncs it and renames it to its final name
-(``data_{index}.{ext}``, :func:`~speculators_v016.store.atomic_files.write_durable`).
+page cache, :mod:`~speculators_v016.store.direct_io`), fsyncs it and renames it
+to its final name (``data_{index}.{ext}``, :func:`~speculators_v016.store.atomic_files.write_durable`).
 :class:`~speculators_v016.store.group_commit.GroupCommit` then makes the
 renames durable and appends the manifest lines, a batch at a time. With
 ``non_finite`` the writer refuses samples holding NaN/Inf states itself: each
