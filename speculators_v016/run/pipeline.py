@@ -417,6 +417,7 @@ def _paths(host: dict) -> str:
         f"; bytes written with O_DIRECT {host.get('direct', 0) / total:.1%} from the samples' memory, "
         f"{host.get('bounced', 0) / total:.1%} through a bounce buffer, {host.get('buffered', 0) / total:.1%} "
         "through the page cache"
+        + (" (the file system refused a direct write: the later files went through it)" if host.get("refused") else "")
     )
 
 

@@ -117,7 +117,7 @@ def write_durable(
     ``direct``: written with ``O_DIRECT`` (:mod:`~speculators_v016.store.direct_io`) where the file system
     takes it; where it refuses, at the start or at a write, the file is written again from its start, buffered.
     The dict counts the bytes: ``direct`` (from the parts' memory), ``bounced`` (through the bounce buffer),
-    ``buffered`` (through the page cache).
+    ``buffered`` (through the page cache); and ``refused``, the files whose direct write was refused.
     """
     parts = [memoryview(p).cast("B") for p in ([parts] if isinstance(parts, (bytes, bytearray)) else parts)]
     digest = checksum.new(algorithm)  # an unknown algorithm fails before any file is made
@@ -154,6 +154,7 @@ def _write_file(fh, parts: list, digest, scans, direct: dict | None, algorithm: 
             size = write_parts(fh, parts, digest, scans, sink=sink)
             sink.finish()  # the gathered tail, padded, and the file cut to its size
         except direct_io.DirectRefused:
+            direct["refused"] = direct.get("refused", 0) + 1
             direct_io.disable(fd)
             os.ftruncate(fd, 0)
             fh.seek(0)

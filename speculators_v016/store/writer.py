@@ -81,7 +81,9 @@ class SampleWriter:
     ``non_finite``: samples holding NaN/Inf are not written; it returns the
     reason :meth:`take_rejected` reports (None for a clean sample), and is
     called on such samples only (``.pt``: on every sample, before its write).
-    ``direct``: files written with ``O_DIRECT`` where the file system takes it (False: through the page cache).
+    ``direct``: files written with ``O_DIRECT`` where the file system takes it (False: through the page cache);
+    a file system that takes the flag but refuses a direct write gets that file written again buffered, and
+    every later file buffered (:attr:`refused` counts such files).
     ``screen``: the degenerate-row screen (:class:`~speculators_v016.checks.self_check.WriterScreen`), run on
     each layer's chunks as they are written and judged before the file is named; what it raises (a
     ``SelfCheckError``) stops the run as it is, and that sample's file is not kept.
@@ -125,6 +127,7 @@ class SampleWriter:
         self.started = time.monotonic()
         self.direct = direct  # O_DIRECT where the file system takes it (store/direct_io.py)
         self.paths = {"direct": 0, "bounced": 0, "buffered": 0}  # bytes by how they reached the file
+        self.refused = 0  # files whose direct write the file system refused (after the first, no more are tried)
         self._rejected: list[tuple[int, Any]] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -201,7 +204,9 @@ class SampleWriter:
             self._refuse(index, reason)
             return
         with self._lock:
-            for path, count in (paths if self.direct else {"buffered": size}).items():
+            if paths.pop("refused", 0):  # the file system took the flag, not the write: stop asking (one per run)
+                self.direct, self.refused = False, self.refused + 1
+            for path, count in (paths if paths else {"buffered": size}).items():
                 self.paths[path] += count
         self.commit.add(Entry(index, name, size, digest, int(sample["input_ids"].shape[0]), self.checksum))
 
@@ -220,7 +225,7 @@ class SampleWriter:
         core or the GIL), ``cpu_per_gib`` (their CPU seconds per GiB committed), ``waited`` (s the producer
         waited on a full queue: the writers set the pace there), ``direct``, ``bounced``, ``buffered`` (the
         bytes written from the samples' memory with ``O_DIRECT``, through its bounce buffer, through the page
-        cache)."""
+        cache), ``refused`` (files whose direct write the file system refused: later ones went buffered)."""
         with self._lock:
             busy, cpu, written, paths = self.busy, self.cpu, self.bytes, dict(self.paths)
         span = max(time.monotonic() - self.started, 1e-9)
@@ -230,6 +235,7 @@ class SampleWriter:
             "on_cpu": cpu / busy if busy > 0 else 0.0,
             "cpu_per_gib": cpu / (written / 2**30) if written else 0.0,
             "waited": self.waited,
+            "refused": self.refused,
             **paths,
         }
 

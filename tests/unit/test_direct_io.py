@@ -80,7 +80,7 @@ def test_a_refused_direct_write_starts_the_file_over_buffered(tmp_path, monkeypa
     monkeypatch.setattr(direct_io, "enable", lambda fd: True)
     paths: dict = {}
     size, digest = write_durable(tmp_path, "f", parts, direct=paths)
-    assert len(calls) == 2 and paths == {"buffered": len(joined)}
+    assert len(calls) == 2 and paths == {"refused": 1, "buffered": len(joined)}
     assert (tmp_path / "f").read_bytes() == joined and size == len(joined)
     assert digest == checksum.of_bytes(joined, "blake3")
 
@@ -92,7 +92,7 @@ def test_a_short_unaligned_direct_write_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(direct_io, "enable", lambda fd: True)
     paths: dict = {}
     write_durable(tmp_path, "f", parts, direct=paths)
-    assert paths == {"buffered": 4 * ALIGN} and (tmp_path / "f").read_bytes() == parts[0].tobytes()
+    assert paths == {"refused": 1, "buffered": 4 * ALIGN} and (tmp_path / "f").read_bytes() == parts[0].tobytes()
 
 
 def test_a_file_system_refusing_the_flag_gets_buffered_writes(tmp_path, monkeypatch):
@@ -202,6 +202,38 @@ def test_the_writer_says_how_its_bytes_went(tmp_path, direct):
         assert load["buffered"] == writer.bytes
     elif takes_direct(tmp_path):
         assert load["buffered"] == 0 and load["direct"] > 0.9 * writer.bytes
+    for i, layers in enumerate(states):
+        back = load_sample(tmp_path / f"data_{i}.safetensors")
+        assert all(torch.equal(a, b) for a, b in zip(back["hidden_states"], layers))
+
+
+def test_a_writer_stops_asking_after_a_refused_direct_write(tmp_path, monkeypatch):
+    """A file system that takes the flag but refuses the write: that file is rewritten buffered, later ones never
+    try O_DIRECT again, every file reads back, and load() and the host line say so."""
+    from speculators_v016.run.pipeline import _paths  # noqa: PLC0415 - the run's module only for its host line
+
+    pool = BufferPool(align=DATA_ALIGN)
+    enabled = []
+
+    def refusing(fd, data, offset):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(direct_io.os, "pwrite", refusing)
+    monkeypatch.setattr(direct_io, "enable", lambda fd: enabled.append(fd) or True)
+    writer = SampleWriter(tmp_path, "safetensors", [1, 2], workers=1, direct=True)
+    states = []
+    for i in range(3):
+        layers = pool.take([((300, 1024), torch.bfloat16)] * 2)
+        for layer in layers:
+            layer.copy_(torch.randn(300, 1024))
+        states.append(layers)
+        writer.put(i, {"input_ids": torch.arange(300), "loss_mask": torch.ones(300, dtype=torch.int64),
+                       "hidden_states": layers})  # fmt: skip
+    writer.close()
+    load = writer.load()
+    assert len(enabled) == 1 and load["refused"] == 1 and writer.direct is False
+    assert load["buffered"] == writer.bytes and load["direct"] == load["bounced"] == 0
+    assert "refused a direct write" in _paths(load)
     for i, layers in enumerate(states):
         back = load_sample(tmp_path / f"data_{i}.safetensors")
         assert all(torch.equal(a, b) for a, b in zip(back["hidden_states"], layers))
