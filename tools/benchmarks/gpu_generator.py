@@ -22,7 +22,8 @@ Each round times one pass of every side over the same prompts, in turn (interlea
 hits all alike); ratios are of medians. ``--cli`` also times ``speculators-data-gen`` writing the files
 (its own summary line: tokens/s from the first step to the last file made durable, the writers drained) against the ``uni`` side's passes. ``--profile`` runs one pass of
 the generator under torch's profiler and gives the share of GPU time in our copies (device-to-device into
-the staging buffer, device-to-host into the ring) and in FP8 quantization.
+the staging buffer, device-to-host into the ring) and in FP8 quantization, and the device's idle time in
+that pass (gaps with no kernel and no copy but those to the host: a step waiting on the host shows as one).
 
     . .gpu-vllm/install.sh && python3 tools/benchmarks/gpu_generator.py [--shapes 4096 7168] [--rounds 3] [--cli]
     . .gpu-vllm/install.sh && python3 tools/benchmarks/gpu_generator.py --shapes kimi --sides vllm uni --prompts 64
@@ -180,6 +181,7 @@ def profile(one_pass, batch) -> dict:
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - start) * 1e3
     kinds: dict[str, float] = {}
+    spans: list[tuple[float, float]] = []  # (start, end) in µs of every device event but the device-to-host copies
     for event in prof.events():
         us = getattr(event, "device_time", 0.0) or getattr(event, "cuda_time", 0.0) or 0.0
         if not us:
@@ -190,9 +192,32 @@ def profile(one_pass, batch) -> dict:
                 else "memcpy HtoD" if "HtoD" in name or "-> Device" in name
                 else "fp8 quantize" if "quantize" in name.lower() else "compute")  # fmt: skip
         kinds[kind] = kinds.get(kind, 0.0) + us
+        span = getattr(event, "time_range", None)
+        if kind != "memcpy DtoH" and "cuda" in str(getattr(event, "device_type", "")).lower() and span is not None:
+            spans.append((span.start, span.end))
     total = sum(kinds.values()) or 1.0
     return {"gpu_ms": {k: v / 1e3 for k, v in kinds.items()}, "share": {k: v / total for k, v in kinds.items()},
-            "wall_ms": wall_ms, "compute_busy": kinds.get("compute", 0.0) / 1e3 / wall_ms}  # fmt: skip
+            "wall_ms": wall_ms, "compute_busy": kinds.get("compute", 0.0) / 1e3 / wall_ms,
+            "idle": idle_gaps(spans)}  # fmt: skip
+
+
+def idle_gaps(spans: list[tuple[float, float]]) -> dict:
+    """Where the device ran nothing but the copies to the host, between its first and last event (µs spans):
+    the time in gaps, and in gaps of at least 0.1 ms and 1 ms (a step's boundary shows as one of those)."""
+    if not spans:
+        return {}
+    spans = sorted(spans)
+    gaps, end = [], spans[0][1]
+    for start, stop in spans[1:]:
+        if start > end:
+            gaps.append(start - end)
+        end = max(end, stop)
+    window = end - spans[0][0]
+    over = {f"{limit}ms": [g for g in gaps if g >= limit * 1e3] for limit in (0.1, 1)}
+    return {"window_ms": window / 1e3, "idle_ms": sum(gaps) / 1e3, "events": len(spans),
+            **{f"gaps_{k}": len(v) for k, v in over.items()},
+            **{f"idle_in_gaps_{k}_ms": sum(v) / 1e3 for k, v in over.items()},
+            "largest_gap_ms": max(gaps, default=0.0) / 1e3}  # fmt: skip
 
 
 def side_py_spy(running: Side, path: Path) -> None:
@@ -400,6 +425,13 @@ def main() -> None:
                 share = ", ".join(f"{k} {v:.2%}" for k, v in sorted(prof["share"].items()))
                 print(f"  GPU time of one uni pass by kind (torch profiler): {share}; compute kernels busy "
                       f"{prof['compute_busy']:.1%} of the pass's {prof['wall_ms']:,.0f} ms")  # fmt: skip
+                idle = prof.get("idle") or {}
+                if idle:
+                    print(f"  the device's idle time in that pass (no kernel or copy but those to the host, from its "
+                          f"first event to its last, {idle['window_ms']:,.0f} ms, {idle['events']:,} events): "
+                          f"{idle['idle_ms']:,.1f} ms; in {idle['gaps_0.1ms']:,} gaps of 0.1 ms or more "
+                          f"{idle['idle_in_gaps_0.1ms_ms']:,.1f} ms, in {idle['gaps_1ms']:,} of 1 ms or more "
+                          f"{idle['idle_in_gaps_1ms_ms']:,.1f} ms; the largest {idle['largest_gap_ms']:.2f} ms")  # fmt: skip
             for name, m in memory_lines.items():
                 staging = m["staging"]
                 print(f"  {name}: capture ring {m['ring']} (host memory; on a GPU the output worker registers it as pinned memory: "
