@@ -185,10 +185,22 @@ def resident_pages(path) -> int:
 def test_the_writer_says_how_its_bytes_went(tmp_path, direct):
     """SampleWriter(direct=...): pooled samples go from their memory (where taken), --no-direct-io through the page
     cache; load() counts the bytes each way, all of them, and the files read back the same either way."""
-    pool = BufferPool(align=DATA_ALIGN)
     writer = SampleWriter(tmp_path, "safetensors", [1, 2], workers=2, direct=direct)
+    states = _write_pooled(writer, 4)
+    load = writer.load()
+    assert load["direct"] + load["bounced"] + load["buffered"] == writer.bytes
+    if not direct:
+        assert load["buffered"] == writer.bytes
+    elif takes_direct(tmp_path):
+        assert load["buffered"] == 0 and load["direct"] > 0.9 * writer.bytes
+    _read_back(tmp_path, states)
+
+
+def _write_pooled(writer: SampleWriter, count: int) -> list:
+    """``count`` samples of two pooled bf16 layers of 300 rows put to ``writer``, which is closed; their states."""
+    pool = BufferPool(align=DATA_ALIGN)
     states = []
-    for i in range(4):
+    for i in range(count):
         layers = pool.take([((300, 1024), torch.bfloat16)] * 2)
         for layer in layers:
             layer.copy_(torch.randn(300, 1024))
@@ -196,14 +208,13 @@ def test_the_writer_says_how_its_bytes_went(tmp_path, direct):
         writer.put(i, {"input_ids": torch.arange(300), "loss_mask": torch.ones(300, dtype=torch.int64),
                        "hidden_states": layers})  # fmt: skip
     writer.close()
-    load = writer.load()
-    assert load["direct"] + load["bounced"] + load["buffered"] == writer.bytes
-    if not direct:
-        assert load["buffered"] == writer.bytes
-    elif takes_direct(tmp_path):
-        assert load["buffered"] == 0 and load["direct"] > 0.9 * writer.bytes
+    return states
+
+
+def _read_back(folder, states: list) -> None:
+    """Every sample file in ``folder`` holds the states it was written from."""
     for i, layers in enumerate(states):
-        back = load_sample(tmp_path / f"data_{i}.safetensors")
+        back = load_sample(folder / f"data_{i}.safetensors")
         assert all(torch.equal(a, b) for a, b in zip(back["hidden_states"], layers))
 
 
@@ -212,7 +223,6 @@ def test_a_writer_stops_asking_after_a_refused_direct_write(tmp_path, monkeypatc
     try O_DIRECT again, every file reads back, and load() and the host line say so."""
     from speculators_v016.run.pipeline import _paths  # noqa: PLC0415 - the run's module only for its host line
 
-    pool = BufferPool(align=DATA_ALIGN)
     enabled = []
 
     def refusing(fd, data, offset):
@@ -221,19 +231,9 @@ def test_a_writer_stops_asking_after_a_refused_direct_write(tmp_path, monkeypatc
     monkeypatch.setattr(direct_io.os, "pwrite", refusing)
     monkeypatch.setattr(direct_io, "enable", lambda fd: enabled.append(fd) or True)
     writer = SampleWriter(tmp_path, "safetensors", [1, 2], workers=1, direct=True)
-    states = []
-    for i in range(3):
-        layers = pool.take([((300, 1024), torch.bfloat16)] * 2)
-        for layer in layers:
-            layer.copy_(torch.randn(300, 1024))
-        states.append(layers)
-        writer.put(i, {"input_ids": torch.arange(300), "loss_mask": torch.ones(300, dtype=torch.int64),
-                       "hidden_states": layers})  # fmt: skip
-    writer.close()
+    states = _write_pooled(writer, 3)
     load = writer.load()
     assert len(enabled) == 1 and load["refused"] == 1 and writer.direct is False
     assert load["buffered"] == writer.bytes and load["direct"] == load["bounced"] == 0
     assert "refused a direct write" in _paths(load)
-    for i, layers in enumerate(states):
-        back = load_sample(tmp_path / f"data_{i}.safetensors")
-        assert all(torch.equal(a, b) for a, b in zip(back["hidden_states"], layers))
+    _read_back(tmp_path, states)
