@@ -4,7 +4,7 @@ Contents are given as a sequence of buffers (bytes, memoryviews of tensors)
 and written as they are, hashed on the way (BLAKE3 or sha256:
 :mod:`~speculators_v016.store.checksum`): each byte is hashed from the buffer
 it is written from, no joined copy of the file is ever made, and the file is
-never read back. A chunk may also be *scanned* while it is in the core's cache
+never read back. A chunk may also be *scanned* on the way
 (``scans``, e.g. the NaN/Inf check): a scan that refuses a chunk stops the write
 and no file is left, under either name. With ``direct`` the bytes go to the disk
 past the page cache where the file system allows it
@@ -51,24 +51,24 @@ def drop_pages(fd: int) -> None:
         pass
 
 
-#: Bytes written and hashed at a time: the hash and the scans read what the write just read, from the cache
-#: (whole 14 MiB parts: the hash read every byte from memory once more; tools/benchmarks/host_path.py). 4 MiB, not
-#: less: each chunk costs its writer several trips through the GIL (the write, the hash, the scan), and beside the
-#: engine's thread those trips are waits: at 512 KiB, 8 writers at hidden 7168 on the H200's host ran on a CPU for
-#: only 70% of their busy time (docs/benchmarks/gpu_generator.md).
-WRITE_CHUNK = 1 << 22
+#: Bytes written, hashed and scanned per call: whole tensors, up to 1 GiB. Each call is a trip through the GIL for
+#: the writer's thread, and beside a thread that runs Python (vLLM's engine thread on a GPU host) each trip may wait
+#: a whole switch interval (5 ms): in chunks of 4 MiB one writer beside such a thread wrote at 0.08x of its pace
+#: alone (docs/benchmarks/writer_gil.md). Whole tensors cost the hash and the scan a read from memory that a chunk
+#: still in the cache spared them (on the H200 host: 1.25 against 1.15 CPU-s per GiB through the page cache, and
+#: 0.72 against 0.79 with ``O_DIRECT``, which reads nothing into the cache: tools/benchmarks/host_path.py).
+WRITE_CHUNK = 1 << 30
 
 
 def write_parts(fh, parts: Sequence, digest, scans: Sequence | None = None, sink=None) -> int:
     """Write ``parts`` in order to ``fh`` (or ``sink``, a :class:`~speculators_v016.store.direct_io.DirectSink`,
     whose caller finishes it), hashing on the way; return the bytes written.
 
-    Each ``WRITE_CHUNK`` of a part is written, then hashed while it is still in
-    the core's cache (a direct write leaves nothing there: the hash is then
-    the chunk's one read from memory). Both release the GIL for large buffers,
-    so writers in several threads hash and write on several cores. ``scans``:
-    one callable or None per part; ``scan(chunk)`` is called on each chunk of
-    its part from the cache as well, and a false result raises :class:`ChunkRefused`.
+    Each ``WRITE_CHUNK`` of a part (a whole tensor, as a rule) is written, then
+    hashed. Both release the GIL for large buffers, so writers in several
+    threads hash and write on several cores. ``scans``: one callable or None
+    per part; ``scan(chunk)`` is called on each chunk of its part as well, and
+    a false result raises :class:`ChunkRefused`.
     """
     size = 0
     for position, part in enumerate(parts):

@@ -38,6 +38,8 @@ import numpy as np
 ALIGN = 4096
 #: The bounce buffer: what is gathered before one write (a header and small tensors, or copied memory).
 BOUNCE_BYTES = 1 << 20
+#: Buffers queued for one ``pwritev`` at most (Linux's ``IOV_MAX`` is 1024).
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
 _local = threading.local()
 
@@ -93,15 +95,21 @@ def _bounce() -> np.ndarray:
 class DirectSink:
     """Writes buffers in file order to a descriptor opened for direct writes, from position 0.
 
-    ``copied`` counts the bytes that went through the bounce buffer, ``direct`` those written from the callers'
-    memory as it is.
+    Aligned stretches of the callers' memory and the bounce buffer's gathered blocks are queued as they come and
+    go out together in one ``pwritev``: a file is one write call, not one per tensor and joint (each call is a
+    trip through the GIL for a writer thread, and beside a thread that runs Python each trip may wait a switch
+    interval). The callers' buffers must stay as they are until :meth:`finish` (the sample writer's do: the
+    sample is held until its file is durable). ``copied`` counts the bytes that went through the bounce buffer,
+    ``direct`` those written from the callers' memory as it is.
     """
 
     def __init__(self, fd: int):
         self.fd = fd
         self.bounce = _bounce()
-        self.base = 0  # file offset of the bounce buffer's first byte (a multiple of ALIGN)
-        self.fill = 0  # bytes gathered in the bounce buffer
+        self.base = 0  # file offset of the first queued byte (a multiple of ALIGN)
+        self.fill = 0  # bytes of the bounce buffer in use: queued whole blocks, then the block being gathered
+        self.start = 0  # bounce bytes before this are queued already (a multiple of ALIGN)
+        self.queued: list[memoryview] = []  # whole blocks, in file order, not written yet
         self.direct = 0
         self.copied = 0
 
@@ -112,10 +120,9 @@ class DirectSink:
         while start < size:
             rest = size - start
             if self.fill % ALIGN == 0 and rest >= ALIGN and address(view[start:]) % ALIGN == 0:
-                if self.fill:
-                    self._flush()
+                self._queue_gathered()
                 count = rest - rest % ALIGN
-                self._put(view[start : start + count])
+                self._queue(view[start : start + count])
                 self.direct += count
                 start += count
                 continue
@@ -126,31 +133,49 @@ class DirectSink:
             self.copied += count
             start += count
             if self.fill == len(self.bounce):
-                self._flush()
+                self._queue_gathered()
+                self.flush()
 
     def finish(self) -> None:
-        """Write what is gathered (its last block padded with zeros) and cut the file to its size."""
-        size = self.base + self.fill
-        if self.fill:
-            padded = -(-self.fill // ALIGN) * ALIGN
-            self.bounce[self.fill : padded] = 0
-            self.fill = padded
-            self._flush()
+        """Write what is queued and gathered (its last block padded with zeros) and cut the file to its size."""
+        size = self.base + sum(len(v) for v in self.queued) + self.fill - self.start
+        padded = -(-self.fill // ALIGN) * ALIGN
+        self.bounce[self.fill : padded] = 0
+        self.fill = padded
+        self._queue_gathered()
+        self.flush()
+        if self.base != size:
             os.ftruncate(self.fd, size)
 
-    def _flush(self) -> None:
-        self._put(memoryview(self.bounce)[: self.fill])
-        self.fill = 0
-
-    def _put(self, view: memoryview) -> None:
-        while view:  # a direct write may also be short
+    def flush(self) -> None:
+        """Write the queued blocks now (the block being gathered stays in the bounce buffer)."""
+        while self.queued:
             try:
-                done = os.pwrite(self.fd, view, self.base)
+                done = os.pwritev(self.fd, self.queued, self.base)
             except OSError as exc:
                 if exc.errno == errno.EINVAL:
                     raise DirectRefused(exc.errno, "the file system refused a direct write") from exc
                 raise
             if done <= 0 or done % ALIGN:
-                raise DirectRefused(errno.EIO, f"a direct write wrote {done} bytes of {len(view)}")
-            view = view[done:]
+                raise DirectRefused(errno.EIO, f"a direct write wrote {done} bytes of {self._queued_bytes()}")
             self.base += done
+            while done and done >= len(self.queued[0]):  # a direct write may also be short
+                done -= len(self.queued.pop(0))
+            if done:
+                self.queued[0] = self.queued[0][done:]
+        if self.start == self.fill:  # nothing gathered is waiting: the bounce buffer is free again
+            self.start = self.fill = 0
+
+    def _queue(self, view: memoryview) -> None:
+        self.queued.append(view)
+        if len(self.queued) >= _IOV_MAX:
+            self.flush()
+
+    def _queue_gathered(self) -> None:
+        """Queue the bounce buffer's whole gathered blocks (``fill`` is at a block boundary)."""
+        if self.fill > self.start:
+            self._queue(memoryview(self.bounce)[self.start : self.fill])
+            self.start = self.fill
+
+    def _queued_bytes(self) -> int:
+        return sum(len(v) for v in self.queued)

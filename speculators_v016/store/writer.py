@@ -9,9 +9,10 @@ to its final name (``data_{index}.{ext}``, :func:`~speculators_v016.store.atomic
 :class:`~speculators_v016.store.group_commit.GroupCommit` then makes the
 renames durable and appends the manifest lines, a batch at a time. With
 ``non_finite`` the writer refuses samples holding NaN/Inf states itself: each
-chunk of a float tensor is tested (:func:`~speculators_v016.checks.finite.bytes_finite`)
-right after it is written and hashed, from the core's cache, so the check reads
-no byte from memory again; a refused chunk deletes the temporary file, and
+float tensor is tested (:func:`~speculators_v016.checks.finite.bytes_finite`)
+right after it is written and hashed, whole (few calls: each is a trip through
+the GIL, :data:`~speculators_v016.store.atomic_files.WRITE_CHUNK`); a refused
+tensor deletes the temporary file, and
 ``non_finite(sample)`` names the bad layers for :meth:`SampleWriter.take_rejected`
 (``.pt``: one pickled buffer, checked before the write). Once a
 sample is written (or rejected, or dropped after an error) its ``done``

@@ -147,6 +147,8 @@ def install() -> None:
             size = original_parts(fh, views[:first], digest, scans[:first], sink)
             if _armed(point):
                 fh.flush()
+                if sink is not None:
+                    sink.flush()  # a direct write queues its blocks until the file's end: half of them go out now
                 if point == "kill-mid-write":
                     _wait_for_entries(os.path.dirname(fh.name), _passed[point] - 1)
                     _kill()

@@ -70,13 +70,13 @@ def test_a_refused_direct_write_starts_the_file_over_buffered(tmp_path, monkeypa
     joined = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
     calls = []
 
-    def refusing(fd, data, offset):
+    def refusing(fd, buffers, offset):
         calls.append(offset)
         if len(calls) == 2:  # after a first block went out: the rewrite must not keep it twice
             raise OSError(errno.EINVAL, "Invalid argument")
-        return os.pwrite(fd, data, offset)
+        return os.pwrite(fd, buffers[0], offset)  # a short write: the first buffer only
 
-    monkeypatch.setattr(direct_io.os, "pwrite", refusing)
+    monkeypatch.setattr(direct_io.os, "pwritev", refusing)
     monkeypatch.setattr(direct_io, "enable", lambda fd: True)
     paths: dict = {}
     size, digest = write_durable(tmp_path, "f", parts, direct=paths)
@@ -88,11 +88,48 @@ def test_a_refused_direct_write_starts_the_file_over_buffered(tmp_path, monkeypa
 def test_a_short_unaligned_direct_write_is_refused(tmp_path, monkeypatch):
     """A direct write that wrote part of a block cannot go on aligned: refused, the file written buffered."""
     parts = layouts()["whole blocks"]
-    monkeypatch.setattr(direct_io.os, "pwrite", lambda fd, data, offset: os.write(fd, bytes(data[:100])))
+    monkeypatch.setattr(direct_io.os, "pwritev", lambda fd, buffers, offset: os.write(fd, bytes(buffers[0][:100])))
     monkeypatch.setattr(direct_io, "enable", lambda fd: True)
     paths: dict = {}
     write_durable(tmp_path, "f", parts, direct=paths)
     assert paths == {"refused": 1, "buffered": 4 * ALIGN} and (tmp_path / "f").read_bytes() == parts[0].tobytes()
+
+
+def test_a_placed_file_goes_out_in_one_write_call(tmp_path, monkeypatch):
+    """Header, tensors and joints of a placed file leave in one pwritev: one trip through the GIL, not one a part."""
+    if not takes_direct(tmp_path):
+        pytest.skip("the test folder's file system refuses O_DIRECT")
+    calls = []
+    real = os.pwritev
+    monkeypatch.setattr(
+        direct_io.os, "pwritev", lambda fd, buffers, offset: calls.append(len(buffers)) or real(fd, buffers, offset)
+    )
+    parts = layouts()["placed"]
+    write_durable(tmp_path, "f", parts, direct={})
+    assert len(calls) == 1 and calls[0] >= 3
+    assert (tmp_path / "f").read_bytes() == b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+
+
+@pytest.mark.parametrize("queue_limit", [2, 1024])
+@pytest.mark.parametrize("name", sorted(layouts()))
+def test_short_aligned_direct_writes_go_on_where_they_stopped(tmp_path, monkeypatch, name, queue_limit):
+    """A kernel that writes one block a call (and a queue that fills at two buffers): the same bytes, in order."""
+    calls = []
+
+    def one_block(fd, buffers, offset):
+        calls.append(offset)
+        return os.pwrite(fd, bytes(memoryview(buffers[0]).cast("B")[:ALIGN]), offset)
+
+    monkeypatch.setattr(direct_io.os, "pwritev", one_block)
+    monkeypatch.setattr(direct_io, "enable", lambda fd: True)  # the fake writes buffered: any file system
+    monkeypatch.setattr(direct_io, "_IOV_MAX", queue_limit)
+    parts = layouts()[name]
+    joined = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+    paths: dict = {}
+    size, digest = write_durable(tmp_path, "f", parts, direct=paths)
+    assert (tmp_path / "f").read_bytes() == joined and size == len(joined) and "buffered" not in paths
+    assert calls == [ALIGN * k for k in range(-(-len(joined) // ALIGN))]
+    assert digest == checksum.of_bytes(joined, "blake3")
 
 
 def test_a_file_system_refusing_the_flag_gets_buffered_writes(tmp_path, monkeypatch):
@@ -225,10 +262,10 @@ def test_a_writer_stops_asking_after_a_refused_direct_write(tmp_path, monkeypatc
 
     enabled = []
 
-    def refusing(fd, data, offset):
+    def refusing(fd, buffers, offset):
         raise OSError(errno.EINVAL, "Invalid argument")
 
-    monkeypatch.setattr(direct_io.os, "pwrite", refusing)
+    monkeypatch.setattr(direct_io.os, "pwritev", refusing)
     monkeypatch.setattr(direct_io, "enable", lambda fd: enabled.append(fd) or True)
     writer = SampleWriter(tmp_path, "safetensors", [1, 2], workers=1, direct=True)
     states = _write_pooled(writer, 3)

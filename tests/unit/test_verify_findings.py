@@ -225,6 +225,29 @@ def test_the_run_screen_sees_single_rows_and_agrees_with_verify():
     ]
 
 
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "mixed dtypes"])
+@pytest.mark.parametrize("layer", [0, 3])
+def test_the_screen_of_all_layers_at_once_misses_no_layer(kind, layer):
+    """The screen's pass over all layers together: a zero or copied row in any one layer is flagged, as alone."""
+    ids, gen = torch.arange(300), torch.Generator().manual_seed(layer)
+    rows = [torch.randn(300, w, generator=gen) for w in (256, 96, 256, 256)]
+    good = [fp8.Fp8States(*fp8.quantize(r)) for r in rows] if kind == "fp8" else [r.bfloat16() for r in rows]
+    if kind == "mixed dtypes":  # layers the pass cannot stack: screened one by one
+        good[1] = rows[1]
+    assert not may_be_degenerate(ids, good)
+    for defect in ("zero", "copy"):
+        bad = [fp8.Fp8States(h.codes.clone(), h.scales.clone()) if kind == "fp8" else h.clone() for h in good]
+        target = bad[layer].codes if kind == "fp8" else bad[layer]
+        if defect == "zero":
+            target[123] = 0
+        else:
+            target[299] = target[5]
+            if kind == "fp8":
+                bad[layer].scales[299] = bad[layer].scales[5]
+        assert may_be_degenerate(ids, bad), defect
+        assert [j for j, _ in degenerate_layers(ids, bad)] == [layer], defect
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_the_run_screen_reads_each_dtype_by_its_bits(dtype):
     """Every float dtype: a row of -0.0 is a zero row (as ``== 0`` says), a copied row is found among 2560."""

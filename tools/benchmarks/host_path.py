@@ -13,10 +13,10 @@ stream, and as many streams as the most workers) and against each piece of the
 writer's CPU alone on one thread (BLAKE3, sha256, the NaN/Inf check), and a
 raw write with ``O_DIRECT`` (one stream); the writer with BLAKE3 (the default,
 ``O_DIRECT`` from the pool's blocks where the folder's file system takes it),
-through the page cache (``--no-direct-io``) and with sha256 side by side, with whole
-parts hashed after their write instead of chunk by chunk, and with the NaN/Inf
-check in a pass of its own over each sample instead of on each chunk as it is
-written (both the previous release's ways), and with the degenerate-row
+through the page cache (``--no-direct-io``) and with sha256 side by side, in
+4 MiB chunks (each written, hashed and tested in turn, from the cache: the way
+before whole tensors), and with the NaN/Inf check in a pass of its own over each
+sample instead of in the write's loop (an earlier release's way), and with the degenerate-row
 screen on the engine thread before each put (the previous way: its time is
 printed beside the copy's, the engine thread's per step); the cores the process
 used (CPU time / wall) and CPU-seconds per GiB; the engine thread's copy per
@@ -129,7 +129,7 @@ def through_writer(
     fp8: bool = False,
     threads: str = "engine",
     algorithm: str | None = None,
-    whole_parts: bool = False,
+    chunk: int | None = None,
     own_pass: bool = False,
     screen: str | None = "writer",
     direct: bool = True,
@@ -140,8 +140,8 @@ def through_writer(
     (``threads="engine"``) or on all of torch's (``"torch"``, as before). With an
     earlier checkout's writer (``CURRENT`` False): its pipeline's way, fresh
     tensors, the NaN check on this thread, ``put(index, sample)``. ``algorithm``:
-    the manifest's digest (None: the writer's default); ``whole_parts``: each
-    part written whole, then hashed (the previous release's way); ``own_pass``:
+    the manifest's digest (None: the writer's default); ``chunk``: the bytes
+    written, hashed and tested per call (None: the writer's own, whole tensors; 4 MiB before); ``own_pass``:
     the NaN/Inf check reads the sample in a pass of its own before the write (the
     previous release's way), not each chunk from the cache as it is written. ``screen``: the degenerate-row
     screen on the writer's threads (``"writer"``, the run's way where the checkout has it), on this thread
@@ -169,9 +169,9 @@ def through_writer(
     for i, n in enumerate(lengths):
         assembler.add_request(f"r{i}", i, n)
     copy = screened = 0.0
-    chunk = atomic_files.WRITE_CHUNK if CHECKSUMS else None
-    if whole_parts:
-        atomic_files.WRITE_CHUNK = 1 << 40
+    chunk_before = atomic_files.WRITE_CHUNK if CHECKSUMS else None
+    if chunk is not None:
+        atomic_files.WRITE_CHUNK = chunk
     start, cpu = time.perf_counter(), cpu_seconds()
     try:
         for number, parts in enumerate(steps(lengths), 1):
@@ -208,8 +208,8 @@ def through_writer(
                     writer.put(index, sample, done=(lambda s=blocks: pool.give_back(s)) if pool else None)
     finally:
         writer.close()
-        if chunk is not None:
-            atomic_files.WRITE_CHUNK = chunk
+        if chunk_before is not None:
+            atomic_files.WRITE_CHUNK = chunk_before
     seconds = time.perf_counter() - start
     if (CURRENT and writer.take_rejected()) or writer.written != len(lengths):
         raise RuntimeError("the writer did not write every sample")
@@ -409,8 +409,8 @@ def main() -> None:
                 lambda: through_writer(ring, lengths, base, DEFAULT_WRITE_WORKERS, pool, algorithm="sha256"),
             ),
             (
-                f"writer, {DEFAULT_WRITE_WORKERS} worker(s), blake3, whole parts",
-                lambda: through_writer(ring, lengths, base, DEFAULT_WRITE_WORKERS, pool, whole_parts=True),
+                f"writer, {DEFAULT_WRITE_WORKERS} worker(s), blake3, 4 MiB chunks",
+                lambda: through_writer(ring, lengths, base, DEFAULT_WRITE_WORKERS, pool, chunk=4 << 20),
             ),
         ]
         if WRITER_SCREEN:

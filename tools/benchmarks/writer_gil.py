@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
 """One sample writer beside a thread that runs Python without pause: what the GIL costs the writers.
 
-The run's writers hash, test and write each 4 MiB chunk of a sample in C calls that release the GIL,
-and take it back between them (about four times a chunk). A thread that runs Python code without
-pause (vLLM's engine thread between its waits, on a GPU host) keeps the GIL until the interpreter's
-switch interval forces it to hand it over (5 ms by default): each time the writer takes the GIL back it
-may wait that long. Printed, for each switch interval and chunk size: GiB/s of samples made durable by
-one writer alone and beside such a thread (interleaved over --rounds, medians), and the ratio.
+The run's writers hash, test and write each sample in C calls that release the GIL, and take it back
+between them: the system calls of a file (open, write, fsync, rename...), and per tensor the hash and
+the NaN/Inf test, whole tensors at a time (before, each 4 MiB chunk of a tensor: about four trips a
+chunk), and the degenerate-row screen. A thread that runs Python code without pause (vLLM's engine
+thread between its waits, on a GPU host) keeps the GIL until the interpreter's switch interval forces it
+to hand it over (5 ms by default): each time the writer takes the GIL back it may wait that long.
+Printed, for each switch interval and chunk size (the run's own, whole tensors, then 4 MiB): GiB/s of
+samples made durable by one writer alone and beside such a thread (interleaved over --rounds, medians),
+and the ratio.
 
 The samples are Kimi-shaped (4 layers x 7168, bf16, 1536-2560 tokens), in the run's buffer pool,
 written with the run's checks (NaN/Inf on each chunk, the degenerate-row screen) into --dir.
@@ -41,7 +44,7 @@ from report import recording  # noqa: E402
 HIDDEN = 7168
 LAYER_IDS = [2, 30, 57, 60]  # as a 61-layer Kimi-K2.5 run would record them
 INTERVALS = (0.005, 0.001, 0.0002)  # s: the interpreter's default, then shorter
-CHUNKS = (4 << 20, 16 << 20)  # the writer's chunk (store/atomic_files.py), then larger
+CHUNKS = (atomic_files.WRITE_CHUNK, 4 << 20)  # the writer's chunk (store/atomic_files.py), then 4 MiB
 
 
 def make_samples(count: int) -> list[dict]:
@@ -117,7 +120,8 @@ def main() -> None:
             for chunk in CHUNKS:
                 alone = statistics.median(rates[(interval, chunk, False)])
                 beside = statistics.median(rates[(interval, chunk, True)])
-                print(f"  switch interval {interval * 1e3:4.1f} ms, chunks of {chunk >> 20:2d} MiB: alone "
+                piece = "whole tensors" if chunk >= 1 << 30 else f"{chunk >> 20} MiB"
+                print(f"  switch interval {interval * 1e3:4.1f} ms, chunks: {piece:>13}: alone "
                       f"{alone:5.2f} GiB/s, beside Python {beside:5.2f} GiB/s ({beside / alone:.2f}x)")  # fmt: skip
 
 

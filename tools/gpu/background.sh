@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# A GPU job longer than one call of the device tool (10 minutes at most a call): start it in the background,
+# then poll it from later calls, each made within the machine's idle release (30 s) of the one before.
+#   bash tools/gpu/background.sh start COMMAND...   # on the lent machine, in the repository root
+#   bash tools/gpu/background.sh poll [SECONDS]     # waits up to SECONDS (default 540) for the job to end
+# The job runs under setsid with its output in $GPU_BG/log (default /tmp/gpu-bg) and its exit status in
+# $GPU_BG/rc once it ends; it may write results under $GPU_BG/out. Each poll prints the log's tail and, once
+# the job has ended, packs $GPU_BG and docs/benchmarks (the pages a benchmark wrote, their history kept) into
+# $OUT/gpu-bg.tgz (the device tool brings $OUT back) and exits with the job's status; while it still runs,
+# poll exits 75 (EX_TEMPFAIL): call poll again.
+set -uo pipefail
+bg=${GPU_BG:-/tmp/gpu-bg}
+case "${1:-}" in
+start)
+    shift
+    [ $# -gt 0 ] || { echo "usage: $0 start COMMAND..." >&2; exit 2; }
+    if [ -e "$bg/pid" ] && [ ! -e "$bg/rc" ]; then
+        echo "a job is running already ($bg/pid): poll it" >&2
+        exit 2
+    fi
+    rm -rf "$bg" && mkdir -p "$bg/out"
+    printf '%q ' "$@" > "$bg/command"
+    setsid nohup bash -c '"$@" > "$0/log" 2>&1; echo $? > "$0/rc"' "$bg" "$@" < /dev/null > /dev/null 2>&1 &
+    echo $! > "$bg/pid"
+    echo "started: $(cat "$bg/command")(pid $(cat "$bg/pid"), log $bg/log)"
+    ;;
+poll)
+    limit=${2:-540}
+    [ -e "$bg/pid" ] || { echo "no job was started here ($bg): the machine may be a fresh one" >&2; exit 2; }
+    for _ in $(seq "$limit"); do
+        [ -e "$bg/rc" ] && break
+        sleep 1
+    done
+    tail -n 40 "$bg/log"
+    if [ ! -e "$bg/rc" ]; then
+        echo "still running after ${limit} s: poll again"
+        exit 75
+    fi
+    mkdir -p "${OUT:-gpu-out}"
+    tar czf "${OUT:-gpu-out}/gpu-bg.tgz" -C "$(dirname "$bg")" "$(basename "$bg")" -C "$PWD" docs/benchmarks
+    echo "ended with status $(cat "$bg/rc"); results in ${OUT:-gpu-out}/gpu-bg.tgz"
+    exit "$(cat "$bg/rc")"
+    ;;
+*)
+    echo "usage: $0 start COMMAND... | poll [SECONDS]" >&2
+    exit 2
+    ;;
+esac
