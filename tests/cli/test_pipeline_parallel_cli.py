@@ -161,9 +161,19 @@ def test_tp2_pp2_files_equal_pp1(llama_pp1, model_dir, data_file, tmp_path, reco
 
 
 def test_deepseek_v3_pp2_and_tp2_pp2_equal_pp1(deepseek_pp1, tiny_model, data_file, tmp_path, record_architecture):
-    """DeepSeek-V3 (taps, MoE): PP 2 bit for bit, TP 2 x PP 2 within the bound; logit check and verify pass."""
+    """DeepSeek-V3 (taps, MoE): PP 2 bit for bit where PP 1 is (in other batches), else within the bound past the
+    dense layer 0; TP 2 x PP 2 within the bound; logit check and verify pass."""
     model = tiny_model("deepseek_v3")
-    assert differences(deepseek_pp1, parallel(model, data_file, tmp_path / "pp2", 2)) == [0.0] * len(LAYERS)
+    pp2 = differences(deepseek_pp1, parallel(model, data_file, tmp_path / "pp2", 2))
+    # PP 2 batches requests as PP 1 cannot (two batches in flight), and vLLM's CPU MoE kernel gives a row bits that
+    # depend on its batch on some builds (the AVX2 build's: ulps from layer 1, the first MoE layer, at PP 1 with
+    # --max-num-seqs 3 against 4). Where PP 1 itself keeps every bit across batches, PP 2 must too.
+    rebatched = generate(model, data_file, tmp_path / "pp1-rebatched", "--max-num-seqs", 3)
+    assert rebatched.exit_code == 0, rebatched.output[-3000:]
+    if differences(deepseek_pp1, load_all(tmp_path / "pp1-rebatched")) == [0.0] * len(LAYERS):
+        assert pp2 == [0.0] * len(LAYERS)
+    else:
+        assert pp2[0] == 0.0 and max(pp2) < TOLERANCE, pp2
     worst = max(differences(deepseek_pp1, parallel(model, data_file, tmp_path / "tp2pp2", 2, 2)))
     record_architecture("deepseek_v3", "DeepseekV3ForCausalLM", "taps", "TP 2 x PP 2 (CLI)", worst, TOLERANCE,
                         "four workers; logit check and verify ok", device="cpu-pp-tp2pp2")  # fmt: skip
