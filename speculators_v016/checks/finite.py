@@ -19,8 +19,8 @@ ran at 0.4 GiB/s on bf16 (AVX2 host); masking the sign into a scratch slice and
 taking one maximum ran at 17 GiB/s from the cache (AVX512 host), this at 30.
 
 :func:`bytes_finite` runs the same test on raw bytes: the sample writer calls
-it on each tensor of a file just after writing and hashing it
-(:mod:`~speculators_v016.store.atomic_files`).
+it on each chunk of a file just after hashing that chunk, while it is still in
+the core's cache, so the check costs no read of memory of its own (:mod:`~speculators_v016.store.atomic_files`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Contents are given as a sequence of buffers (bytes, memoryviews of tensors)
 and written as they are, hashed on the way (BLAKE3 or sha256:
 :mod:`~speculators_v016.store.checksum`): each byte is hashed from the buffer
 it is written from, no joined copy of the file is ever made, and the file is
-never read back. A chunk may also be *scanned* on the way
+never read back. A chunk may also be *scanned* while it is in the core's cache
 (``scans``, e.g. the NaN/Inf check): a scan that refuses a chunk stops the write
 and no file is left, under either name. With ``direct`` the bytes go to the disk
 past the page cache where the file system allows it
@@ -51,24 +51,26 @@ def drop_pages(fd: int) -> None:
         pass
 
 
-#: Bytes written, hashed and scanned per call: whole tensors, up to 1 GiB. Each call is a trip through the GIL for
-#: the writer's thread, and beside a thread that runs Python (vLLM's engine thread on a GPU host) each trip may wait
-#: a whole switch interval (5 ms): in chunks of 4 MiB one writer beside such a thread wrote at 0.08x of its pace
-#: alone (docs/benchmarks/writer_gil.md). Whole tensors cost the hash and the scan a read from memory that a chunk
-#: still in the cache spared them (on the H200 host: 1.25 against 1.15 CPU-s per GiB through the page cache, and
-#: 0.72 against 0.79 with ``O_DIRECT``, which reads nothing into the cache: tools/benchmarks/host_path.py).
-WRITE_CHUNK = 1 << 30
+#: Bytes hashed and scanned (and queued for the write) at a time: the scans read what the hash just read, from the
+#: cache. Whole tensors (up to 1 GiB a call) would take the GIL back fewer times, and beside a thread that runs
+#: Python without pause one writer kept 0.35x of its pace alone against 0.10x in 4 MiB chunks
+#: (docs/benchmarks/writer_gil.md), but each of their passes reads memory: 2 writers on a 2-core AVX2 EPYC spent
+#: 1.30 against 1.13 CPU-s per GiB into /dev/shm and 0.80 against 0.75 to ext4 with ``O_DIRECT``
+#: (tools/benchmarks/host_path.py's "whole tensors" row), and on the H200's host 8 writers at hidden 7168 in
+#: 4 MiB chunks computed 86% of their busy time: there the cores, not the GIL, bound them. Not less than 4 MiB:
+#: at 512 KiB they computed 70% of it (docs/benchmarks/gpu_generator.md).
+WRITE_CHUNK = 1 << 22
 
 
 def write_parts(fh, parts: Sequence, digest, scans: Sequence | None = None, sink=None) -> int:
     """Write ``parts`` in order to ``fh`` (or ``sink``, a :class:`~speculators_v016.store.direct_io.DirectSink`,
     whose caller finishes it), hashing on the way; return the bytes written.
 
-    Each ``WRITE_CHUNK`` of a part (a whole tensor, as a rule) is written, then
+    Each ``WRITE_CHUNK`` of a part is written (a sink only queues it), then
     hashed. Both release the GIL for large buffers, so writers in several
     threads hash and write on several cores. ``scans``: one callable or None
-    per part; ``scan(chunk)`` is called on each chunk of its part as well, and
-    a false result raises :class:`ChunkRefused`.
+    per part; ``scan(chunk)`` is called on each chunk of its part just after
+    its hash, from the cache, and a false result raises :class:`ChunkRefused`.
     """
     size = 0
     for position, part in enumerate(parts):

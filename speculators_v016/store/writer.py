@@ -10,8 +10,8 @@ to its final name (``data_{index}.{ext}``, :func:`~speculators_v016.store.atomic
 renames durable and appends the manifest lines, a batch at a time. With
 ``non_finite`` the writer refuses samples holding NaN/Inf states itself: each
 float tensor is tested (:func:`~speculators_v016.checks.finite.bytes_finite`)
-right after it is written and hashed, whole (few calls: each is a trip through
-the GIL, :data:`~speculators_v016.store.atomic_files.WRITE_CHUNK`); a refused
+a chunk at a time right after the chunk is hashed, from the core's cache
+(:data:`~speculators_v016.store.atomic_files.WRITE_CHUNK`); a refused
 tensor deletes the temporary file, and
 ``non_finite(sample)`` names the bad layers for :meth:`SampleWriter.take_rejected`
 (``.pt``: one pickled buffer, checked before the write). Once a

@@ -287,24 +287,24 @@ def cli_rate(
     dtype: str = "auto",
     py_spy: Path | None = None,
     switch: float | None = None,
+    chunk: int | None = None,
 ) -> tuple[float, str]:
     """speculators-data-gen writing every sample (default options, the GPU build's engine arguments): its
     tokens/s from the first step to the last file made durable (the writers drained), from the summary, and
     its summary's ``host path`` line. ``py_spy``: run it under ``py-spy record`` (every thread, waiting included,
     sampled without pausing the process), the profile written there as speedscope JSON (not a figure). ``switch``:
     the CLI's process runs with this GIL switch interval (``sys.setswitchinterval``, seconds; None: Python's 5 ms):
-    a writer thread's every C call waits up to one interval for the GIL beside the engine thread's Python."""
+    a writer thread's every C call waits up to one interval for the GIL beside the engine thread's Python.
+    ``chunk``: the writers hash and test this many bytes a call (``store/atomic_files.py``'s ``WRITE_CHUNK``;
+    None: its own)."""
     settings = engine_settings(args)
     extra = {k: v for k, v in settings.items() if k not in OURS}
     module = "speculators_v016.testing.gpu_kit" if args.get("kimi") else "speculators_v016.run.cli"  # kimi: stand-ins
-    start = (
-        ["-m", module]
-        if switch is None
-        else [
-            "-c",
-            f"import runpy, sys; sys.setswitchinterval({switch!r}); runpy.run_module({module!r}, run_name='__main__')",
-        ]
+    setup = ([f"sys.setswitchinterval({switch!r})"] if switch is not None else []) + (
+        [f"import speculators_v016.store.atomic_files as a; a.WRITE_CHUNK = {chunk}"] if chunk is not None else []
     )
+    start = ["-c", "; ".join(["import runpy, sys", *setup, f"runpy.run_module({module!r}, run_name='__main__')"])]
+    start = start if setup else ["-m", module]
     cmd = [sys.executable, *start, "--target-model-path", model, "--train-data-path",
            str(data), "--output-dir", str(out), "--seq-length", str(args["high"]), "--layer-ids",
            ",".join(map(str, layer_ids(args["layers"]))), "--engine-args", json.dumps(extra),
@@ -345,6 +345,9 @@ def main() -> None:
                     "(--cli; default: the CLI's default)")  # fmt: skip
     ap.add_argument("--cli-switch-intervals", type=float, nargs="+", help="also run the CLI with these GIL switch "
                     "intervals (seconds, sys.setswitchinterval; Python's is 0.005), each in turn (--cli)")  # fmt: skip
+    ap.add_argument("--cli-write-chunks", type=int, nargs="+", help="also run the CLI with its writers hashing and "
+                    "testing this many bytes a call (e.g. 1073741824: whole tensors; the writer's: 4 MiB), each in "
+                    "turn (--cli)")  # fmt: skip
     ap.add_argument(
         "--cli-dtypes",
         nargs="+",
@@ -396,10 +399,13 @@ def main() -> None:
                 disk = write_rate(parent)
                 for dtype in opts.cli_dtypes:
                     for workers in opts.cli_write_workers or [None]:
-                        for switch in [None, *(opts.cli_switch_intervals or [])]:
-                            done = [cli_rate(model, data, parent / "cli-out", args, workers, dtype, switch=switch)
-                                    for _ in range(opts.cli_runs)]  # fmt: skip
-                            cli.append((parent, disk, dtype, workers, switch, [r for r, _ in done], done[-1][1]))
+                        variants = [(None, None), *((s, None) for s in opts.cli_switch_intervals or []),
+                                    *((None, c) for c in opts.cli_write_chunks or [])]  # fmt: skip
+                        for switch, chunk in variants:
+                            done = [cli_rate(model, data, parent / "cli-out", args, workers, dtype, switch=switch,
+                                             chunk=chunk) for _ in range(opts.cli_runs)]  # fmt: skip
+                            cli.append((parent, disk, dtype, workers, (switch, chunk), [r for r, _ in done],
+                                        done[-1][1]))  # fmt: skip
                     if opts.cli_py_spy and hidden in (opts.cli_py_spy_at or [hidden]):
                         profiled = opts.cli_py_spy / f"cli-{hidden}-{dtype}.speedscope.json"
                         _, host = cli_rate(model, data, parent / "cli-out", args, None, dtype, profiled)
@@ -427,9 +433,10 @@ def main() -> None:
                     per_round = [a / b for a, b in zip(rates[name], rates["vllm"])]
                     print(f"  ratio {name} / vllm: {med[name] / med['vllm']:.3f}x (per round: "
                           f"{', '.join(f'{r:.3f}' for r in per_round)})")  # fmt: skip
-            for parent, disk, dtype, workers, switch, runs, host in cli if "uni" in med else []:
+            for parent, disk, dtype, workers, (switch, chunk), runs, host in cli if "uni" in med else []:
                 stored = "bf16" if dtype == "auto" else dtype
                 gil = "" if switch is None else f", GIL switch interval {switch * 1e3:g} ms"
+                gil += "" if chunk is None else f", writers hashing {chunk / 2**20:g} MiB a call"
                 print(f"  CLI writing files under {parent} (one thread writes {disk:.2f} GiB/s there), {stored} "
                       f"stored, {workers or 'default'} write workers{gil}: {statistics.median(runs):,.0f} tokens/s to the "
                       f"last durable file (runs: {', '.join(f'{v:,.0f}' for v in runs)}); ratio CLI / uni: "

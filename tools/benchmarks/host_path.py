@@ -1,32 +1,26 @@
 #!/usr/bin/env python3
 """The host path without vLLM: Kimi-shaped steps from a ring slot to durable, listed files, against the disk.
 
-Synthetic steps of 8192 tokens x 4 layers x 7168 (bf16, 448 MiB) sit in the
-slots of a real :class:`SlotRing`, as the worker leaves them; the engine-side
-:class:`Assembler` copies each request's rows into the run's buffer pool, and
-the run's :class:`SampleWriter` (NaN/Inf check, degenerate-row screen, digest,
-write, fsync, rename, group commit) puts them in a real folder. Samples have 1536-2560 tokens (2k on
-average), so some straddle two steps. Printed, interleaved over --rounds
-(medians): GiB/s of samples made durable and listed, for each --workers count,
-against raw ``write`` + ``fsync`` of the same bytes to the same folder (one
-stream, and as many streams as the most workers) and against each piece of the
-writer's CPU alone on one thread (BLAKE3, sha256, the NaN/Inf check), and a
-raw write with ``O_DIRECT`` (one stream); the writer with BLAKE3 (the default,
-``O_DIRECT`` from the pool's blocks where the folder's file system takes it),
-through the page cache (``--no-direct-io``) and with sha256 side by side, in
-4 MiB chunks (each written, hashed and tested in turn, from the cache: the way
-before whole tensors), and with the NaN/Inf check in a pass of its own over each
-sample instead of in the write's loop (an earlier release's way), and with the degenerate-row
-screen on the engine thread before each put (the previous way: its time is
-printed beside the copy's, the engine thread's per step); the cores the process
-used (CPU time / wall) and CPU-seconds per GiB; the engine thread's copy per
-448 MiB step into pooled blocks and into fresh memory. The copies run on the
-torch threads a GPU engine gives them (``DEFAULT_COPY_THREADS``); where torch
-has more, the default workers also run with the copies on all of them (the
-previous release's way), side by side. ``--fp8`` also pushes
-the same steps stored as FP8 (``--hidden-states-dtype fp8_e4m3``: e4m3 codes and
-one float32 scale per row, quantized into the slot as a CPU worker does) through
-the same path, and prints bytes per token and GiB/s of *source* (bf16) states.
+Synthetic steps of 8192 tokens x 4 layers x 7168 (bf16, 448 MiB) sit in the slots of a real :class:`SlotRing`,
+as the worker leaves them; the engine-side :class:`Assembler` copies each request's rows into the run's buffer
+pool, and the run's :class:`SampleWriter` (NaN/Inf check, degenerate-row screen, digest, write, fsync, rename,
+group commit) puts them in a real folder. Samples have 1536-2560 tokens (2k on average), so some straddle two
+steps. Printed, interleaved over --rounds (medians): GiB/s of samples made durable and listed, for each
+--workers count, against raw ``write`` + ``fsync`` of the same bytes to the same folder (one stream, and as
+many streams as the most workers) and against each piece of the writer's CPU alone on one thread (BLAKE3,
+sha256, the NaN/Inf check), and a raw write with ``O_DIRECT`` (one stream); the writer with BLAKE3 (the
+default, ``O_DIRECT`` from the pool's blocks where the folder's file system takes it), through the page cache
+(``--no-direct-io``) and with sha256 side by side, in whole tensors (each hashed and tested in one call: fewer
+trips through the GIL, each pass a read of memory; the writer's own is 4 MiB, tested from the cache), and with
+the NaN/Inf check in a pass of its own over each sample instead of in the write's loop (an earlier release's
+way), and with the degenerate-row screen on the engine thread before each put (the previous way: its time is
+printed beside the copy's, the engine thread's per step); the cores the process used (CPU time / wall) and
+CPU-seconds per GiB; the engine thread's copy per 448 MiB step into pooled blocks and into fresh memory. The
+copies run on the torch threads a GPU engine gives them (``DEFAULT_COPY_THREADS``); where torch has more, the
+default workers also run with the copies on all of them (the previous release's way), side by side. ``--fp8``
+also pushes the same steps stored as FP8 (``--hidden-states-dtype fp8_e4m3``: e4m3 codes and one float32 scale
+per row, quantized into the slot as a CPU worker does) through the same path, and prints bytes per token and
+GiB/s of *source* (bf16) states.
 
 ``--before CHECKOUT`` also runs the writer of another checkout's
 ``speculators_v016`` (e.g. the previous release: fresh memory per sample, the
@@ -141,7 +135,7 @@ def through_writer(
     earlier checkout's writer (``CURRENT`` False): its pipeline's way, fresh
     tensors, the NaN check on this thread, ``put(index, sample)``. ``algorithm``:
     the manifest's digest (None: the writer's default); ``chunk``: the bytes
-    written, hashed and tested per call (None: the writer's own, whole tensors; 4 MiB before); ``own_pass``:
+    written, hashed and tested per call (None: the writer's own, 4 MiB; ``1 << 30``: whole tensors); ``own_pass``:
     the NaN/Inf check reads the sample in a pass of its own before the write (the
     previous release's way), not each chunk from the cache as it is written. ``screen``: the degenerate-row
     screen on the writer's threads (``"writer"``, the run's way where the checkout has it), on this thread
@@ -409,8 +403,8 @@ def main() -> None:
                 lambda: through_writer(ring, lengths, base, DEFAULT_WRITE_WORKERS, pool, algorithm="sha256"),
             ),
             (
-                f"writer, {DEFAULT_WRITE_WORKERS} worker(s), blake3, 4 MiB chunks",
-                lambda: through_writer(ring, lengths, base, DEFAULT_WRITE_WORKERS, pool, chunk=4 << 20),
+                f"writer, {DEFAULT_WRITE_WORKERS} worker(s), blake3, whole tensors",
+                lambda: through_writer(ring, lengths, base, DEFAULT_WRITE_WORKERS, pool, chunk=1 << 30),
             ),
         ]
         if WRITER_SCREEN:

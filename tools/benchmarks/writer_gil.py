@@ -3,11 +3,11 @@
 
 The run's writers hash, test and write each sample in C calls that release the GIL, and take it back
 between them: the system calls of a file (open, write, fsync, rename...), and per tensor the hash and
-the NaN/Inf test, whole tensors at a time (before, each 4 MiB chunk of a tensor: about four trips a
-chunk), and the degenerate-row screen. A thread that runs Python code without pause (vLLM's engine
-thread between its waits, on a GPU host) keeps the GIL until the interpreter's switch interval forces it
-to hand it over (5 ms by default): each time the writer takes the GIL back it may wait that long.
-Printed, for each switch interval and chunk size (the run's own, whole tensors, then 4 MiB): GiB/s of
+the NaN/Inf test, 4 MiB at a time (about three trips a chunk), and the degenerate-row screen. A
+thread that runs Python code without pause (vLLM's engine thread between its waits, on a GPU host)
+keeps the GIL until the interpreter's switch interval forces it to hand it over (5 ms by default): each
+time the writer takes the GIL back it may wait that long.
+Printed, for each switch interval and chunk size (whole tensors, then the run's own, 4 MiB): GiB/s of
 samples made durable by one writer alone and beside such a thread (interleaved over --rounds, medians),
 and the ratio.
 
@@ -44,7 +44,7 @@ from report import recording  # noqa: E402
 HIDDEN = 7168
 LAYER_IDS = [2, 30, 57, 60]  # as a 61-layer Kimi-K2.5 run would record them
 INTERVALS = (0.005, 0.001, 0.0002)  # s: the interpreter's default, then shorter
-CHUNKS = (atomic_files.WRITE_CHUNK, 4 << 20)  # the writer's chunk (store/atomic_files.py), then 4 MiB
+CHUNKS = (1 << 30, atomic_files.WRITE_CHUNK)  # whole tensors, then the writer's chunk (store/atomic_files.py)
 
 
 def make_samples(count: int) -> list[dict]:
