@@ -49,8 +49,9 @@ def regenerate(gen, prompts) -> dict:
     return out
 
 
-def run(model_dir, prompts, **engine) -> dict:
-    """States (prefill and greedy generating), vLLM's logits judged, and the engine's set-up, of one engine."""
+def run(model_dir, prompts, alone: bool = False, **engine) -> dict:
+    """States (prefill and greedy generating), vLLM's logits judged, and the engine's set-up, of one engine.
+    ``alone``: also each prompt's greedy generation on its own (other batches than all prompts together)."""
     with VllmHiddenStatesGenerator(model_dir, **{**ENGINE, **engine}) as gen:
         states = [r["hidden_states"] for r in gen.generate(prompts)]
         checker = LogitChecker(model_dir, gen.engine.dtype, NUM_LAYERS - 1)
@@ -59,6 +60,7 @@ def run(model_dir, prompts, **engine) -> dict:
         return {
             "states": states,
             "regenerated": regenerate(gen, prompts),
+            "regenerated_alone": {i: regenerate(gen, [p])[0] for i, p in enumerate(prompts)} if alone else None,
             "logit_check": checker.result,
             "info": gen.engine.capture_info,
             "stages": gen.engine.stage_lines,
@@ -69,7 +71,7 @@ def run(model_dir, prompts, **engine) -> dict:
 
 @pytest.fixture(scope="module")
 def llama_pp1(model_dir, prompts):
-    return run(model_dir, prompts)
+    return run(model_dir, prompts, alone=True)
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +117,21 @@ def test_logit_check_passes_on_the_last_stage(llama_pp2, prompts):
 
 
 def test_regenerate_under_pp2_equals_pp1(llama_pp1, llama_pp2):
-    """Greedy generating requests under PP 2: PP 1's tokens, and their decode-time states bit for bit."""
-    ours, theirs = llama_pp2["regenerated"], llama_pp1["regenerated"]
-    assert {k: v[0] for k, v in ours.items()} == {k: v[0] for k, v in theirs.items()}
-    assert bit_identical([ours[k][1] for k in sorted(ours)], [theirs[k][1] for k in sorted(theirs)])
+    """Greedy generating requests under PP 2: PP 1's tokens, and their decode-time states bit for bit where PP 1's
+    own are in other batches (each prompt alone), else within the bound."""
+    ours, theirs, alone = llama_pp2["regenerated"], llama_pp1["regenerated"], llama_pp1["regenerated_alone"]
+    assert (
+        {k: v[0] for k, v in ours.items()}
+        == {k: v[0] for k, v in theirs.items()}
+        == {k: v[0] for k, v in alone.items()}
+    )
+    pp2, pp1 = [ours[k][1] for k in sorted(ours)], [theirs[k][1] for k in sorted(theirs)]
+    # PP 2's decode steps batch the requests as PP 1's cannot, and a few-row matmul's bits may depend on its rows on
+    # some CPU builds (the AVX2 build's: 1.4e-6 between PP 1 and PP 2 at decode, each prompt alone differing too)
+    if bit_identical([alone[k][1] for k in sorted(alone)], pp1):
+        assert bit_identical(pp2, pp1)
+    else:
+        assert worst(pp2, pp1) < TOLERANCE
 
 
 def test_async_scheduling_kept_under_pp2_equals_pp1(llama_pp1, model_dir, prompts, cpu_binding):
