@@ -53,7 +53,7 @@ def drop_pages(fd: int) -> None:
 
 #: Bytes hashed and scanned (and queued for the write) at a time: the scans read what the hash just read, from the
 #: cache. Whole tensors (up to 1 GiB a call) would take the GIL back fewer times, and beside a thread that runs
-#: Python without pause one writer kept 0.35x of its pace alone against 0.10x in 4 MiB chunks
+#: Python without pause one writer kept 0.35x of its pace alone against 0.14x in 4 MiB chunks
 #: (docs/benchmarks/writer_gil.md), but each of their passes reads memory: 2 writers on a 2-core AVX2 EPYC spent
 #: 1.30 against 1.13 CPU-s per GiB into /dev/shm and 0.80 against 0.75 to ext4 with ``O_DIRECT``
 #: (tools/benchmarks/host_path.py's "whole tensors" row), and on the H200's host 8 writers at hidden 7168 in

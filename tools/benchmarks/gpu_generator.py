@@ -303,8 +303,8 @@ def cli_rate(
     setup = ([f"sys.setswitchinterval({switch!r})"] if switch is not None else []) + (
         [f"import speculators_v016.store.atomic_files as a; a.WRITE_CHUNK = {chunk}"] if chunk is not None else []
     )
-    start = ["-c", "; ".join(["import runpy, sys", *setup, f"runpy.run_module({module!r}, run_name='__main__')"])]
-    start = start if setup else ["-m", module]
+    run_module = f"runpy.run_module({module!r}, run_name='__main__')"
+    start = ["-c", "; ".join(["import runpy, sys", *setup, run_module])] if setup else ["-m", module]
     cmd = [sys.executable, *start, "--target-model-path", model, "--train-data-path",
            str(data), "--output-dir", str(out), "--seq-length", str(args["high"]), "--layer-ids",
            ",".join(map(str, layer_ids(args["layers"]))), "--engine-args", json.dumps(extra),
