@@ -105,20 +105,22 @@ def default_write_workers(cores: int) -> int:
 DEFAULT_WRITE_WORKERS = default_write_workers(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 4)
 #: A run's writer threads, when --write-workers is not given: one per this many bytes a token weighs on disk.
 WRITER_TOKEN_BYTES = 4096
-#: ... and at most this many: on an H200 host (16 cores, files in RAM) 8 writers wrote 8.24 GiB/s on 8.4 cores,
-#: 12 and 16 wrote 7.65 and 7.69 GiB/s on 8.6 cores (tools/benchmarks/host_path.py, 2026-12-04): more threads
-#: only contend.
+#: ... and at most this many where the threads write every file themselves (``--no-write-helpers``): on an H200
+#: host (16 cores, files in RAM) 8 writers wrote 8.24 GiB/s on 8.4 cores, 12 and 16 wrote 7.65 and 7.69 GiB/s on
+#: 8.6 cores (tools/benchmarks/host_path.py, 2026-12-04): more threads only contend. With write helpers
+#: (store/write_helper.py) each thread's file is written by a process of its own: no cap but the cores'.
 MAX_WRITE_WORKERS = 8
 
 
-def write_workers_for(cores: int, token_bytes: int) -> int:
+def write_workers_for(cores: int, token_bytes: int, helpers: bool = False) -> int:
     """A run's writer threads from the bytes a token weighs on disk and the cores: one per 4 KiB (a writer checks,
     hashes and writes about 1 GiB per CPU-second, tools/benchmarks/host_path.py; an H200 computes ~120-160k
     tokens/s at hidden 4096-7168, 32-56 KiB a token with 4 layers in bf16: 3.7-8.7 GiB/s), at least 4 (a disk's
     worth of concurrent writes), at most three quarters of the cores (the rest: vLLM's engine thread, the copy
-    threads) and :data:`MAX_WRITE_WORKERS`. A 16-core host: 8 at hidden 4096 and 7168 in bf16, 7 at 7168 and 4 at
-    4096 in FP8; 2 cores: 4."""
-    return max(4, min(round(token_bytes / WRITER_TOKEN_BYTES), cores * 3 // 4, MAX_WRITE_WORKERS))
+    threads) and, without ``helpers``, :data:`MAX_WRITE_WORKERS`. A 16-core host: 8 at hidden 4096 in bf16, 12 at
+    7168 (8 without helpers), 7 at 7168 and 4 at 4096 in FP8; 2 cores: 4."""
+    cap = cores * 3 // 4 if helpers else min(cores * 3 // 4, MAX_WRITE_WORKERS)
+    return max(4, min(round(token_bytes / WRITER_TOKEN_BYTES), cap))
 
 
 # -- help sections, in --help's order -----------------------------------------
@@ -638,8 +640,9 @@ class RunConfig:
     )
     write_workers: int | None = setting(
         None,
-        "Threads writing sample files (default: one per 4 KiB a token weighs on disk, from 4 to 8 and at most "
-        "three quarters of the cores; the summary's host path line says how many).",
+        "Threads writing sample files (default: one per 4 KiB a token weighs on disk, at least 4 and at most "
+        "three quarters of the cores, 8 at most with --no-write-helpers; the summary's host path line says how "
+        "many).",
         section=OUTPUT,
         min=1,
     )
@@ -648,6 +651,15 @@ class RunConfig:
         "Write sample files through the page cache (default: O_DIRECT, from the states' memory to the disk, "
         "where the file system takes it; the summary's host path line says how the bytes went).",
         option="--no-direct-io",
+        negate=True,
+        section=OUTPUT,
+    )
+    write_helpers: bool = setting(
+        True,
+        "Write sample files on the writer threads themselves (default: each thread hands the files whose states "
+        "lie in the buffer pool's shared memory to a helper process of its own, which hashes, tests and writes "
+        "them beside its own GIL; the summary's host path line says how many).",
+        option="--no-write-helpers",
         negate=True,
         section=OUTPUT,
     )

@@ -1,19 +1,9 @@
 """Is every value of a tensor finite? Read from the IEEE bits, in slices, on the calling thread only.
 
-A float is NaN or infinite exactly when its exponent bits are all ones
-(float8 e4m3fn, which has no infinity: when all its bits but the sign are),
-that is when its magnitude bits are at least a threshold ``t``. Two maxima of
-the tensor's integer views decide it, with no conversion and no temporary:
-* as *signed* integers, negative values sort below every positive one and
-  positive ones by magnitude, so ``max >= t`` exactly when a positive value is
-  non-finite;
-* as *unsigned* integers, values with the sign bit set sort above all others and
-  among themselves by magnitude, so ``max >= sign | t`` exactly when a negative
-  value is non-finite.
-
-Numpy's integer maxima are vectorized, release the GIL and never start threads;
-they run on slices of ``SLICE`` elements so a bad value ends the test early (the writer's chunks, already
-small, in one pair).
+The test reads the IEEE bits: two integer maxima a slice of ``SLICE`` elements decide it, with no
+conversion and no temporary (:mod:`~speculators_v016.checks.finite_bits`, the torch-free table and test
+that a write helper process runs too); a bad value ends the test within one slice (the writer's chunks,
+already small, in one pair).
 ``torch.isfinite(h).all()`` made a bool tensor as large as ``h`` per check and
 ran at 0.4 GiB/s on bf16 (AVX2 host); masking the sign into a scratch slice and
 taking one maximum ran at 17 GiB/s from the cache (AVX512 host), this at 30.
@@ -28,36 +18,20 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from speculators_v016.checks import finite_bits
+from speculators_v016.checks.finite_bits import SLICE, values_finite
 from speculators_v016.fp8 import Fp8States
 
-SLICE = 1 << 18  # elements per slice: a bad value ends the test within one slice
+__all__ = ["SLICE", "all_finite", "bytes_finite", "non_finite", "non_finite_reason"]
 
-# dtype -> (signed view, unsigned view, smallest non-finite magnitude, sign bit): numpy types, so the
-# comparisons are exact (no Python int is ever compared through a float)
-_BITS = {
-    torch.float64: (np.int64, np.uint64, 0x7FF0_0000_0000_0000, 1 << 63),
-    torch.float32: (np.int32, np.uint32, 0x7F80_0000, 1 << 31),
-    torch.float16: (np.int16, np.uint16, 0x7C00, 1 << 15),
-    torch.bfloat16: (np.int16, np.uint16, 0x7F80, 1 << 15),
-    torch.float8_e5m2: (np.int8, np.uint8, 0x7C, 1 << 7),
-    torch.float8_e4m3fn: (np.int8, np.uint8, 0x7F, 1 << 7),  # no infinity; NaN is S.1111.111
-}
-_TESTS = {
-    dtype: (signed, unsigned, signed(threshold), unsigned(sign | threshold))
-    for dtype, (signed, unsigned, threshold, sign) in _BITS.items()
-}
+# torch dtype -> its name in the torch-free table (speculators_v016.checks.finite_bits)
+_TESTS = {getattr(torch, name): name for name in finite_bits.TESTS}
 
 
 def _values_finite(raw: np.ndarray, dtype: torch.dtype, per_slice: int | None = None) -> bool:
     """``raw`` (one-dimensional, any integer or byte view of ``dtype``'s values) holds no NaN/Inf pattern;
     tested ``per_slice`` elements at a time (default :data:`SLICE`)."""
-    signed, unsigned, positive, negative = _TESTS[dtype]
-    values, flipped = raw.view(signed), raw.view(unsigned)
-    step = max(per_slice or SLICE, 1)
-    for start in range(0, values.size, step):
-        if values[start : start + step].max() >= positive or flipped[start : start + step].max() >= negative:
-            return False
-    return True
+    return values_finite(raw, _TESTS[dtype], per_slice)
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

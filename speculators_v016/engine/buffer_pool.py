@@ -37,10 +37,18 @@ where they lie, no copy (:mod:`~speculators_v016.store.direct_io`). A tensor
 whose offset is not a multiple of its element size starts at the next one
 (correct still: that tensor and those after it are written through a bounce
 buffer).
+
+With ``shared`` the blocks are memfd-backed shared memory, each with its own descriptor, so the writers' helper
+processes (:mod:`~speculators_v016.store.write_helper`) read a sample's tensors where they lie:
+:meth:`BufferPool.locate` names the block and the offset of a buffer inside one, :meth:`BufferPool.live` the
+blocks not dropped yet (a helper unmaps the others).
 """
 
 from __future__ import annotations
 
+import itertools
+import mmap
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -65,8 +73,11 @@ def size_class(nbytes: int) -> int:
 class BufferPool:
     """Blocks of host memory carved into a sample's tensors, handed out and taken back by whole blocks."""
 
-    def __init__(self, keep_bytes: int = 2 << 30, fresh_below: int = 0, align: int = 64):
+    def __init__(self, keep_bytes: int = 2 << 30, fresh_below: int = 0, align: int = 64, shared: bool = False):
         self.keep_bytes = keep_bytes
+        self.shared = shared  # blocks in memfd-backed shared memory (see the module's docstring)
+        self._descriptors: dict[int, tuple[int, int]] = {}  # shared: data_ptr -> (block id, its memfd)
+        self._ids = itertools.count(1)
         self.align = align  # a block's first tensor starts at a multiple of it (see the module's docstring)
         self.fresh_below = fresh_below  # a sample whose tensors are all smaller: fresh tensors, not a block
         self._free: OrderedDict[int, torch.Tensor] = OrderedDict()  # data_ptr -> block, oldest first
@@ -122,11 +133,37 @@ class BufferPool:
             return block
 
     def _allocate(self, total: int) -> torch.Tensor:
-        block = torch.empty(size_class(total), dtype=torch.uint8)
+        if self.shared:
+            block, fd = _shared_block(size_class(total))
+        else:
+            block = torch.empty(size_class(total), dtype=torch.uint8)
         with self._lock:
             self._lent[block.data_ptr()] = block
+            if self.shared:
+                self._descriptors[block.data_ptr()] = (next(self._ids), fd)
             self.allocated += 1
         return block
+
+    def _drop(self, ptr: int) -> None:
+        """Forget a free block (``_lock`` held): its memory goes once its tensors do (shared: its memfd closed)."""
+        self._free.pop(ptr)
+        if ptr in self._descriptors:
+            os.close(self._descriptors.pop(ptr)[1])
+
+    def locate(self, address: int, length: int) -> tuple[int, int, int, int] | None:
+        """``(block id, memfd, block size, offset)`` of the ``length`` bytes at ``address`` where they lie inside
+        one lent shared block; None elsewhere (or without ``shared``)."""
+        with self._lock:
+            for ptr, (block, fd) in self._descriptors.items():
+                size = self._lent[ptr].numel() if ptr in self._lent else 0
+                if ptr <= address and address + length <= ptr + size:
+                    return block, fd, size, address - ptr
+        return None
+
+    def live(self) -> set[int]:
+        """The ids of the shared blocks not dropped."""
+        with self._lock:
+            return {block for block, _ in self._descriptors.values()}
 
     def give_back(self, tensors: Sequence[torch.Tensor]) -> None:
         """Return the block that ``tensors`` (as :meth:`take` gave them) live in; their memory is reused (fresh
@@ -144,7 +181,17 @@ class BufferPool:
             self._free[ptr] = block
             held = sum(b.numel() for b in self._free.values())
             while held > self.keep_bytes and self._free:
-                held -= self._free.popitem(last=False)[1].numel()
+                oldest = next(iter(self._free))
+                held -= self._free[oldest].numel()
+                self._drop(oldest)
+
+    def close(self) -> None:
+        """Drop the free blocks and close every shared block's memfd (the memory goes with the last tensor)."""
+        with self._lock:
+            self._free.clear()
+            for _, fd in self._descriptors.values():
+                os.close(fd)
+            self._descriptors.clear()
 
     @property
     def free_bytes(self) -> int:
@@ -156,3 +203,15 @@ class BufferPool:
         """Samples whose memory is out (blocks and fresh tensors)."""
         with self._lock:
             return len(self._lent) + len(self._fresh)
+
+
+def _shared_block(size: int) -> tuple[torch.Tensor, int]:
+    """``size`` bytes of memfd-backed shared memory as a uint8 tensor, and the memfd (close-on-exec)."""
+    fd = os.memfd_create("speculators-sample-block", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        region = mmap.mmap(fd, size)  # shared, read and write; unmapped once the tensor and its views are gone
+    except BaseException:
+        os.close(fd)
+        raise
+    return torch.frombuffer(region, dtype=torch.uint8), fd

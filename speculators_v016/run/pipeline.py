@@ -268,7 +268,7 @@ def _run_work(opts, work, target, model_config, directory, plan, summary, starte
         weight = disk_forecast.stored_token_bytes(
             len(plan.layer_ids), model_config.get_hidden_size(), model_config.dtype.itemsize, opts.engine.fp8
         )
-        opts = replace(opts, write_workers=write_workers_for(len(cpus), weight))
+        opts = replace(opts, write_workers=write_workers_for(len(cpus), weight, opts.write_helpers))
     generator = VllmHiddenStatesGenerator.from_config(opts.engine, plan)
     try:
         config = existing or _new_config(generator, opts, work, fp, len(mine))
@@ -389,6 +389,7 @@ def host_line(host: dict) -> str:
         )
         + f" and waited {host['waited']:.1f} s for the writers (queue full); "
         f"{host['workers']} write workers busy {host['busy']:.0%} of the time"
+        + (f" ({host['helped']} files written by their helper processes)" if host.get("helped") else "")
         + (
             f" (on a CPU {host['on_cpu']:.0%} of it, {host['cpu_per_gib']:.2f} CPU-s per GiB written)"
             if host.get("cpu_per_gib")
@@ -398,7 +399,12 @@ def host_line(host: dict) -> str:
         + f"; buffer pool: {host['blocks_made']} "
         f"blocks made, {host['blocks_reused']} reused"
         + (f", {host['samples_fresh']} samples in fresh memory (CPU engine)" if host.get("samples_fresh") else "")
-        + (f"; this process used {host['cpu_seconds']:.1f} CPU-s (user + system)" if "cpu_seconds" in host else "")
+        + (
+            f"; this process{' and its write helpers' if host.get('helped') else ''} used "
+            f"{host['cpu_seconds']:.1f} CPU-s (user + system)"
+            if "cpu_seconds" in host
+            else ""
+        )
         + (
             f"; the last files were made durable {host['drain_seconds']:.1f} s after the engine's last sample"
             if host.get("drain_seconds") is not None
@@ -422,9 +428,10 @@ def _paths(host: dict) -> str:
 
 
 def _cpu_since(before: os.times_result) -> float:
-    """CPU seconds (user + system, every thread) this process used since ``before`` (``os.times()``)."""
+    """CPU seconds (user + system, every thread) this process and its children ended since (the write helpers)
+    used since ``before`` (``os.times()``)."""
     now = os.times()
-    return (now.user - before.user) + (now.system - before.system)
+    return sum(getattr(now, k) - getattr(before, k) for k in ("user", "system", "children_user", "children_system"))
 
 
 def _generate(
@@ -452,7 +459,9 @@ def _generate(
         engine.warm_prompt_logprobs()  # vLLM compiles its prompt-logprobs kernel here, not in the first step
     # each sample's states: one block, back to the pool once its file is written; on a CPU engine, whose forward
     # shares this process's heap, samples under glibc's mmap ceiling come fresh (speculators_v016.engine.buffer_pool)
-    pool = BufferPool(fresh_below=MALLOC_MMAP_CEILING if engine.device_type == "cpu" else 0, align=DATA_ALIGN)
+    # (shared memory with write helpers: their processes read the states where they lie, speculators_v016.store.write_helper)
+    pool = BufferPool(fresh_below=MALLOC_MMAP_CEILING if engine.device_type == "cpu" else 0, align=DATA_ALIGN,
+                      shared=opts.write_helpers)  # fmt: skip
     stats = engine.stats  # the engine's thread's time, counted from here
     before = (stats.stepped, stats.copied, stats.copy_thread, stats.copy_waited)
 
@@ -467,7 +476,10 @@ def _generate(
         model_args=model_args,
         screen=WriterScreen(layer_ids, zero_ids),  # the degenerate-row screen, off the engine's thread
         direct=opts.direct_io,
+        shared_blocks=pool if opts.write_helpers else None,
     )
+    if engine.device_type != "cpu":  # every sample of a GPU engine is in the pool's shared blocks
+        writer.start_helpers()
 
     def put(name: int, sample: dict, record: dict | None = None) -> None:
         if record is not None:  # on disk before the sample can be listed (speculators_v016.store.regenerated)
@@ -543,6 +555,7 @@ def _generate(
                     "samples_fresh": pool.fresh, "cpu_seconds": _cpu_since(cpu_before),
                     "drain_seconds": summary.generation_seconds - streamed if streamed is not None else None}  # fmt: skip
             summary.host = {k: round(v, 3) if isinstance(v, float) else v for k, v in host.items()}
+            pool.close()
             bar.set_description(f"{writer.written}/{len(pending)} samples")
             bar.close()
     _note_rejected(writer.take_rejected(), summary, opts)

@@ -45,14 +45,16 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from speculators_v016.checks import finite
+from speculators_v016.checks import finite, finite_bits
 from speculators_v016.config import DEFAULT_WRITE_WORKERS, WRITER_NICE_INCREMENT
 from speculators_v016.store import checksum as checksums
+from speculators_v016.store import direct_io
 from speculators_v016.store.atomic_files import ChunkRefused, WriteError, write_durable
 from speculators_v016.store.group_commit import DEFAULT_COMMIT_INTERVAL, GroupCommit
 from speculators_v016.store.manifest import Entry, Manifest
 from speculators_v016.store.no_links import LinkedEntryError
 from speculators_v016.store.sample_format import encode_typed, sample_name
+from speculators_v016.store.write_helper import INLINE_LIMIT, WriteHelper
 
 
 class WriterThreadError(RuntimeError):
@@ -85,6 +87,10 @@ class SampleWriter:
     ``direct``: files written with ``O_DIRECT`` where the file system takes it (False: through the page cache);
     a file system that takes the flag but refuses a direct write gets that file written again buffered, and
     every later file buffered (:attr:`refused` counts such files).
+    ``shared_blocks``: the buffer pool whose blocks are shared memory (``locate(address, length)``, ``live()``:
+    :class:`~speculators_v016.engine.buffer_pool.BufferPool` with ``shared=True``); given, each worker hands the
+    files whose states lie there to a helper process of its own (:mod:`~speculators_v016.store.write_helper`),
+    started at its first such file, and waits for it without the GIL.
     ``screen``: the degenerate-row screen (:class:`~speculators_v016.checks.self_check.WriterScreen`), run on
     each layer's chunks as they are written and judged before the file is named; what it raises (a
     ``SelfCheckError``) stops the run as it is, and that sample's file is not kept.
@@ -107,6 +113,7 @@ class SampleWriter:
         checksum: str = checksums.DEFAULT,
         model_args: dict | None = None,
         direct: bool = True,
+        shared_blocks=None,
     ):
         if workers < 1:
             raise ValueError(f"write workers must be at least 1, got {workers}")
@@ -133,8 +140,13 @@ class SampleWriter:
         self._lock = threading.Lock()
         self._closed = False
         self.commit = GroupCommit(self.directory, self.manifest, interval=commit_interval, on_commit=self._count)
+        self.shared_blocks = shared_blocks
+        self.helped = 0  # files written by helper processes
+        self.helper_cpu = 0.0  # their CPU seconds for those files (in :attr:`cpu` too)
+        self._helpers: list[WriteHelper | None] = [None] * workers
         self._threads = [
-            threading.Thread(target=self._work, name=f"sample-writer-{i}", daemon=True) for i in range(workers)
+            threading.Thread(target=self._work, args=(i,), name=f"sample-writer-{i}", daemon=True)
+            for i in range(workers)
         ]
         for thread in self._threads:
             thread.start()
@@ -143,7 +155,7 @@ class SampleWriter:
         with self._lock:
             self.error = self.error or exc
 
-    def _work(self) -> None:
+    def _work(self, number: int) -> None:
         try:
             if self.cpus:
                 os.sched_setaffinity(0, self.cpus)  # this thread only
@@ -155,7 +167,7 @@ class SampleWriter:
             began, began_cpu = time.monotonic(), time.thread_time()
             try:
                 if self.error is None:
-                    self._write(index, sample)
+                    self._write(index, sample, number)
             except BaseException as exc:  # noqa: BLE001 - handed to the producer
                 self._fail(exc)
             with self._lock:
@@ -169,7 +181,7 @@ class SampleWriter:
             self.queue.task_done()
         self.queue.task_done()
 
-    def _write(self, index: int, sample: dict) -> None:
+    def _write(self, index: int, sample: dict, number: int = 0) -> None:
         reason = self.reject(sample) if self.reject is not None else None
         if not reason:
             parts, dtypes = encode_typed(sample, self.fmt, self.layer_ids, self.model_args)
@@ -186,15 +198,19 @@ class SampleWriter:
         name = sample_name(index, self.fmt)
         paths: dict = {}
         try:
-            size, digest = write_durable(
-                self.directory,
-                name,
-                parts,
-                drop_cache=True,
-                algorithm=self.checksum,
-                scans=scans,
-                direct=paths if self.direct else None,
-            )
+            shared = self._in_shared_blocks(parts, dtypes, scans)
+            if shared is not None:
+                size, digest = self._helped(number, name, *shared, paths)
+            else:
+                size, digest = write_durable(
+                    self.directory,
+                    name,
+                    parts,
+                    drop_cache=True,
+                    algorithm=self.checksum,
+                    scans=scans,
+                    direct=paths if self.direct else None,
+                )
         except ChunkRefused as refused:
             reason = self.non_finite(sample)
             if not reason:
@@ -211,6 +227,56 @@ class SampleWriter:
                 self.paths[path] += count
         self.commit.add(Entry(index, name, size, digest, int(sample["input_ids"].shape[0]), self.checksum))
 
+    def _in_shared_blocks(self, parts: list, dtypes, scans) -> tuple[list, list] | None:
+        """The parts as a helper takes them, and the name of each one's float dtype for its NaN/Inf test; None where
+        a helper cannot write the file (no shared blocks, a large part outside them, a float type the helper's
+        test has no table for)."""
+        if self.shared_blocks is None or dtypes is None:
+            return None
+        wire, names = [], []
+        for part, dtype, scan in zip(parts, dtypes, scans or [None] * len(parts), strict=True):
+            view = memoryview(part).cast("B")
+            place = self.shared_blocks.locate(direct_io.address(view), len(view)) if len(view) else None
+            if place is not None:
+                wire.append(("block", *place, len(view)))
+            elif len(view) <= INLINE_LIMIT:
+                wire.append(("inline", view))
+            else:
+                return None
+            name = None if scan is None else str(dtype).removeprefix("torch.")
+            if name is not None and name not in finite_bits.TESTS:
+                return None
+            names.append(name)
+        return wire, names
+
+    def start_helpers(self) -> None:
+        """Start every worker's helper process now and wait until each is ready (imports done), rather than at
+        each worker's first file in shared blocks: a GPU run's every file is (no-op without ``shared_blocks``).
+        Called before the first :meth:`put`."""
+        if self.shared_blocks is None:
+            return
+        for number, helper in enumerate(self._helpers):
+            if helper is None:
+                self._helpers[number] = WriteHelper(nice=self.nice, cpus=self.cpus)
+        for helper in self._helpers:
+            helper.wait_ready()
+
+    def _helped(self, number: int, name: str, wire: list, names: list, paths: dict) -> tuple[int, str]:
+        """Write one file through this worker's helper process (started on first use)."""
+        helper = self._helpers[number]
+        if helper is None:
+            helper = self._helpers[number] = WriteHelper(nice=self.nice, cpus=self.cpus)
+        before = helper.cpu
+        size, digest, done = helper.write(
+            self.directory, name, wire, names, self.checksum, self.direct, self.shared_blocks.live()
+        )
+        paths.update(done)
+        with self._lock:
+            self.cpu += helper.cpu - before
+            self.helper_cpu += helper.cpu - before
+            self.helped += 1
+        return size, digest
+
     def _refuse(self, index: int, reason: Any) -> None:
         with self._lock:
             self._rejected.append((index, reason))
@@ -226,7 +292,8 @@ class SampleWriter:
         core or the GIL), ``cpu_per_gib`` (their CPU seconds per GiB committed), ``waited`` (s the producer
         waited on a full queue: the writers set the pace there), ``direct``, ``bounced``, ``buffered`` (the
         bytes written from the samples' memory with ``O_DIRECT``, through its bounce buffer, through the page
-        cache), ``refused`` (files whose direct write the file system refused: later ones went buffered)."""
+        cache), ``refused`` (files whose direct write the file system refused: later ones went buffered),
+        ``helped`` (files written by the workers' helper processes)."""
         with self._lock:
             busy, cpu, written, paths = self.busy, self.cpu, self.bytes, dict(self.paths)
         span = max(time.monotonic() - self.started, 1e-9)
@@ -237,6 +304,7 @@ class SampleWriter:
             "cpu_per_gib": cpu / (written / 2**30) if written else 0.0,
             "waited": self.waited,
             "refused": self.refused,
+            "helped": self.helped,
             **paths,
         }
 
@@ -301,6 +369,9 @@ class SampleWriter:
                 thread.join()
         finally:
             self._closed = True
+            for helper in self._helpers:
+                if helper is not None:
+                    helper.close()
             self.commit.close()
         self._raise_if_failed()
 

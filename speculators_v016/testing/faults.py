@@ -67,6 +67,10 @@ modules carry no fault points: each fault wraps one of their seams here.
   (replaces :func:`speculators_v016.worker.pipeline_stage.keep_prompt_rows`
   where the capture set-up calls it), so vLLM's own behaviour shows.
 
+Beside any fault, ``SPECULATORS_V016_GPU_POOL=1`` gives the CPU engine's run a GPU engine's buffer pool: every
+sample in its shared blocks, none in fresh memory (wraps :class:`BufferPool`'s constructor: ``fresh_below`` 0), so
+the write helpers (:mod:`speculators_v016.store.write_helper`) write every file, as on a GPU.
+
 A worker's fault reaches vLLM's worker processes because they are spawned: each
 imports the driving program's main module, this one, as ``__mp_main__``, and
 installs the worker faults (:func:`install_worker`) before it builds its worker.
@@ -101,6 +105,7 @@ from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.sample_format import parse_sample_name
 
 VARIABLE = "SPECULATORS_V016_FAULT"
+GPU_POOL = "SPECULATORS_V016_GPU_POOL"  # "1": every sample in the pool's shared blocks, as on a GPU engine
 TARGET = "SPECULATORS_V016_FAULT_TARGET"  # the folder a planted link points into (plant-tmp-link)
 COMMAND = "speculators-data-gen"
 _passed: Counter = Counter()
@@ -129,7 +134,16 @@ def _wait_for_entries(directory: str, count: int, timeout: float = 10.0) -> None
 
 
 def install() -> None:
-    """Wrap the seams that the armed fault needs (nothing when the variable is unset)."""
+    """Wrap the seams that the armed fault needs (nothing when the variable is unset), and the pool's with
+    ``SPECULATORS_V016_GPU_POOL=1``."""
+    if os.environ.get(GPU_POOL) == "1":
+        original_init = BufferPool.__init__
+
+        def init(self, *args, **kwargs):
+            original_init(self, *args, **kwargs)
+            self.fresh_below = 0  # as a GPU engine's: no sample in fresh memory
+
+        BufferPool.__init__ = init
     point = os.environ.get(VARIABLE, "").partition(":")[0]
     if point in ("kill-mid-write", "enospc-write"):
         original_parts = atomic_files.write_parts

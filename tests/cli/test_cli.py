@@ -22,6 +22,7 @@ from speculators_v016.config import ConfigError, RunConfig, launcher_shards
 from speculators_v016.run.cli import _join_multi_value
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.verify import verify
+from speculators_v016.testing.faults import GPU_POOL
 from speculators_v016.testing.faults import VARIABLE as FAULT
 
 
@@ -214,8 +215,42 @@ def test_one_shard_alone_does_not_verify_as_complete(tmp_path, model_dir, data_f
     assert result.exit_code == 1 and "shards [0] of 2 are missing" in result.output
 
 
-def test_sigkill_then_resume_equals_uninterrupted(tmp_path, model_dir, data_file, reference_run):
-    """A run killed with SIGKILL mid-way resumes to exactly the uninterrupted run's samples."""
+def _write_helpers_alive() -> list[int]:
+    """Pids of write helper processes (speculators_v016.store.write_helper) alive on this machine."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"speculators_v016.store.write_helper" in (entry / "cmdline").read_bytes():
+                if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_write_helpers_write_a_gpu_pools_samples_as_the_threads_do(tmp_path, model_dir, data_file, reference_run):
+    """A GPU engine's pool (every sample in shared blocks): helpers write all 40 files, the reference run's bytes."""
+    out = tmp_path / "helped"
+    args = [sys.executable, "-m", "speculators_v016.testing.faults", "--target-model-path", model_dir,
+            "--train-data-path", data_file, "--output-dir", out, "--seq-length", 256, "--token-freq-path", ""]  # fmt: skip
+    env = {**os.environ, **CPU, GPU_POOL: "1"}
+    proc = subprocess.run([str(a) for a in args], env=env, capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert "(40 files written by their helper processes)" in output, output[-3000:]
+    assert "this process and its write helpers used" in output
+    assert re.search(r"buffer pool: \d+ blocks made, \d+ reused;", output), output[-3000:]  # none fresh
+    helped, reference = Manifest(out).entries(), Manifest(reference_run).entries()
+    assert sorted(helped) == sorted(reference) == list(range(40))
+    assert {i: e.digest for i, e in helped.items()} == {i: e.digest for i, e in reference.items()}
+    assert invoke("verify", out).exit_code == 0
+    assert not _write_helpers_alive()
+
+
+@pytest.mark.parametrize("helpers", [False, True], ids=["threads", "write-helpers"])
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path, model_dir, data_file, reference_run, helpers):
+    """A run killed with SIGKILL mid-way resumes to exactly the uninterrupted run's samples (its files written by
+    the writer threads, or by their helper processes from a GPU engine's pool: they end with it)."""
     out = tmp_path / "killed"
     args = [
         sys.executable,
@@ -239,6 +274,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, model_dir, data_file
         "thread",  # killed while a step's rows are on the copy thread (the GPU default); resumed inline
     ]
     env = {**os.environ, **CPU, "SPECULATORS_V016_FAULT": "pace:100"}  # a sample a 0.1 s at most
+    env.update({GPU_POOL: "1"} if helpers else {})
     proc = subprocess.Popen([str(a) for a in args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
@@ -246,8 +282,14 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, model_dir, data_file
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be killed"
+    if helpers:
+        assert _write_helpers_alive(), "no write helper was running"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+    deadline = time.monotonic() + 10
+    while _write_helpers_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _write_helpers_alive(), "a write helper outlived its run"
     partial = len(Manifest(out).entries())
     assert 5 <= partial < 40
     result = invoke("verify", out, "--partial")

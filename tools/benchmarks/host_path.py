@@ -65,6 +65,7 @@ CHECKSUMS = "checksum" in inspect.signature(SampleWriter.__init__).parameters
 FUSED_CHECK = "non_finite" in inspect.signature(SampleWriter.__init__).parameters  # NaN check in the write loop
 WRITER_SCREEN = "screen" in inspect.signature(SampleWriter.__init__).parameters  # degenerate screen on writers
 DIRECT = "direct" in inspect.signature(SampleWriter.__init__).parameters  # O_DIRECT writes from placed memory
+HELPERS = "shared_blocks" in inspect.signature(SampleWriter.__init__).parameters  # write helper processes
 if DIRECT:
     from speculators_v016.store import direct_io
     from speculators_v016.store.sample_format import DATA_ALIGN
@@ -127,6 +128,7 @@ def through_writer(
     own_pass: bool = False,
     screen: str | None = "writer",
     direct: bool = True,
+    helpers: bool = False,
 ) -> dict:
     """Slots -> assembler -> writer -> durable files, as the pipeline runs them; bytes, seconds, CPU, copy time.
 
@@ -140,7 +142,8 @@ def through_writer(
     previous release's way), not each chunk from the cache as it is written. ``screen``: the degenerate-row
     screen on the writer's threads (``"writer"``, the run's way where the checkout has it), on this thread
     before each put (``"engine"``, the previous way, timed as the engine thread's), or none (None). ``direct``:
-    False writes through the page cache (``--no-direct-io``).
+    False writes through the page cache (``--no-direct-io``). ``helpers``: each worker hands its files to a write
+    helper process (``pool`` must then be a shared one), as a run does by default.
     """
     options = {"checksum": algorithm} if algorithm else {}
     if CURRENT:
@@ -150,7 +153,11 @@ def through_writer(
             options["screen"] = WriterScreen(LAYER_IDS)
         if DIRECT:
             options["direct"] = direct
+        if helpers:
+            options["shared_blocks"] = pool
         writer = SampleWriter(folder, "safetensors", LAYER_IDS, workers=workers, **options)
+        if helpers:
+            writer.start_helpers()  # before the clock, as a GPU run starts them before its first step
         assembler = Assembler(
             tuple(range(LAYERS)),
             allocate=pool.take if pool else None,
@@ -210,7 +217,7 @@ def through_writer(
     return {
         "bytes": writer.bytes,
         "seconds": seconds,
-        "cpu": cpu_seconds() - cpu,
+        "cpu": cpu_seconds() - cpu + getattr(writer, "helper_cpu", 0.0),  # the helpers' CPU for their files
         "tokens": sum(lengths),
         "copy_ms_per_step": 1e3 * copy * STEP / sum(lengths),
         "screen_ms_per_step": 1e3 * screened * STEP / sum(lengths),
@@ -390,6 +397,15 @@ def main() -> None:
             )
             for w in workers
         ]
+        if HELPERS:
+            shared_pool = BufferPool(align=DATA_ALIGN, shared=True)
+            configs += [
+                (
+                    f"writer, {w} worker(s), blake3, write helpers",
+                    lambda w=w: through_writer(ring, lengths, base, w, shared_pool, helpers=True),
+                )
+                for w in workers
+            ]
         if DIRECT:
             configs.append(
                 (
@@ -425,6 +441,9 @@ def main() -> None:
             configs.append(("before: writer, its default workers", lambda: before(opts.before, lengths, base)))
         through_writer(ring, lengths[: len(lengths) // 2], base, max(workers), pool)  # warm the pool: a long run's
         clear(base)  # steady state
+        if HELPERS:
+            through_writer(ring, lengths[: len(lengths) // 2], base, max(workers), shared_pool, helpers=True)
+            clear(base)
         if fp8_ring is not None:
             configs.append(
                 (
