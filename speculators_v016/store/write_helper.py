@@ -12,9 +12,10 @@ system takes it) and answers with its size and digest, and the thread waits on i
 Memory. The states lie in the buffer pool's blocks, which are then memfd-backed shared memory
 (:class:`~speculators_v016.engine.buffer_pool.BufferPool` with ``shared=True``): a part inside one is sent as
 (block, offset, length), the block's descriptor with the first request that needs it (``SCM_RIGHTS``), and
-the helper maps it once (read-only) and keeps it until told the pool dropped it. A small part outside the
-blocks (the header, ``input_ids``, ``loss_mask``) travels inline. A sample with a large part outside them is
-written by the thread itself, as without helpers.
+the helper maps it once (read-only) and keeps it until told the pool dropped it. The header, ``input_ids``
+and ``loss_mask`` (outside the blocks, up to :data:`INLINE_LIMIT` each) travel inline. A sample whose states lie
+outside the blocks (a CPU engine's fresh memory) is written by the thread itself, as without helpers: from its
+own memory, ``O_DIRECT`` where placed.
 
 The wire format, both sides here: over a ``SOCK_SEQPACKET`` socket pair the helper greets once (:data:`HELLO`,
 its imports done); then a request is one message of JSON
@@ -46,8 +47,8 @@ from speculators_v016.store.no_links import LinkedEntryError
 
 #: Bytes of inline data a message carries (the header, ``input_ids``, ``loss_mask`` travel this way).
 INLINE_MESSAGE = 1 << 16
-#: A part outside the pool's shared blocks at most this large travels inline; a larger one keeps the sample
-#: on its writer's thread.
+#: A part outside the pool's shared blocks that is not a state (the header, ``input_ids``, ``loss_mask``) at
+#: most this large travels inline; a larger one keeps the sample on its writer's thread.
 INLINE_LIMIT = 4 << 20
 #: Descriptors attached to one request at most (a sample's parts lie in one block: one is the usual count).
 MAX_FDS = 16

@@ -229,8 +229,8 @@ class SampleWriter:
 
     def _in_shared_blocks(self, parts: list, dtypes, scans) -> tuple[list, list] | None:
         """The parts as a helper takes them, and the name of each one's float dtype for its NaN/Inf test; None where
-        a helper cannot write the file (no shared blocks, a large part outside them, a float type the helper's
-        test has no table for)."""
+        the thread writes the file itself: no shared blocks, states (a float tensor) outside them (a CPU engine's
+        fresh memory), another part over :data:`INLINE_LIMIT`, a float type the helper's test has no table for."""
         if self.shared_blocks is None or dtypes is None:
             return None
         wire, names = [], []
@@ -239,8 +239,8 @@ class SampleWriter:
             place = self.shared_blocks.locate(direct_io.address(view), len(view)) if len(view) else None
             if place is not None:
                 wire.append(("block", *place, len(view)))
-            elif len(view) <= INLINE_LIMIT:
-                wire.append(("inline", view))
+            elif (dtype is None or not dtype.is_floating_point) and len(view) <= INLINE_LIMIT:
+                wire.append(("inline", view))  # the header, input_ids, loss_mask
             else:
                 return None
             name = None if scan is None else str(dtype).removeprefix("torch.")

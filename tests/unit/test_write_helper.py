@@ -14,6 +14,7 @@ import blake3
 import pytest
 import torch
 
+from helpers.direct import takes_direct
 from speculators_v016.checks.finite import non_finite_reason
 from speculators_v016.engine.buffer_pool import BufferPool
 from speculators_v016.fp8 import Fp8States, quantize_into
@@ -80,20 +81,25 @@ def test_helper_files_are_the_threads_files_bit_for_bit(tmp_path, fp8, direct):
     assert torch.equal(back["input_ids"], torch.arange(50 + 61 * 3) + 3)
 
 
-def test_a_sample_partly_outside_the_blocks_is_written_by_its_thread(tmp_path):
-    """A state tensor outside the shared blocks (and over the inline limit): the thread writes that file itself."""
+@pytest.mark.parametrize("tokens", [3000, 5], ids=["6-MiB-layers", "tiny-layers"])
+def test_states_outside_the_blocks_are_written_by_their_thread(tmp_path, tokens):
+    """States in fresh memory (a CPU engine's), large or tiny: the thread writes that file itself, from there."""
     pool = BufferPool(align=DATA_ALIGN, shared=True)
     inside = [(i, pooled(pool, i, 40)) for i in range(3)]
-    big = torch.randn(3000, 1024).to(torch.bfloat16)  # 6 MiB, fresh memory
-    outside = {"input_ids": torch.arange(3000), "loss_mask": torch.ones(3000, dtype=torch.long),
-               "hidden_states": [big, big.clone(), big.clone()]}  # fmt: skip
+    fresh = BufferPool(align=DATA_ALIGN, fresh_below=1 << 40).take([((tokens, 1024), torch.bfloat16)] * 3)
+    for layer in fresh:
+        layer.copy_(torch.randn(tokens, 1024))
+    outside = {"input_ids": torch.arange(tokens), "loss_mask": torch.ones(tokens, dtype=torch.long),
+               "hidden_states": fresh}  # fmt: skip
     writer = SampleWriter(tmp_path, "safetensors", LAYERS, workers=1, shared_blocks=pool)
     for index, (sample, block) in inside:
         writer.put(index, sample, done=lambda b=block: pool.give_back(b))
     writer.put(3, outside)
     writer.close()
     assert writer.helped == 3 and len(Manifest(tmp_path).entries()) == 4
-    assert torch.equal(load_sample(tmp_path / "data_3.safetensors")["hidden_states"][2], big)
+    assert torch.equal(load_sample(tmp_path / "data_3.safetensors")["hidden_states"][2], fresh[2])
+    if takes_direct(tmp_path):  # the fresh states went from their own memory, not copied through a socket
+        assert writer.paths["direct"] >= 3 * tokens * 1024 * 2 - 3 * 4096
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
@@ -221,7 +227,7 @@ def test_helpers_end_with_a_killed_parent(tmp_path):
     """The writing process SIGKILLed mid-run: its helpers exit; listed files are whole, no temporary file grows."""
     script = textwrap.dedent(f"""
         import sys, torch
-        sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+        sys.path[:0] = [{str(os.path.dirname(__file__))!r}, {str(os.path.dirname(os.path.dirname(__file__)))!r}]
         from test_write_helper import pooled, LAYERS
         from speculators_v016.engine.buffer_pool import BufferPool
         from speculators_v016.store.sample_format import DATA_ALIGN
