@@ -59,6 +59,10 @@ Executor = Literal["uni", "mp", "ray"]
 CaptureMode = Literal["auto", "taps"]
 #: Where each step's rows are copied out of the capture ring (speculators_v016.engine.row_copies).
 RowCopyPlace = Literal["auto", "thread", "inline"]
+#: Who writes the sample files (speculators_v016.store.write_helper): "auto" helper processes where a run has
+#: more writers than threads scale to (MAX_WRITE_WORKERS), "on" always (states in the pool's shared blocks),
+#: "off" the writer threads themselves.
+WriteHelpers = Literal["auto", "on", "off"]
 #: How hidden states are stored: "auto" in the engine's dtype; "fp8_e4m3": e4m3 codes + a float32 scale
 #: per token per layer, quantized in the worker's capture (:mod:`speculators_v016.fp8`).
 HiddenStatesDtype = Literal["auto", "fp8_e4m3"]
@@ -105,11 +109,17 @@ def default_write_workers(cores: int) -> int:
 DEFAULT_WRITE_WORKERS = default_write_workers(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 4)
 #: A run's writer threads, when --write-workers is not given: one per this many bytes a token weighs on disk.
 WRITER_TOKEN_BYTES = 4096
-#: ... and at most this many where the threads write every file themselves (``--no-write-helpers``): on an H200
+#: ... and at most this many where the threads write every file themselves (``--write-helpers off``): on an H200
 #: host (16 cores, files in RAM) 8 writers wrote 8.24 GiB/s on 8.4 cores, 12 and 16 wrote 7.65 and 7.69 GiB/s on
 #: 8.6 cores (tools/benchmarks/host_path.py, 2026-12-04): more threads only contend. With write helpers
 #: (store/write_helper.py) each thread's file is written by a process of its own: no cap but the cores'.
 MAX_WRITE_WORKERS = 8
+
+
+def write_helpers_used(setting: str, workers: int) -> bool:
+    """Whether a run's writers hand their files to helper processes: ``--write-helpers`` on, or auto with more
+    write workers than :data:`MAX_WRITE_WORKERS` (threads beyond it only contend)."""
+    return setting == "on" or (setting == "auto" and workers > MAX_WRITE_WORKERS)
 
 
 def write_workers_for(cores: int, token_bytes: int, helpers: bool = False) -> int:
@@ -118,7 +128,7 @@ def write_workers_for(cores: int, token_bytes: int, helpers: bool = False) -> in
     tokens/s at hidden 4096-7168, 32-56 KiB a token with 4 layers in bf16: 3.7-8.7 GiB/s), at least 4 (a disk's
     worth of concurrent writes), at most three quarters of the cores (the rest: vLLM's engine thread, the copy
     threads) and, without ``helpers``, :data:`MAX_WRITE_WORKERS`. A 16-core host: 8 at hidden 4096 in bf16, 12 at
-    7168 (8 without helpers), 7 at 7168 and 4 at 4096 in FP8; 2 cores: 4."""
+    7168 (8 with ``--write-helpers off``), 7 at 7168 and 4 at 4096 in FP8; 2 cores: 4."""
     cap = cores * 3 // 4 if helpers else min(cores * 3 // 4, MAX_WRITE_WORKERS)
     return max(4, min(round(token_bytes / WRITER_TOKEN_BYTES), cap))
 
@@ -641,7 +651,7 @@ class RunConfig:
     write_workers: int | None = setting(
         None,
         "Threads writing sample files (default: one per 4 KiB a token weighs on disk, at least 4 and at most "
-        "three quarters of the cores, 8 at most with --no-write-helpers; the summary's host path line says how "
+        "three quarters of the cores, 8 at most with --write-helpers off; the summary's host path line says how "
         "many).",
         section=OUTPUT,
         min=1,
@@ -654,13 +664,11 @@ class RunConfig:
         negate=True,
         section=OUTPUT,
     )
-    write_helpers: bool = setting(
-        True,
-        "Write sample files on the writer threads themselves (default: each thread hands the files whose states "
-        "lie in the buffer pool's shared memory to a helper process of its own, which hashes, tests and writes "
-        "them beside its own GIL; the summary's host path line says how many).",
-        option="--no-write-helpers",
-        negate=True,
+    write_helpers: WriteHelpers = setting(
+        "auto",
+        "Who hashes, tests and writes the sample files whose states lie in the buffer pool's shared memory: on (a "
+        "helper process for each writer thread, beside its own GIL), off (the writer threads), auto (on where the "
+        "run has more than 8 write workers, the most threads that scale; the summary's host path line says which).",
         section=OUTPUT,
     )
     checksum: Checksum | None = setting(

@@ -42,7 +42,7 @@ from speculators_v016.checks.logit_check import LogitChecker
 from speculators_v016.checks.self_check import HoldBack, NonFiniteError, WriterScreen
 from speculators_v016.checks.self_check import SelfCheckError as SelfCheckError  # re-exported: callers import it here
 from speculators_v016.checks.zero_embeddings import zero_embedding_ids
-from speculators_v016.config import RunConfig, write_workers_for
+from speculators_v016.config import RunConfig, write_helpers_used, write_workers_for
 from speculators_v016.engine import arg_kinds
 from speculators_v016.engine.buffer_pool import MALLOC_MMAP_CEILING, BufferPool
 from speculators_v016.engine.engine_args import check_engine_args, vllm_defaults
@@ -268,7 +268,7 @@ def _run_work(opts, work, target, model_config, directory, plan, summary, starte
         weight = disk_forecast.stored_token_bytes(
             len(plan.layer_ids), model_config.get_hidden_size(), model_config.dtype.itemsize, opts.engine.fp8
         )
-        opts = replace(opts, write_workers=write_workers_for(len(cpus), weight, opts.write_helpers))
+        opts = replace(opts, write_workers=write_workers_for(len(cpus), weight, opts.write_helpers != "off"))
     generator = VllmHiddenStatesGenerator.from_config(opts.engine, plan)
     try:
         config = existing or _new_config(generator, opts, work, fp, len(mine))
@@ -460,8 +460,9 @@ def _generate(
     # each sample's states: one block, back to the pool once its file is written; on a CPU engine, whose forward
     # shares this process's heap, samples under glibc's mmap ceiling come fresh (speculators_v016.engine.buffer_pool)
     # (shared memory with write helpers: their processes read the states where they lie, speculators_v016.store.write_helper)
+    helpers = write_helpers_used(opts.write_helpers, opts.write_workers)
     pool = BufferPool(fresh_below=MALLOC_MMAP_CEILING if engine.device_type == "cpu" else 0, align=DATA_ALIGN,
-                      shared=opts.write_helpers)  # fmt: skip
+                      shared=helpers)  # fmt: skip
     stats = engine.stats  # the engine's thread's time, counted from here
     before = (stats.stepped, stats.copied, stats.copy_thread, stats.copy_waited)
 
@@ -476,7 +477,7 @@ def _generate(
         model_args=model_args,
         screen=WriterScreen(layer_ids, zero_ids),  # the degenerate-row screen, off the engine's thread
         direct=opts.direct_io,
-        shared_blocks=pool if opts.write_helpers else None,
+        shared_blocks=pool if helpers else None,
     )
     if engine.device_type != "cpu":  # every sample of a GPU engine is in the pool's shared blocks
         writer.start_helpers()

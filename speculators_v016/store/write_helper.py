@@ -165,6 +165,10 @@ class WriteHelper:
     def close(self, timeout: float = 10.0) -> None:
         """End the helper (its socket closed: it exits once its current file is done) and reap it."""
         self.sock.close()
+        self.reap(timeout)
+
+    def reap(self, timeout: float = 10.0) -> None:
+        """Wait for the helper's exit (its socket closed), killing it after ``timeout`` seconds."""
         try:
             self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -252,6 +256,7 @@ def main(argv: list[str]) -> None:
             pass
     with socket.socket(fileno=int(argv[0])) as sock:
         _serve(sock)
+    os._exit(0)  # every file it wrote is closed and answered for: no interpreter teardown to wait for
 
 
 if __name__ == "__main__":

@@ -369,9 +369,11 @@ class SampleWriter:
                 thread.join()
         finally:
             self._closed = True
-            for helper in self._helpers:
-                if helper is not None:
-                    helper.close()
+            helpers = [h for h in self._helpers if h is not None]
+            for helper in helpers:  # all told at once, then reaped: they exit together
+                helper.sock.close()
+            for helper in helpers:
+                helper.reap()
             self.commit.close()
         self._raise_if_failed()
 

@@ -232,7 +232,8 @@ def test_write_helpers_write_a_gpu_pools_samples_as_the_threads_do(tmp_path, mod
     """A GPU engine's pool (every sample in shared blocks): helpers write all 40 files, the reference run's bytes."""
     out = tmp_path / "helped"
     args = [sys.executable, "-m", "speculators_v016.testing.faults", "--target-model-path", model_dir,
-            "--train-data-path", data_file, "--output-dir", out, "--seq-length", 256, "--token-freq-path", ""]  # fmt: skip
+            "--train-data-path", data_file, "--output-dir", out, "--seq-length", 256, "--token-freq-path", "",
+            "--write-helpers", "on"]  # fmt: skip
     env = {**os.environ, **CPU, GPU_POOL: "1"}
     proc = subprocess.run([str(a) for a in args], env=env, capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
@@ -274,7 +275,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, model_dir, data_file
         "thread",  # killed while a step's rows are on the copy thread (the GPU default); resumed inline
     ]
     env = {**os.environ, **CPU, "SPECULATORS_V016_FAULT": "pace:100"}  # a sample a 0.1 s at most
-    env.update({GPU_POOL: "1"} if helpers else {})
+    env.update({GPU_POOL: "1", "SPECULATORS_DATA_GEN_WRITE_HELPERS": "on"} if helpers else {})
     proc = subprocess.Popen([str(a) for a in args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:

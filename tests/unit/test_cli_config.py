@@ -357,6 +357,20 @@ def test_run_write_workers_follow_the_width_and_the_cores(cores, hidden, fp8, wo
     assert config.write_workers_for(cores, weight) == workers
 
 
+@pytest.mark.parametrize(
+    ("cores", "hidden", "fp8", "workers", "helped"),
+    [(16, 7168, False, 12, True), (16, 4096, False, 8, False), (16, 7168, True, 7, False), (2, 7168, False, 4, False),
+     (64, 7168, False, 14, True), (12, 7168, False, 9, True)],
+)  # fmt: skip
+def test_write_helpers_take_over_where_threads_stop_scaling(cores, hidden, fp8, workers, helped):
+    """With helpers the writers follow the width up to 3/4 of the cores; auto uses them past 8 writers only."""
+    weight = disk_forecast.stored_token_bytes(4, hidden, 2, fp8)
+    count = config.write_workers_for(cores, weight, helpers=True)
+    assert count == workers and config.write_helpers_used("auto", count) is helped
+    assert config.write_helpers_used("on", 4) and not config.write_helpers_used("off", 16)
+    assert RunConfig(engine=EngineConfig(model="m"), train_data_path=("d",), output_dir="o").write_helpers == "auto"
+
+
 def test_run_write_workers_default_is_resolved_by_the_run():
     """--write-workers left out is None in the config (the run resolves it from the model), given is kept."""
     assert RunConfig(engine=EngineConfig(model="m"), train_data_path=("d",), output_dir="o").write_workers is None

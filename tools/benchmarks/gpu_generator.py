@@ -289,7 +289,7 @@ def cli_rate(
     py_spy: Path | None = None,
     switch: float | None = None,
     chunk: int | None = None,
-    helpers: bool = True,
+    helpers: str | None = None,
 ) -> tuple[float, str]:
     """speculators-data-gen writing every sample (default options, the GPU build's engine arguments): its
     tokens/s from the first step to the last file made durable (the writers drained), from the summary, and
@@ -298,7 +298,7 @@ def cli_rate(
     the CLI's process runs with this GIL switch interval (``sys.setswitchinterval``, seconds; None: Python's 5 ms):
     a writer thread's every C call waits up to one interval for the GIL beside the engine thread's Python.
     ``chunk``: the writers hash and test this many bytes a call (``store/atomic_files.py``'s ``WRITE_CHUNK``;
-    None: its own). ``helpers``: False runs it with ``--no-write-helpers`` (the writer threads write every file)."""
+    None: its own). ``helpers``: its ``--write-helpers`` (None: its default, auto)."""
     settings = engine_settings(args)
     extra = {k: v for k, v in settings.items() if k not in OURS}
     module = "speculators_v016.testing.gpu_kit" if args.get("kimi") else "speculators_v016.run.cli"  # kimi: stand-ins
@@ -314,7 +314,7 @@ def cli_rate(
            "--max-num-batched-tokens", str(args["batched_tokens"]), "--token-freq-path", "", "--logit-check-samples",
            "0", "--no-progress", *(["--enforce-eager"] if args["eager"] else []),
            "--hidden-states-dtype", dtype, *(["--write-workers", str(workers)] if workers else []),
-           *([] if helpers else ["--no-write-helpers"])]  # fmt: skip
+           *(["--write-helpers", helpers] if helpers else [])]  # fmt: skip
     if py_spy is not None:
         py_spy.parent.mkdir(parents=True, exist_ok=True)
         cmd = ["py-spy", "record", "--threads", "--idle", "--nonblocking", "--rate", "100", "--format", "speedscope",
@@ -351,8 +351,8 @@ def main() -> None:
     ap.add_argument("--cli-write-chunks", type=int, nargs="+", help="also run the CLI with its writers hashing and "
                     "testing this many bytes a call (e.g. 1073741824: whole tensors; the writer's: 4 MiB), each in "
                     "turn (--cli)")  # fmt: skip
-    ap.add_argument("--cli-no-helpers", action="store_true", help="also run the CLI with --no-write-helpers, each "
-                    "variant in turn (--cli)")  # fmt: skip
+    ap.add_argument("--cli-write-helpers", nargs="+", choices=["auto", "on", "off"], help="the CLI's --write-helpers, "
+                    "each in turn for every variant (--cli; default: its default, auto)")  # fmt: skip
     ap.add_argument(
         "--cli-dtypes",
         nargs="+",
@@ -406,9 +406,7 @@ def main() -> None:
                     for workers in opts.cli_write_workers or [None]:
                         variants = [(None, None), *((s, None) for s in opts.cli_switch_intervals or []),
                                     *((None, c) for c in opts.cli_write_chunks or [])]  # fmt: skip
-                        for (switch, chunk), helpers in itertools.product(
-                            variants, (True, False)[: 1 + opts.cli_no_helpers]
-                        ):
+                        for (switch, chunk), helpers in itertools.product(variants, opts.cli_write_helpers or [None]):
                             done = [cli_rate(model, data, parent / "cli-out", args, workers, dtype, switch=switch,
                                              chunk=chunk, helpers=helpers) for _ in range(opts.cli_runs)]  # fmt: skip
                             cli.append((parent, disk, dtype, workers, (switch, chunk, helpers), [r for r, _ in done],
@@ -444,7 +442,7 @@ def main() -> None:
                 stored = "bf16" if dtype == "auto" else dtype
                 gil = "" if switch is None else f", GIL switch interval {switch * 1e3:g} ms"
                 gil += "" if chunk is None else f", writers hashing {chunk / 2**20:g} MiB a call"
-                gil += "" if helpers else ", --no-write-helpers"
+                gil += "" if helpers is None else f", --write-helpers {helpers}"
                 print(f"  CLI writing files under {parent} (one thread writes {disk:.2f} GiB/s there), {stored} "
                       f"stored, {workers or 'default'} write workers{gil}: {statistics.median(runs):,.0f} tokens/s to the "
                       f"last durable file (runs: {', '.join(f'{v:,.0f}' for v in runs)}); ratio CLI / uni: "
