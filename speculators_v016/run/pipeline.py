@@ -428,8 +428,8 @@ def _paths(host: dict) -> str:
 
 
 def _cpu_since(before: os.times_result) -> float:
-    """CPU seconds (user + system, every thread) this process and its children ended since (the write helpers)
-    used since ``before`` (``os.times()``)."""
+    """CPU seconds (user + system, every thread) used since ``before`` (``os.times()``) by this process and by its
+    children that ended meanwhile (the write helpers, reaped when the writer closes)."""
     now = os.times()
     return sum(getattr(now, k) - getattr(before, k) for k in ("user", "system", "children_user", "children_system"))
 

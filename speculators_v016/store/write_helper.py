@@ -162,9 +162,13 @@ class WriteHelper:
         said = "still running" if status is None else f"exit status {status}"
         return HelperGone(f"the write helper process (pid {self.process.pid}) is gone: {how}; {said}")
 
-    def close(self, timeout: float = 10.0) -> None:
-        """End the helper (its socket closed: it exits once its current file is done) and reap it."""
+    def end(self) -> None:
+        """Tell the helper to end: its socket closed, it exits once its current file is done."""
         self.sock.close()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """End the helper and reap it."""
+        self.end()
         self.reap(timeout)
 
     def reap(self, timeout: float = 10.0) -> None:

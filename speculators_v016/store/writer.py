@@ -371,7 +371,7 @@ class SampleWriter:
             self._closed = True
             helpers = [h for h in self._helpers if h is not None]
             for helper in helpers:  # all told at once, then reaped: they exit together
-                helper.sock.close()
+                helper.end()
             for helper in helpers:
                 helper.reap()
             self.commit.close()
