@@ -1,13 +1,9 @@
 """Generating requests on the engine: vLLM's own tokens, and decode-time states equal to a prefill capture."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from helpers.llm_reference import llm_generate
 from helpers.reference import TOLERANCE, hf_layer_outputs, random_prompts
 from speculators_v016.checks.logit_check import LogitChecker
 from speculators_v016.engine.assembly import expected_rows
@@ -20,7 +16,6 @@ LAYERS = 4
 ENGINE = dict(max_model_len=256, dtype="float32", enforce_eager=True, max_num_batched_tokens=48, max_num_seqs=4)
 LENGTHS = [5, 70, 17, 33, 3, 120, 9, 41]
 NEW = 24
-HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module", params=["llama", "mixtral"])
@@ -113,14 +108,7 @@ def vllm_tokens(family, prompts, stop_ids, tmp_path_factory):
         "engine": ENGINE,
         "sampling": {"max_tokens": NEW, "temperature": 0.0, "stop_token_ids": sorted(stop_ids)},
     }
-    (where / "args.json").write_text(json.dumps(args))
-    subprocess.run(
-        [sys.executable, str(HERE.parent / "helpers" / "llm_generate.py"), where / "args.json", where / "out.json"],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
-    return json.loads((where / "out.json").read_text())
+    return llm_generate(args, where)
 
 
 def test_greedy_regeneration_is_llm_generate_token_for_token(greedy, vllm_tokens, stop_ids):

@@ -1,14 +1,11 @@
 """Tensor parallelism 2 through vLLM's multiprocess executor on CPU."""
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from helpers.llm_reference import llm_generate
 from helpers.reference import CHUNKED_ENGINE, NUM_LAYERS, TOLERANCE, random_prompts
 from speculators_v016.checks.logit_check import LogitChecker
 from speculators_v016.engine.generation import Generation
@@ -70,13 +67,7 @@ def llm_generate_tp2(model_dir, prompts, where) -> list[list[int]]:
     engine = {k: v for k, v in ENGINE.items() if k != "layer_ids"}
     engine.update(tensor_parallel_size=2, distributed_executor_backend="mp")
     sampling = {"max_tokens": 24, "temperature": 0.0, "stop_token_ids": [2]}
-    (where / "args.json").write_text(json.dumps({"model": model_dir, "prompts": prompts, "engine": engine,
-                                                  "sampling": sampling}))  # fmt: skip
-    script = Path(__file__).parents[1] / "helpers" / "llm_generate.py"
-    proc = subprocess.run([sys.executable, script, where / "args.json", where / "out.json"], capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((where / "out.json").read_text())
+    return llm_generate({"model": model_dir, "prompts": prompts, "engine": engine, "sampling": sampling}, where)
 
 
 def regenerate(gen, prompts) -> dict:
