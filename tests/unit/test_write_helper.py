@@ -120,7 +120,7 @@ def test_a_link_at_the_helpers_temporary_name_is_refused_and_left(tmp_path):
     pool = BufferPool(align=DATA_ALIGN, shared=True)
     writer = SampleWriter(tmp_path, "safetensors", LAYERS, workers=1, shared_blocks=pool)
     sample, block = pooled(pool, 0, 30)
-    writer.put(0, sample, done=lambda: pool.give_back(block))
+    writer.put(0, sample, done=lambda b=block: pool.give_back(b))
     while writer.helped < 1:
         time.sleep(0.01)
     pid = writer._helpers[0].process.pid
@@ -128,7 +128,7 @@ def test_a_link_at_the_helpers_temporary_name_is_refused_and_left(tmp_path):
     target.write_text("not yours")
     (tmp_path / f".tmp-data_1.safetensors.{pid}").symlink_to(target)
     sample, block = pooled(pool, 1, 30)
-    writer.put(1, sample, done=lambda: pool.give_back(block))
+    writer.put(1, sample, done=lambda b=block: pool.give_back(b))
     with pytest.raises(LinkedEntryError, match=r"\.tmp-data_1\.safetensors\.\d+: a symbolic link"):
         writer.close()
     assert target.read_text() == "not yours" and (tmp_path / f".tmp-data_1.safetensors.{pid}").is_symlink()
@@ -144,7 +144,7 @@ def test_a_write_the_helper_cannot_make_is_a_write_error_naming_the_file(tmp_pat
     before_signal = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, before_limit[1]))
     try:
-        writer.put(0, sample, done=lambda: pool.give_back(block))
+        writer.put(0, sample, done=lambda b=block: pool.give_back(b))
         while writer.helped == 0 and writer.error is None:  # the helper starts (and takes the limit) here
             time.sleep(0.01)
     finally:
@@ -161,7 +161,7 @@ def test_a_helper_killed_stops_the_run_and_keeps_what_was_listed(tmp_path):
     pool = BufferPool(align=DATA_ALIGN, shared=True)
     writer = SampleWriter(tmp_path, "safetensors", LAYERS, workers=1, shared_blocks=pool, commit_interval=0.01)
     sample, block = pooled(pool, 0, 30)
-    writer.put(0, sample, done=lambda: pool.give_back(block))
+    writer.put(0, sample, done=lambda b=block: pool.give_back(b))
     while writer.written < 1:
         time.sleep(0.01)
     helper = writer._helpers[0].process
