@@ -3,8 +3,8 @@
 A writer thread hashes, tests and writes a file in C calls that release the GIL, and takes it back between
 them (a few times per 4 MiB chunk). On an H200 host at hidden 7168 (8.7 GiB/s of bf16 states) 8 threads
 wrote 8.24 GiB/s on 8.4 cores and 12 or 16 threads no faster, on 8.6 cores (``tools/benchmarks/host_path.py``):
-past 8 the threads waited for each other, not for the cores. A helper is a child process (this module run
-as a program, importing neither torch nor vLLM) that does a writer thread's heavy part for it: the thread
+past 8 the threads waited for each other, not for the cores. A helper is a child process (this module's :func:`main`,
+importing neither torch nor vLLM, from the same package folder as its parent) that does a writer thread's heavy part for it: the thread
 sends the file's parts, the helper writes the file (:func:`~speculators_v016.store.atomic_files.write_durable`:
 temporary name, the NaN/Inf test on each chunk, hash, fsync, rename; with ``O_DIRECT`` where the file
 system takes it) and answers with its size and digest, and the thread waits on its socket without the GIL.
@@ -56,6 +56,12 @@ MAX_FDS = 16
 MAX_JSON = 1 << 20
 #: A helper's first message, once its imports are done.
 HELLO = b"speculators-write-helper ready"
+#: The folder this process imported ``speculators_v016`` from: a helper imports its code from there, never from
+#: its working folder (``python -m`` would look there first: a checkout of another version the run was started
+#: in would then write the files).
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+#: A helper's program (``python -c``): argv ``[PACKAGE_ROOT, fd, settings]``, the first taken as sys.path[0].
+LAUNCH = "import sys; sys.path[0] = sys.argv.pop(1); from speculators_v016.store.write_helper import main; main(sys.argv[1:])"
 
 
 class HelperGone(RuntimeError):
@@ -73,7 +79,7 @@ class WriteHelper:
         settings = json.dumps({"nice": nice, "cpus": sorted(cpus) if cpus else None})
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(theirs.fileno()), settings],
+                [sys.executable, "-c", LAUNCH, PACKAGE_ROOT, str(theirs.fileno()), settings],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 close_fds=True,

@@ -223,6 +223,24 @@ def test_the_helper_program_imports_no_torch():
     assert json.loads(out.replace("'", '"')) == []
 
 
+def test_a_helper_runs_its_parents_code_not_a_package_in_the_working_folder(tmp_path, monkeypatch):
+    """A run started in a folder holding another speculators_v016 (a checkout): its helpers still run this one."""
+    decoy = tmp_path / "cwd" / "speculators_v016" / "store"
+    decoy.mkdir(parents=True)
+    for init in (decoy / "__init__.py", decoy.parent / "__init__.py"):
+        init.write_text("")
+    (decoy / "write_helper.py").write_text("raise SystemExit('the working folder's write helper ran')\n")
+    monkeypatch.chdir(tmp_path / "cwd")
+    out = tmp_path / "out"
+    out.mkdir()
+    pool = BufferPool(align=DATA_ALIGN, shared=True)
+    writer = SampleWriter(out, "safetensors", LAYERS, workers=1, shared_blocks=pool)
+    sample, block = pooled(pool, 0, 40)
+    writer.put(0, sample, done=lambda b=block: pool.give_back(b))
+    writer.close()
+    assert writer.helped == 1 and sorted(Manifest(out).entries()) == [0]
+
+
 def test_helpers_end_with_a_killed_parent(tmp_path):
     """The writing process SIGKILLed mid-run: its helpers exit; listed files are whole, no temporary file grows."""
     script = textwrap.dedent(f"""
