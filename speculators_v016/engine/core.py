@@ -113,6 +113,12 @@ class _Waited(NamedTuple):
 START_ATTEMPTS = 3
 
 
+def says_port_taken(text: str) -> bool:
+    """Does this error text (an exception's, or a worker process's output) say torch's store found its port
+    taken (EADDRINUSE)?"""
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
 def port_taken(exc: BaseException) -> bool:
     """Did an engine start fail because its rendezvous port was taken? vLLM picks a free port, closes it and
     binds it again later; another process (a second run on the node, any outgoing connection) can take it
@@ -120,8 +126,7 @@ def port_taken(exc: BaseException) -> bool:
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        text = str(exc)
-        if "EADDRINUSE" in text or "address already in use" in text.lower():
+        if says_port_taken(str(exc)):
             return True
         exc = exc.__cause__ or exc.__context__
     return False

@@ -3,9 +3,9 @@
 A writer thread hashes, tests and writes a file in C calls that release the GIL, and takes it back between
 them (a few times per 4 MiB chunk). On an H200 host at hidden 7168 (8.7 GiB/s of bf16 states) 8 threads
 wrote 8.24 GiB/s on 8.4 cores and 12 or 16 threads no faster, on 8.6 cores (``tools/benchmarks/host_path.py``):
-past 8 the threads waited for each other, not for the cores. A helper is a child process (this module's :func:`main`,
-importing neither torch nor vLLM, from the same package folder as its parent) that does a writer thread's heavy part for it: the thread
-sends the file's parts, the helper writes the file (:func:`~speculators_v016.store.atomic_files.write_durable`:
+past 8 the threads waited for each other, not for the cores. A helper is a child process (this module's
+:func:`main`, importing neither torch nor vLLM, from its parent's package folder) that does a writer thread's
+heavy part for it: the thread sends the file's parts, the helper writes the file (:func:`~speculators_v016.store.atomic_files.write_durable`:
 temporary name, the NaN/Inf test on each chunk, hash, fsync, rename; with ``O_DIRECT`` where the file
 system takes it) and answers with its size and digest, and the thread waits on its socket without the GIL.
 
@@ -60,8 +60,12 @@ HELLO = b"speculators-write-helper ready"
 #: its working folder (``python -m`` would look there first: a checkout of another version the run was started
 #: in would then write the files).
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
-#: A helper's program (``python -c``): argv ``[PACKAGE_ROOT, fd, settings]``, the first taken as sys.path[0].
-LAUNCH = "import sys; sys.path[0] = sys.argv.pop(1); from speculators_v016.store.write_helper import main; main(sys.argv[1:])"
+#: A helper's program (``python -c``): argv ``[PACKAGE_ROOT, fd, settings]``; the first goes first on sys.path, the
+#: working folder ('') off it.
+LAUNCH = (
+    "import sys; sys.path[:] = [sys.argv.pop(1)] + [p for p in sys.path if p]; "
+    "from speculators_v016.store.write_helper import main; main(sys.argv[1:])"
+)
 
 
 class HelperGone(RuntimeError):
@@ -267,7 +271,3 @@ def main(argv: list[str]) -> None:
     with socket.socket(fileno=int(argv[0])) as sock:
         _serve(sock)
     os._exit(0)  # every file it wrote is closed and answered for: no interpreter teardown to wait for
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

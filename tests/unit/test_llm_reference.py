@@ -3,6 +3,7 @@
 import pytest
 
 from helpers import llm_reference
+from speculators_v016.engine.core import START_ATTEMPTS
 
 # A stand-in for llm_generate.py: counts its runs, fails the first ``fail`` of them with ``error``, then writes tokens.
 STAND_IN = """
@@ -46,6 +47,6 @@ def test_any_other_failure_is_not_retried_and_shows_its_first_traceback(stand_in
 
 def test_a_port_taken_every_time_gives_up_after_the_attempts(stand_in):
     """The port taken on every start: the generator's number of attempts, then the failure with its cause."""
-    with pytest.raises(AssertionError, match=rf"(?s)attempt {llm_reference.ATTEMPTS}\):\nfirst traceback:.*EADDRINUSE"):
+    with pytest.raises(AssertionError, match=rf"(?s)attempt {START_ATTEMPTS}\):\nfirst traceback:.*EADDRINUSE"):
         llm_reference.llm_generate({"fail": 99, "error": PORT_TAKEN}, stand_in)
-    assert (stand_in / "runs").read_text() == str(llm_reference.ATTEMPTS)
+    assert (stand_in / "runs").read_text() == str(START_ATTEMPTS)
