@@ -119,6 +119,16 @@ def test_a_killed_run_resumes_within_the_bounds(tmp_path, model_dir, data_file, 
     same_within_noise(load_all(out), load_all(default_run), "cli-resume-vs-default")
 
 
+def test_write_helpers_on_the_gpu_write_what_the_threads_wrote(tmp_path, model_dir, data_file, default_run):
+    """--write-helpers on (auto picks them on a wide model's host): each file written by a helper process from the
+    pool's shared memory, which the GPU's copies fill; checks pass, the summary counts them, the same states."""
+    out = tmp_path / "out"
+    result = run(model_dir, data_file, out, "--write-helpers", "on")
+    assert_ok(result)
+    assert f"({COUNT} files written by their helper processes)" in result.output, result.output[-3000:]
+    same_within_noise(load_all(out), load_all(default_run), "cli-write-helpers-vs-threads")
+
+
 def test_fp8_storage_is_within_its_bound_of_the_bf16_run(tmp_path, model_dir, data_file, default_run):
     """--hidden-states-dtype fp8_e4m3 on the GPU (Triton quantizer): checks pass, each row within 2**-4 of its
     largest |value| of the bf16 run's (e4m3's 3 bits; the two runs' own bf16 noise is 16x smaller)."""

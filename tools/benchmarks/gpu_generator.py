@@ -61,6 +61,7 @@ STAND_INS = "SPECULATORS_BENCH_STAND_INS"
 #: engine settings that are the generator's own keywords (the rest go through extra_engine_args)
 OURS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "enforce_eager")
 CAPTURE = 4  # layers captured: 1, n//2, n-2, n-1 of the bench model
+TRACE_PROMPTS = 48  # --profile-trace: prompts of the traced pass (~15 steps; its trace a few MB gzipped)
 
 
 def shape_key(text: str):
@@ -165,6 +166,9 @@ def side(args: dict) -> None:
         if line.strip() == "profile":
             print(json.dumps(profile(one_pass, batch)), flush=True)
             continue
+        if line.startswith("trace "):  # trace PATH: a shorter pass, the host's ops too, for trace_gaps
+            print(json.dumps(trace(one_pass, batch[:TRACE_PROMPTS], Path(line[6:].strip()))), flush=True)
+            continue
         start = time.perf_counter()
         one_pass(batch)
         seconds = time.perf_counter() - start
@@ -176,10 +180,12 @@ def profile(one_pass, batch) -> dict:
     import torch  # noqa: PLC0415 - the child has it loaded already
     from torch.profiler import ProfilerActivity  # noqa: PLC0415 - the same
 
-    with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+    gpu = torch.cuda.is_available()  # a CPU trial of the script: no device events
+    with torch.profiler.profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         one_pass(batch)
-        torch.cuda.synchronize()
+        if gpu:
+            torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - start) * 1e3
     kinds: dict[str, float] = {}
     spans: list[tuple[float, float]] = []  # (start, end) in µs of every device event but the device-to-host copies
@@ -200,6 +206,31 @@ def profile(one_pass, batch) -> dict:
     return {"gpu_ms": {k: v / 1e3 for k, v in kinds.items()}, "share": {k: v / total for k, v in kinds.items()},
             "wall_ms": wall_ms, "compute_busy": kinds.get("compute", 0.0) / 1e3 / wall_ms,
             "idle": idle_gaps(spans)}  # fmt: skip
+
+
+def trace(one_pass, batch, path: Path) -> dict:
+    """One pass of ``batch`` under torch's profiler with the host's ops and CUDA calls too (no Python stacks: their
+    cost would make every gap the host's), its Chrome trace gzipped at ``path``, and trace_gaps' report of it."""
+    import gzip  # noqa: PLC0415 - only here
+    import shutil  # noqa: PLC0415 - the same
+
+    import torch  # noqa: PLC0415 - the child has it loaded already
+    from torch.profiler import ProfilerActivity  # noqa: PLC0415 - the same
+    from trace_gaps import describe, gap_report, load  # noqa: PLC0415 - the same
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.is_available()  # a CPU trial of the script: the host's ops alone
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if gpu else [])]) as prof:
+        one_pass(batch)
+        if gpu:
+            torch.cuda.synchronize()
+    raw = path.with_suffix("")  # PATH is NAME.json.gz
+    prof.export_chrome_trace(str(raw))
+    with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    report = gap_report(load(raw))
+    raw.unlink()
+    return {"report": report, "text": describe(report), "path": str(path), "prompts": len(batch)}
 
 
 def idle_gaps(spans: list[tuple[float, float]]) -> dict:
@@ -329,6 +360,17 @@ def cli_rate(
     return float(found.group(1).replace(",", "")), host.group(1).strip() if host else ""
 
 
+def cli_writers(hidden: int, layers: int, dtype: str, workers: int | None, helpers: str | None) -> tuple[int, bool]:
+    """The write workers and whether helpers write, as the CLI resolves them on this host (run/pipeline.py)."""
+    from speculators_v016.config import write_helpers_used, write_workers_for  # noqa: PLC0415 - parent only
+    from speculators_v016.store.disk_forecast import stored_token_bytes  # noqa: PLC0415 - the same
+
+    setting = helpers or "auto"
+    weight = stored_token_bytes(layers, hidden, 2, dtype == "fp8_e4m3")
+    count = workers or write_workers_for(len(os.sched_getaffinity(0)), weight, setting != "off")
+    return count, write_helpers_used(setting, count)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", type=shape_key, nargs="+", default=[4096, 7168], choices=list(SHAPES))
@@ -367,6 +409,9 @@ def main() -> None:
                     "py-spy (--nonblocking: the process is not paused; its child processes too), the speedscope "
                     "profiles gzipped into this folder (not timed)")  # fmt: skip
     ap.add_argument("--profile", action="store_true", help="GPU time in our copies (torch profiler, uni side)")
+    ap.add_argument("--profile-trace", type=Path, help="also a shorter uni pass traced with the host's ops "
+                    "(trace_gaps.py: the device's idle gaps and what the host ran in them), its Chrome trace "
+                    "gzipped into this folder")  # fmt: skip
     ap.add_argument("--eager", action="store_true", help="eager engines (a trial; measurements are compiled)")
     ap.add_argument("--where", default="/tmp/speculators-v016-gpu-bench")
     opts = ap.parse_args()
@@ -390,6 +435,9 @@ def main() -> None:
             for running in sides:
                 rates[running.name].append(running.ask()["tokens_per_s"])
         prof = next((x.ask("profile") for x in sides if x.name == "uni"), None) if opts.profile else None
+        if prof is not None and opts.profile_trace:
+            path = opts.profile_trace.resolve() / f"trace-{hidden}-uni.json.gz"
+            prof["trace"] = next(x.ask(f"trace {path}") for x in sides if x.name == "uni")
         for running in sides if opts.side_py_spy else []:
             side_py_spy(running, opts.side_py_spy / f"side-{hidden}-{running.name}.speedscope.json")
         for running in sides:
@@ -406,7 +454,15 @@ def main() -> None:
                     for workers in opts.cli_write_workers or [None]:
                         variants = [(None, None), *((s, None) for s in opts.cli_switch_intervals or []),
                                     *((None, c) for c in opts.cli_write_chunks or [])]  # fmt: skip
+                        ran = set()  # the writers each variant resolves to: one that repeats another is not run again
                         for (switch, chunk), helpers in itertools.product(variants, opts.cli_write_helpers or [None]):
+                            writers = cli_writers(s.get("hidden", hidden), len(layer_ids(s["layers"])), dtype, workers,
+                                                  helpers)  # fmt: skip
+                            if (switch, chunk, writers) in ran:
+                                print(f"CLI --write-helpers {helpers} at {hidden} {dtype}: the same writers as a run "
+                                      f"before ({writers}), not run again", file=sys.stderr, flush=True)  # fmt: skip
+                                continue
+                            ran.add((switch, chunk, writers))
                             done = [cli_rate(model, data, parent / "cli-out", args, workers, dtype, switch=switch,
                                              chunk=chunk, helpers=helpers) for _ in range(opts.cli_runs)]  # fmt: skip
                             cli.append((parent, disk, dtype, workers, (switch, chunk, helpers), [r for r, _ in done],
@@ -460,6 +516,10 @@ def main() -> None:
                           f"{idle['idle_ms']:,.1f} ms; in {idle['gaps_0.1ms']:,} gaps of 0.1 ms or more "
                           f"{idle['idle_in_gaps_0.1ms_ms']:,.1f} ms, in {idle['gaps_1ms']:,} of 1 ms or more "
                           f"{idle['idle_in_gaps_1ms_ms']:,.1f} ms; the largest {idle['largest_gap_ms']:.2f} ms")  # fmt: skip
+                traced = prof.get("trace")
+                if traced:
+                    print(f"  traced uni pass of {traced['prompts']} prompts (CPU and CUDA activities; trace_gaps.py): "
+                          f"{traced['text']}")  # fmt: skip
             for name, m in memory_lines.items():
                 staging = m["staging"]
                 print(f"  {name}: capture ring {m['ring']} (host memory; on a GPU the output worker registers it as pinned memory: "

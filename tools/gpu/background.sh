@@ -7,7 +7,7 @@
 # $GPU_BG/rc once it ends; it may write results under $GPU_BG/out. Each poll prints the log's tail and, once
 # the job has ended, packs $GPU_BG and docs/benchmarks (the pages a benchmark wrote, their history kept) into
 # $OUT/gpu-bg.tgz (the device tool brings $OUT back) and exits with the job's status; while it still runs,
-# poll exits 75 (EX_TEMPFAIL): call poll again.
+# poll copies the log so far to $OUT/gpu-bg.log, the files directly under $GPU_BG/out to $OUT, and exits 75 (EX_TEMPFAIL): call poll again.
 set -uo pipefail
 bg=${GPU_BG:-/tmp/gpu-bg}
 case "${1:-}" in
@@ -33,6 +33,8 @@ poll)
     done
     tail -n 40 "$bg/log"
     if [ ! -e "$bg/rc" ]; then
+        mkdir -p "${OUT:-gpu-out}" && cp "$bg/log" "${OUT:-gpu-out}/gpu-bg.log"  # so far, should the machine go:
+        find "$bg/out" -maxdepth 1 -type f -exec cp {} "${OUT:-gpu-out}/" \;  # and what the job finished so far
         echo "still running after ${limit} s: poll again"
         exit 75
     fi
