@@ -62,7 +62,7 @@ RowCopyPlace = Literal["auto", "thread", "inline"]
 #: Who writes the sample files (speculators_v016.store.write_helper): "auto" helper processes where a run has
 #: more writers than threads scale to (MAX_WRITE_WORKERS), "on" always (states in the pool's shared blocks),
 #: "off" the writer threads themselves.
-WriteHelpers = Literal["auto", "on", "off"]
+WriteHelpers = Literal["on", "off"]
 #: How hidden states are stored: "auto" in the engine's dtype; "fp8_e4m3": e4m3 codes + a float32 scale
 #: per token per layer, quantized in the worker's capture (:mod:`speculators_v016.fp8`).
 HiddenStatesDtype = Literal["auto", "fp8_e4m3"]
@@ -116,10 +116,11 @@ WRITER_TOKEN_BYTES = 4096
 MAX_WRITE_WORKERS = 8
 
 
-def write_helpers_used(setting: str, workers: int) -> bool:
-    """Whether a run's writers hand their files to helper processes: ``--write-helpers`` on, or auto with more
-    write workers than :data:`MAX_WRITE_WORKERS` (threads beyond it only contend)."""
-    return setting == "on" or (setting == "auto" and workers > MAX_WRITE_WORKERS)
+def write_helpers_used(setting: str) -> bool:
+    """Whether a run's writers hand their files to helper processes: ``--write-helpers on`` only. On the H100 host
+    (2026-12-05, hidden 7168, bf16, files in RAM) 12 writers with helpers made 90,763 tokens/s against 120,548 for 8
+    threads (1.77 against 1.04 CPU-s per GiB), and in FP8 151,835 against 154,267 with 7: no default takes them."""
+    return setting == "on"
 
 
 def write_workers_for(cores: int, token_bytes: int, helpers: bool = False) -> int:
@@ -651,7 +652,7 @@ class RunConfig:
     write_workers: int | None = setting(
         None,
         "Threads writing sample files (default: one per 4 KiB a token weighs on disk, at least 4 and at most "
-        "three quarters of the cores, 8 at most with --write-helpers off; the summary's host path line says how "
+        "three quarters of the cores, 8 at most unless --write-helpers on; the summary's host path line says how "
         "many).",
         section=OUTPUT,
         min=1,
@@ -665,10 +666,10 @@ class RunConfig:
         section=OUTPUT,
     )
     write_helpers: WriteHelpers = setting(
-        "auto",
-        "Who hashes, tests and writes the sample files whose states lie in the buffer pool's shared memory: on (a "
-        "helper process for each writer thread, beside its own GIL), off (the writer threads), auto (on where the "
-        "run has more than 8 write workers, the most threads that scale; the summary's host path line says which).",
+        "off",
+        "Who hashes, tests and writes the sample files whose states lie in the buffer pool's shared memory: off (the "
+        "writer threads) or on (a helper process for each writer thread, beside its own GIL; slower on the GPU host "
+        "measured so far: docs/commands/run.md; the summary's host path line says which).",
         section=OUTPUT,
     )
     checksum: Checksum | None = setting(

@@ -268,7 +268,7 @@ def _run_work(opts, work, target, model_config, directory, plan, summary, starte
         weight = disk_forecast.stored_token_bytes(
             len(plan.layer_ids), model_config.get_hidden_size(), model_config.dtype.itemsize, opts.engine.fp8
         )
-        opts = replace(opts, write_workers=write_workers_for(len(cpus), weight, opts.write_helpers != "off"))
+        opts = replace(opts, write_workers=write_workers_for(len(cpus), weight, write_helpers_used(opts.write_helpers)))
     generator = VllmHiddenStatesGenerator.from_config(opts.engine, plan)
     try:
         config = existing or _new_config(generator, opts, work, fp, len(mine))
@@ -460,7 +460,7 @@ def _generate(
     # each sample's states: one block, back to the pool once its file is written; on a CPU engine, whose forward
     # shares this process's heap, samples under glibc's mmap ceiling come fresh (speculators_v016.engine.buffer_pool)
     # (shared memory with write helpers: their processes read the states where they lie, speculators_v016.store.write_helper)
-    helpers = write_helpers_used(opts.write_helpers, opts.write_workers)
+    helpers = write_helpers_used(opts.write_helpers)
     pool = BufferPool(fresh_below=MALLOC_MMAP_CEILING if engine.device_type == "cpu" else 0, align=DATA_ALIGN,
                       shared=helpers)  # fmt: skip
     stats = engine.stats  # the engine's thread's time, counted from here

@@ -120,8 +120,8 @@ def test_a_killed_run_resumes_within_the_bounds(tmp_path, model_dir, data_file, 
 
 
 def test_write_helpers_on_the_gpu_write_what_the_threads_wrote(tmp_path, model_dir, data_file, default_run):
-    """--write-helpers on (auto picks them on a wide model's host): each file written by a helper process from the
-    pool's shared memory, which the GPU's copies fill; checks pass, the summary counts them, the same states."""
+    """--write-helpers on: each file written by a helper process from the pool's shared memory, which the GPU's
+    copies fill; checks pass, the summary counts them, the same states as the threads' default run."""
     out = tmp_path / "out"
     result = run(model_dir, data_file, out, "--write-helpers", "on")
     assert_ok(result)

@@ -7,7 +7,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "tools" / "benchmarks"
-SCRIPTS = sorted(p for p in BENCHMARKS.glob("*.py") if p.stem not in ("common", "report"))
+#: the scripts' shared modules (helpers, no page of their own): the rest are benchmarks
+SHARED = ("common", "report", "trace_gaps")
+SCRIPTS = sorted(p for p in BENCHMARKS.glob("*.py") if p.stem not in SHARED)
 
 
 def _report():

@@ -358,17 +358,26 @@ def test_run_write_workers_follow_the_width_and_the_cores(cores, hidden, fp8, wo
 
 
 @pytest.mark.parametrize(
-    ("cores", "hidden", "fp8", "workers", "helped"),
-    [(16, 7168, False, 12, True), (16, 4096, False, 8, False), (16, 7168, True, 7, False), (2, 7168, False, 4, False),
-     (64, 7168, False, 14, True), (12, 7168, False, 9, True)],
+    ("cores", "hidden", "fp8", "workers"),
+    [(16, 7168, False, 12), (16, 4096, False, 8), (16, 7168, True, 7), (2, 7168, False, 4), (64, 7168, False, 14),
+     (12, 7168, False, 9)],
 )  # fmt: skip
-def test_write_helpers_take_over_where_threads_stop_scaling(cores, hidden, fp8, workers, helped):
-    """With helpers the writers follow the width up to 3/4 of the cores; auto uses them past 8 writers only."""
+def test_write_helpers_are_opt_in_and_lift_the_threads_cap(cores, hidden, fp8, workers):
+    """With --write-helpers on the writers follow the width up to 3/4 of the cores; the default is the threads."""
     weight = disk_forecast.stored_token_bytes(4, hidden, 2, fp8)
-    count = config.write_workers_for(cores, weight, helpers=True)
-    assert count == workers and config.write_helpers_used("auto", count) is helped
-    assert config.write_helpers_used("on", 4) and not config.write_helpers_used("off", 16)
-    assert RunConfig(engine=EngineConfig(model="m"), train_data_path=("d",), output_dir="o").write_helpers == "auto"
+    assert config.write_workers_for(cores, weight, helpers=True) == workers
+    assert config.write_workers_for(cores, weight) == min(workers, config.MAX_WRITE_WORKERS)
+    assert config.write_helpers_used("on") and not config.write_helpers_used("off")
+    assert RunConfig(engine=EngineConfig(model="m"), train_data_path=("d",), output_dir="o").write_helpers == "off"
+
+
+def test_write_helpers_auto_is_refused_naming_the_choices(tmp_path):
+    """--write-helpers auto (it picked helpers where they lost, the H100 host 2026-12-05): exit 2 naming on, off."""
+    argv = [a for name, flag in REQUIRED.items() for a in (flag, str(tmp_path / name))]
+    result = invoke(argv + ["--write-helpers", "auto"])
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--write-helpers': 'auto' is not one of 'on', 'off'" in result.output
+    assert not (tmp_path / "output_dir").exists()
 
 
 def test_run_write_workers_default_is_resolved_by_the_run():

@@ -329,7 +329,7 @@ def cli_rate(
     the CLI's process runs with this GIL switch interval (``sys.setswitchinterval``, seconds; None: Python's 5 ms):
     a writer thread's every C call waits up to one interval for the GIL beside the engine thread's Python.
     ``chunk``: the writers hash and test this many bytes a call (``store/atomic_files.py``'s ``WRITE_CHUNK``;
-    None: its own). ``helpers``: its ``--write-helpers`` (None: its default, auto)."""
+    None: its own). ``helpers``: its ``--write-helpers`` (None: its default, off)."""
     settings = engine_settings(args)
     extra = {k: v for k, v in settings.items() if k not in OURS}
     module = "speculators_v016.testing.gpu_kit" if args.get("kimi") else "speculators_v016.run.cli"  # kimi: stand-ins
@@ -365,10 +365,9 @@ def cli_writers(hidden: int, layers: int, dtype: str, workers: int | None, helpe
     from speculators_v016.config import write_helpers_used, write_workers_for  # noqa: PLC0415 - parent only
     from speculators_v016.store.disk_forecast import stored_token_bytes  # noqa: PLC0415 - the same
 
-    setting = helpers or "auto"
+    used = write_helpers_used(helpers or "off")
     weight = stored_token_bytes(layers, hidden, 2, dtype == "fp8_e4m3")
-    count = workers or write_workers_for(len(os.sched_getaffinity(0)), weight, setting != "off")
-    return count, write_helpers_used(setting, count)
+    return workers or write_workers_for(len(os.sched_getaffinity(0)), weight, used), used
 
 
 def main() -> None:
@@ -393,8 +392,8 @@ def main() -> None:
     ap.add_argument("--cli-write-chunks", type=int, nargs="+", help="also run the CLI with its writers hashing and "
                     "testing this many bytes a call (e.g. 1073741824: whole tensors; the writer's: 4 MiB), each in "
                     "turn (--cli)")  # fmt: skip
-    ap.add_argument("--cli-write-helpers", nargs="+", choices=["auto", "on", "off"], help="the CLI's --write-helpers, "
-                    "each in turn for every variant (--cli; default: its default, auto)")  # fmt: skip
+    ap.add_argument("--cli-write-helpers", nargs="+", choices=["on", "off"], help="the CLI's --write-helpers, "
+                    "each in turn for every variant (--cli; default: its default, off)")  # fmt: skip
     ap.add_argument(
         "--cli-dtypes",
         nargs="+",

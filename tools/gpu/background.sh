@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # A GPU job longer than one call of the device tool (10 minutes at most a call): start it in the background,
-# then poll it from later calls, each made within the machine's idle release (30 s) of the one before.
+# then poll it from later calls, each made within the machine's idle release (30 s) of the one before, and each
+# carrying what the first carried (.gpu-vllm): every call lays the working tree down again (2026-12-05: a poll
+# without it, and from then on every new process failed to import the kit's xgrammar stub, under .gpu-vllm/stubs).
 #   bash tools/gpu/background.sh start COMMAND...   # on the lent machine, in the repository root
 #   bash tools/gpu/background.sh poll [SECONDS]     # waits up to SECONDS (default 540) for the job to end
 # The job runs under setsid with its output in $GPU_BG/log (default /tmp/gpu-bg) and its exit status in
