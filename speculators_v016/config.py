@@ -59,9 +59,8 @@ Executor = Literal["uni", "mp", "ray"]
 CaptureMode = Literal["auto", "taps"]
 #: Where each step's rows are copied out of the capture ring (speculators_v016.engine.row_copies).
 RowCopyPlace = Literal["auto", "thread", "inline"]
-#: Who writes the sample files (speculators_v016.store.write_helper): "auto" helper processes where a run has
-#: more writers than threads scale to (MAX_WRITE_WORKERS), "on" always (states in the pool's shared blocks),
-#: "off" the writer threads themselves.
+#: Who writes the sample files (speculators_v016.store.write_helper): "off" (the default) the writer threads
+#: themselves, "on" a helper process for each writer thread (states in the pool's shared blocks).
 WriteHelpers = Literal["on", "off"]
 #: How hidden states are stored: "auto" in the engine's dtype; "fp8_e4m3": e4m3 codes + a float32 scale
 #: per token per layer, quantized in the worker's capture (:mod:`speculators_v016.fp8`).
@@ -109,7 +108,7 @@ def default_write_workers(cores: int) -> int:
 DEFAULT_WRITE_WORKERS = default_write_workers(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 4)
 #: A run's writer threads, when --write-workers is not given: one per this many bytes a token weighs on disk.
 WRITER_TOKEN_BYTES = 4096
-#: ... and at most this many where the threads write every file themselves (``--write-helpers off``): on an H200
+#: ... and at most this many where the threads write every file themselves (the default): on an H200
 #: host (16 cores, files in RAM) 8 writers wrote 8.24 GiB/s on 8.4 cores, 12 and 16 wrote 7.65 and 7.69 GiB/s on
 #: 8.6 cores (tools/benchmarks/host_path.py, 2026-12-04): more threads only contend. With write helpers
 #: (store/write_helper.py) each thread's file is written by a process of its own: no cap but the cores'.
@@ -128,8 +127,8 @@ def write_workers_for(cores: int, token_bytes: int, helpers: bool = False) -> in
     hashes and writes about 1 GiB per CPU-second, tools/benchmarks/host_path.py; an H200 computes ~120-160k
     tokens/s at hidden 4096-7168, 32-56 KiB a token with 4 layers in bf16: 3.7-8.7 GiB/s), at least 4 (a disk's
     worth of concurrent writes), at most three quarters of the cores (the rest: vLLM's engine thread, the copy
-    threads) and, without ``helpers``, :data:`MAX_WRITE_WORKERS`. A 16-core host: 8 at hidden 4096 in bf16, 12 at
-    7168 (8 with ``--write-helpers off``), 7 at 7168 and 4 at 4096 in FP8; 2 cores: 4."""
+    threads) and, without ``helpers``, :data:`MAX_WRITE_WORKERS`. A 16-core host: 8 at hidden 4096 and 7168 in bf16 (12
+    at 7168 with ``helpers``), 7 at 7168 and 4 at 4096 in FP8; 2 cores: 4."""
     cap = cores * 3 // 4 if helpers else min(cores * 3 // 4, MAX_WRITE_WORKERS)
     return max(4, min(round(token_bytes / WRITER_TOKEN_BYTES), cap))
 
