@@ -321,6 +321,7 @@ def cli_rate(
     switch: float | None = None,
     chunk: int | None = None,
     helpers: str | None = None,
+    finite: bool = True,
 ) -> tuple[float, str]:
     """speculators-data-gen writing every sample (default options, the GPU build's engine arguments): its
     tokens/s from the first step to the last file made durable (the writers drained), from the summary, and
@@ -329,12 +330,16 @@ def cli_rate(
     the CLI's process runs with this GIL switch interval (``sys.setswitchinterval``, seconds; None: Python's 5 ms):
     a writer thread's every C call waits up to one interval for the GIL beside the engine thread's Python.
     ``chunk``: the writers hash and test this many bytes a call (``store/atomic_files.py``'s ``WRITE_CHUNK``;
-    None: its own). ``helpers``: its ``--write-helpers`` (None: its default, off)."""
+    None: its own). ``helpers``: its ``--write-helpers`` (None: its default, off). ``finite=False``: a measurement
+    only, no setting of the CLI: its writers skip the NaN/Inf test of each chunk (what moving the test off the host's
+    cores would save them at most)."""
     settings = engine_settings(args)
     extra = {k: v for k, v in settings.items() if k not in OURS}
     module = "speculators_v016.testing.gpu_kit" if args.get("kimi") else "speculators_v016.run.cli"  # kimi: stand-ins
-    setup = ([f"sys.setswitchinterval({switch!r})"] if switch is not None else []) + (
-        [f"import speculators_v016.store.atomic_files as a; a.WRITE_CHUNK = {chunk}"] if chunk is not None else []
+    setup = (
+        ([f"sys.setswitchinterval({switch!r})"] if switch is not None else [])
+        + ([f"import speculators_v016.store.atomic_files as a; a.WRITE_CHUNK = {chunk}"] if chunk is not None else [])
+        + ([] if finite else ["import speculators_v016.store.writer as w; w._finite_scan = lambda dtype: None"])
     )
     run_module = f"runpy.run_module({module!r}, run_name='__main__')"
     start = ["-c", "; ".join(["import runpy, sys", *setup, run_module])] if setup else ["-m", module]
@@ -358,6 +363,32 @@ def cli_rate(
         raise RuntimeError(f"the CLI failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
     host = re.search(r"host path:\s+(.*)", proc.stdout + proc.stderr)
     return float(found.group(1).replace(",", "")), host.group(1).strip() if host else ""
+
+
+VARIANT_KEYS = {"switch": float, "chunk": int, "workers": int, "finite": lambda v: {"on": True, "off": False}[v]}
+
+
+def cli_variant(text: str) -> dict:
+    """``--cli-variants``' SPEC: ``key=value`` pairs, comma-separated, of :data:`VARIANT_KEYS` (e.g.
+    ``switch=0.0002,workers=12``; ``finite=off``: the writers skip the NaN/Inf test, a measurement only)."""
+    spec = {}
+    for pair in text.split(","):
+        key, _, value = pair.partition("=")
+        if key not in VARIANT_KEYS:
+            raise argparse.ArgumentTypeError(f"{text!r}: {key!r} is not one of {', '.join(VARIANT_KEYS)}")
+        try:
+            spec[key] = VARIANT_KEYS[key](value)
+        except (KeyError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(f"{text!r}: {key}={value!r} is not a valid value") from exc
+    return spec
+
+
+def variant_label(spec: dict) -> str:
+    """How a CLI variant reads on the page ('' for the CLI as it runs)."""
+    text = "" if spec.get("switch") is None else f", GIL switch interval {spec['switch'] * 1e3:g} ms"
+    text += "" if spec.get("chunk") is None else f", writers hashing {spec['chunk'] / 2**20:g} MiB a call"
+    text += "" if spec.get("finite", True) else ", NaN/Inf test off (a measurement, not a setting)"
+    return text + ("" if spec.get("helpers") is None else f", --write-helpers {spec['helpers']}")
 
 
 def cli_writers(hidden: int, layers: int, dtype: str, workers: int | None, helpers: str | None) -> tuple[int, bool]:
@@ -392,6 +423,16 @@ def main() -> None:
     ap.add_argument("--cli-write-chunks", type=int, nargs="+", help="also run the CLI with its writers hashing and "
                     "testing this many bytes a call (e.g. 1073741824: whole tensors; the writer's: 4 MiB), each in "
                     "turn (--cli)")  # fmt: skip
+    ap.add_argument("--cli-variants", type=cli_variant, nargs="+", default=[], metavar="SPEC",
+                    help="also run the CLI so, each in turn: key=value pairs, comma-separated (switch: the GIL switch "
+                    "interval in s; chunk: bytes hashed a call; workers; finite=off: no NaN/Inf test, a "
+                    "measurement only), e.g. switch=0.0002,workers=12 (--cli)")  # fmt: skip
+    ap.add_argument("--cli-variants-at", type=shape_key, nargs="+", help="the variants (--cli-variants, "
+                    "--cli-switch-intervals, --cli-write-chunks) at these shapes only (default: every shape)")  # fmt: skip
+    ap.add_argument("--cli-variants-dtypes", nargs="+", choices=["auto", "fp8_e4m3"], help="the variants for these "
+                    "--cli-dtypes only (default: every one)")  # fmt: skip
+    ap.add_argument("--cli-prompts", type=int, help="prompts the CLI writes (default: --prompts; its files must fit "
+                    "under --cli-out: 256 prompts at hidden 7168 are 28 GB)")  # fmt: skip
     ap.add_argument("--cli-write-helpers", nargs="+", choices=["on", "off"], help="the CLI's --write-helpers, "
                     "each in turn for every variant (--cli; default: its default, off)")  # fmt: skip
     ap.add_argument(
@@ -445,27 +486,36 @@ def main() -> None:
         cli = []
         if opts.cli:
             data = Path(opts.where) / f"prompts-{hidden}.jsonl"
-            batch = prompts(opts.prompts, opts.low, high, s["vocab"])
+            batch = prompts(opts.cli_prompts or opts.prompts, opts.low, high, s["vocab"])
             data.write_text("".join(json.dumps({"input_ids": p, "loss_mask": [1] * len(p)}) + "\n" for p in batch))
             for parent in opts.cli_out or [Path(opts.where)]:
                 disk = write_rate(parent)
                 for dtype in opts.cli_dtypes:
                     for workers in opts.cli_write_workers or [None]:
-                        variants = [(None, None), *((s, None) for s in opts.cli_switch_intervals or []),
-                                    *((None, c) for c in opts.cli_write_chunks or [])]  # fmt: skip
+                        variants = [{}]
+                        if hidden in (opts.cli_variants_at or [hidden]) and dtype in (opts.cli_variants_dtypes or
+                                                                                      [dtype]):  # fmt: skip
+                            variants += [
+                                *({"switch": x} for x in opts.cli_switch_intervals or []),
+                                *({"chunk": x} for x in opts.cli_write_chunks or []),
+                                *opts.cli_variants,
+                            ]
                         ran = set()  # the writers each variant resolves to: one that repeats another is not run again
-                        for (switch, chunk), helpers in itertools.product(variants, opts.cli_write_helpers or [None]):
-                            writers = cli_writers(s.get("hidden", hidden), len(layer_ids(s["layers"])), dtype, workers,
+                        for spec, helpers in itertools.product(variants, opts.cli_write_helpers or [None]):
+                            count = spec.get("workers", workers)
+                            writers = cli_writers(s.get("hidden", hidden), len(layer_ids(s["layers"])), dtype, count,
                                                   helpers)  # fmt: skip
-                            if (switch, chunk, writers) in ran:
+                            key = (tuple(sorted((k, v) for k, v in spec.items() if k != "workers")), writers)
+                            if key in ran:
                                 print(f"CLI --write-helpers {helpers} at {hidden} {dtype}: the same writers as a run "
                                       f"before ({writers}), not run again", file=sys.stderr, flush=True)  # fmt: skip
                                 continue
-                            ran.add((switch, chunk, writers))
-                            done = [cli_rate(model, data, parent / "cli-out", args, workers, dtype, switch=switch,
-                                             chunk=chunk, helpers=helpers) for _ in range(opts.cli_runs)]  # fmt: skip
-                            cli.append((parent, disk, dtype, workers, (switch, chunk, helpers), [r for r, _ in done],
-                                        done[-1][1]))  # fmt: skip
+                            ran.add(key)
+                            done = [cli_rate(model, data, parent / "cli-out", args, count, dtype,
+                                             switch=spec.get("switch"), chunk=spec.get("chunk"), helpers=helpers,
+                                             finite=spec.get("finite", True)) for _ in range(opts.cli_runs)]  # fmt: skip
+                            cli.append((parent, disk, dtype, count, {**spec, "helpers": helpers},
+                                        [r for r, _ in done], done[-1][1]))  # fmt: skip
                     if opts.cli_py_spy and hidden in (opts.cli_py_spy_at or [hidden]):
                         profiled = opts.cli_py_spy / f"cli-{hidden}-{dtype}.speedscope.json"
                         _, host = cli_rate(model, data, parent / "cli-out", args, None, dtype, profiled)
@@ -473,7 +523,8 @@ def main() -> None:
                         print(f"py-spy profile {profiled}.gz; host path: {host}", file=sys.stderr, flush=True)
         lines.append((hidden, s, rates, cli, prof, high, memory, memory_lines))
     with recording(__file__):
-        print(f"{opts.prompts} prompts a pass, bf16, {'eager' if opts.eager else 'compiled (CUDA graphs)'}, "
+        cli_prompts = f" (the CLI: {opts.cli_prompts})" if opts.cli and opts.cli_prompts else ""
+        print(f"{opts.prompts} prompts a pass{cli_prompts}, bf16, {'eager' if opts.eager else 'compiled (CUDA graphs)'}, "
               f"max_num_batched_tokens {opts.batched_tokens}, max_num_seqs {opts.max_num_seqs}, up to {CAPTURE} "
               f"layers captured, {opts.rounds} interleaved rounds, medians; vllm = LLMEngine (add_request, step), "
               "uni / mp = the generator's stream() with the uniprocess / multiprocess (TP 1) executor")  # fmt: skip
@@ -493,11 +544,9 @@ def main() -> None:
                     per_round = [a / b for a, b in zip(rates[name], rates["vllm"])]
                     print(f"  ratio {name} / vllm: {med[name] / med['vllm']:.3f}x (per round: "
                           f"{', '.join(f'{r:.3f}' for r in per_round)})")  # fmt: skip
-            for parent, disk, dtype, workers, (switch, chunk, helpers), runs, host in cli if "uni" in med else []:
+            for parent, disk, dtype, workers, spec, runs, host in cli if "uni" in med else []:
                 stored = "bf16" if dtype == "auto" else dtype
-                gil = "" if switch is None else f", GIL switch interval {switch * 1e3:g} ms"
-                gil += "" if chunk is None else f", writers hashing {chunk / 2**20:g} MiB a call"
-                gil += "" if helpers is None else f", --write-helpers {helpers}"
+                gil = variant_label(spec)
                 print(f"  CLI writing files under {parent} (one thread writes {disk:.2f} GiB/s there), {stored} "
                       f"stored, {workers or 'default'} write workers{gil}: {statistics.median(runs):,.0f} tokens/s to the "
                       f"last durable file (runs: {', '.join(f'{v:,.0f}' for v in runs)}); ratio CLI / uni: "
