@@ -91,6 +91,10 @@ class EngineStats:
     copy_thread: float = 0.0  # s the copy thread spent copying rows out of the ring (row copies on a thread)
     copy_waited: float = 0.0  # s the caller's thread waited for that thread (a free slot, or the stream's end)
     launched_before_copy: int = 0  # steps launched before the rows of the step waited on were copied out
+    drained: float = 0.0  # s from the moment every prompt was fed, no step was in flight and none was left to each
+    # stream's end: the last rows fetched and copied out, handed out, the stream's threads stopped (once a stream())
+    prefault_hits: int = 0  # prompts whose tensors were made and touched ahead (GPU engines: engine/prefault.py)
+    prefault_misses: int = 0  # prompts whose tensors were made when their first rows came after all
 
 
 @dataclass
@@ -566,11 +570,14 @@ class CaptureEngine:
                               prefault=prefault, copies=copies)  # fmt: skip
         feed, waiting, in_flight = iter(prompts), set(), deque()
         self.open_requests = waiting
+        drain_began = None  # when no step was in flight and none was left: the stream's end is drained from there
         window = window or 2 * self.config.max_num_seqs
         more = True
         try:
             while True:
                 more = more and self._admit(feed, assembler, window, waiting, prompt_logprobs)
+                if drain_began is None and not (more or in_flight or self.scheduler.has_requests()):
+                    drain_began = time.perf_counter()
                 if self._can_launch(in_flight, assembler):
                     in_flight.appendleft(self._launch(assembler))
                     self.stats.max_in_flight = max(self.stats.max_in_flight, len(in_flight))
@@ -619,6 +626,10 @@ class CaptureEngine:
                 self.stats.copy_waited += copies.waited
             if prefault is not None:
                 prefault.close()
+                self.stats.prefault_hits += prefault.hits
+                self.stats.prefault_misses += prefault.misses
+            if drain_began is not None:
+                self.stats.drained += time.perf_counter() - drain_began
 
     @staticmethod
     def _settle(assembler: Assembler) -> None:

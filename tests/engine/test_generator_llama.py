@@ -1,6 +1,7 @@
 """The vLLM 0.16 generator on a tiny Llama: exact states, attribution, contract, errors."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -57,6 +58,17 @@ def test_the_next_step_is_launched_before_rows_are_copied(generator, results):
     assert engine.ring is None and engine.by_reference
     assert [info["copy_path"] for info in engine.capture_info] == ["reference"]
     assert engine.stats.launched_before_copy >= engine.stats.steps // 2
+
+
+def test_each_stream_s_end_is_timed_apart(generator, prompts, results):
+    """The time from the last step (every prompt fed, none in flight) to the stream's end is counted, once a call."""
+    stats = generator.engine.stats
+    before = stats.drained
+    began = time.perf_counter()
+    generator.generate(prompts)
+    wall = time.perf_counter() - began
+    assert 0 < stats.drained - before < wall / 3  # 7+ steps of forward before it, none in it
+    assert (stats.prefault_hits, stats.prefault_misses) == (0, 0)  # prompts' memory is made ahead on GPU engines only
 
 
 def rpcs_per_step(generator, prompts) -> tuple[dict, int]:

@@ -61,6 +61,8 @@ STAND_INS = "SPECULATORS_BENCH_STAND_INS"
 #: engine settings that are the generator's own keywords (the rest go through extra_engine_args)
 OURS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "enforce_eager")
 CAPTURE = 4  # layers captured: 1, n//2, n-2, n-1 of the bench model
+#: the generator's engine stats reported for each timed pass (speculators_v016.engine.core.EngineStats)
+STREAM_STATS = ("drained", "copy_thread", "copy_waited", "prefault_hits", "prefault_misses")
 TRACE_PROMPTS = 48  # --profile-trace: prompts of the traced pass (~15 steps; its trace a few MB gzipped)
 
 
@@ -125,7 +127,7 @@ def side(args: dict) -> None:
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # a spawned core would not have them (as ours, in-process)
         gpu_kit.install()
-    memory = None
+    memory, engine_stats = None, lambda: {}
     if args["side"] == "vllm":
         from vllm import SamplingParams  # noqa: PLC0415 - each side imports what it measures
         from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415 - the same
@@ -150,6 +152,10 @@ def side(args: dict) -> None:
             for _ in gen.stream(items):  # dropped, as a writer takes them
                 pass
 
+        def engine_stats() -> dict:
+            stats = gen.engine.stats
+            return {name: getattr(stats, name) for name in STREAM_STATS}
+
         ring, info = gen.engine.ring, gen.engine.capture_info[0]
         memory = {
             "copy_path": info.get("copy_path"),
@@ -169,10 +175,13 @@ def side(args: dict) -> None:
         if line.startswith("trace "):  # trace PATH: a shorter pass, the host's ops too, for trace_gaps
             print(json.dumps(trace(one_pass, batch[:TRACE_PROMPTS], Path(line[6:].strip()))), flush=True)
             continue
+        before = engine_stats()
         start = time.perf_counter()
         one_pass(batch)
         seconds = time.perf_counter() - start
-        print(json.dumps({"tokens_per_s": sum(map(len, batch)) / seconds, "seconds": seconds}), flush=True)
+        after = engine_stats()
+        print(json.dumps({"tokens_per_s": sum(map(len, batch)) / seconds, "seconds": seconds,
+                          "stream": {k: after[k] - before[k] for k in after}}), flush=True)  # fmt: skip
 
 
 def profile(one_pass, batch) -> dict:
@@ -471,9 +480,13 @@ def main() -> None:
         sides = [Side({**args, "side": name}) for name in opts.sides]
         memory_lines = {x.name: x.memory for x in sides if x.memory}
         rates: dict[str, list[float]] = {name: [] for name in opts.sides}
+        streams: dict[str, list[dict]] = {name: [] for name in opts.sides}  # each timed pass's engine stats
         for _ in range(opts.rounds):
             for running in sides:
-                rates[running.name].append(running.ask()["tokens_per_s"])
+                reply = running.ask()
+                rates[running.name].append(reply["tokens_per_s"])
+                if reply.get("stream"):
+                    streams[running.name].append(reply["stream"])
         prof = next((x.ask("profile") for x in sides if x.name == "uni"), None) if opts.profile else None
         if prof is not None and opts.profile_trace:
             path = opts.profile_trace.resolve() / f"trace-{hidden}-uni.json.gz"
@@ -521,14 +534,14 @@ def main() -> None:
                         _, host = cli_rate(model, data, parent / "cli-out", args, None, dtype, profiled)
                         subprocess.run(["gzip", "-f", str(profiled)], check=False)
                         print(f"py-spy profile {profiled}.gz; host path: {host}", file=sys.stderr, flush=True)
-        lines.append((hidden, s, rates, cli, prof, high, memory, memory_lines))
+        lines.append((hidden, s, rates, cli, prof, high, memory, memory_lines, streams))
     with recording(__file__):
         cli_prompts = f" (the CLI: {opts.cli_prompts})" if opts.cli and opts.cli_prompts else ""
         print(f"{opts.prompts} prompts a pass{cli_prompts}, bf16, {'eager' if opts.eager else 'compiled (CUDA graphs)'}, "
               f"max_num_batched_tokens {opts.batched_tokens}, max_num_seqs {opts.max_num_seqs}, up to {CAPTURE} "
               f"layers captured, {opts.rounds} interleaved rounds, medians; vllm = LLMEngine (add_request, step), "
               "uni / mp = the generator's stream() with the uniprocess / multiprocess (TP 1) executor")  # fmt: skip
-        for hidden, s, rates, cli, prof, high, memory, memory_lines in lines:
+        for hidden, s, rates, cli, prof, high, memory, memory_lines, streams in lines:
             med = {k: statistics.median(v) for k, v in rates.items() if v}
             if s.get("kimi"):
                 print(f"kimi: Kimi-K2.5 slice, {s['layers']} layers (dense, then 2 x 384 INT4 W4A16 experts), hidden "
@@ -544,6 +557,15 @@ def main() -> None:
                     per_round = [a / b for a, b in zip(rates[name], rates["vllm"])]
                     print(f"  ratio {name} / vllm: {med[name] / med['vllm']:.3f}x (per round: "
                           f"{', '.join(f'{r:.3f}' for r in per_round)})")  # fmt: skip
+            for name, passes in streams.items():
+                if passes:
+                    drained = ", ".join(f"{x['drained'] * 1e3:,.0f}" for x in passes)
+                    thread = statistics.median(x["copy_thread"] for x in passes)
+                    waited = statistics.median(x["copy_waited"] for x in passes)
+                    faulted = ", ".join(f"{x['prefault_hits']}/{x['prefault_misses']}" for x in passes)
+                    print(f"  {name}, each timed pass's end (EngineStats): drained in {drained} ms (every prompt fed, "
+                          f"no step in flight, to the stream's end); copy thread {thread:.2f} s, the engine's thread "
+                          f"waited on it {waited * 1e3:,.0f} ms (medians); prefault hits/misses {faulted}")  # fmt: skip
             for parent, disk, dtype, workers, spec, runs, host in cli if "uni" in med else []:
                 stored = "bf16" if dtype == "auto" else dtype
                 gil = variant_label(spec)
