@@ -41,6 +41,7 @@ from speculators_v016.config import (
     parse_layer_ids,
 )
 from speculators_v016.exit_codes import ExitCode, help_text
+from speculators_v016.run import huge_pages
 
 EXIT_CODES = f"""\b
 {help_text()}
@@ -467,6 +468,7 @@ def _join_multi_value(argv: list[str], option: str) -> list[str]:
 
 
 def main() -> None:
+    huge_pages.reexec()  # on a CPU build: this process again, glibc asked for huge pages (run/huge_pages.py)
     cli.main(args=_join_multi_value(sys.argv[1:], "--layer-ids"), prog_name="speculators-data-gen")
 
 

@@ -49,7 +49,7 @@ from speculators_v016.engine.engine_args import check_engine_args, vllm_defaults
 from speculators_v016.generator import VllmHiddenStatesGenerator
 from speculators_v016.layers import LayerPlan
 from speculators_v016.redact import redact
-from speculators_v016.run import chat_samples, prefill
+from speculators_v016.run import chat_samples, huge_pages, prefill
 from speculators_v016.run.prefill import PrefillWork
 from speculators_v016.run.regenerate import RegenerationWork
 from speculators_v016.shared.shm_records import reclaim_and_log
@@ -399,6 +399,7 @@ def host_line(host: dict) -> str:
         + f"; buffer pool: {host['blocks_made']} "
         f"blocks made, {host['blocks_reused']} reused"
         + (f", {host['samples_fresh']} samples in fresh memory (CPU engine)" if host.get("samples_fresh") else "")
+        + (f"; {huge_pages.describe(host['huge_pages'])}" if host.get("huge_pages") is not None else "")
         + (
             f"; this process{' and its write helpers' if host.get('helped') else ''} used "
             f"{host['cpu_seconds']:.1f} CPU-s (user + system)"
@@ -554,6 +555,7 @@ def _generate(
                     "copy_thread": stats.copy_thread - before[2], "copy_waited": stats.copy_waited - before[3],
                     "blocks_made": pool.allocated, "blocks_reused": pool.reused,
                     "samples_fresh": pool.fresh, "cpu_seconds": _cpu_since(cpu_before),
+                    "huge_pages": huge_pages.asked() if engine.device_type == "cpu" else None,
                     "drain_seconds": summary.generation_seconds - streamed if streamed is not None else None}  # fmt: skip
             summary.host = {k: round(v, 3) if isinstance(v, float) else v for k, v in host.items()}
             pool.close()

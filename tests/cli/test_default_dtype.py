@@ -18,6 +18,7 @@ import torch
 from helpers.cli import CPU, conversations, load_all, write_jsonl
 from helpers.reference import hf_layer_outputs
 from speculators_v016.checks.fidelity import ROW_BOUNDS
+from speculators_v016.run import huge_pages
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.sample_format import load_sample
 from speculators_v016.testing.faults import VARIABLE as FAULT
@@ -26,12 +27,14 @@ from speculators_v016.testing.tiny_models import build_tiny_model
 #: Row error of a bf16 engine against transformers in fp32 (checks/fidelity.py says why)
 MEDIAN_BOUND, ROW_BOUND = ROW_BOUNDS["bfloat16"]
 COUNT = 12
-DEFAULTS = {k: v for k, v in CPU.items() if k not in ("SPECULATORS_DATA_GEN_DTYPE", "TORCHDYNAMO_DISABLE")}
+DEFAULTS = {
+    k: v for k, v in CPU.items() if k not in ("SPECULATORS_DATA_GEN_DTYPE", "TORCHDYNAMO_DISABLE", "GLIBC_TUNABLES")
+}
 
 
 def run(*args, fault: str | None = None):
     """The real command with the CLI's own dtype (no SPECULATORS_DATA_GEN_DTYPE, no --dtype); ``fault``: injected."""
-    env = {k: v for k, v in os.environ.items() if k != "SPECULATORS_DATA_GEN_DTYPE"}
+    env = {k: v for k, v in os.environ.items() if k not in ("SPECULATORS_DATA_GEN_DTYPE", "GLIBC_TUNABLES")}
     module = "speculators_v016.testing.faults" if fault else "speculators_v016.run.cli"
     proc = subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True,
                           env={**env, **DEFAULTS, **({FAULT: fault} if fault else {})}, timeout=600)  # fmt: skip
@@ -76,6 +79,9 @@ def test_a_default_run_is_bf16_checked_and_verified(arch, tiny_model, bf16_check
     assert code == 0, output[-3000:]
     assert ", bfloat16, TP 1," in output  # the start line names the engine's dtype
     assert "logit check: ok (4 samples" in output and f"verify:     ok ({COUNT} samples" in output
+    # started without GLIBC_TUNABLES, the command started itself again with huge pages where this host takes them
+    users_env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    assert huge_pages.describe(huge_pages.wanted(users_env) is not None) in output, output[-3000:]
     assert_close_to_transformers(model, tmp_path / "out")
     code, output = run("verify", tmp_path / "out")
     assert code == 0, output

@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from speculators_v016.run import huge_pages
 from speculators_v016.run.demo import corpus_lines
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.sample_format import load_sample
@@ -30,6 +31,11 @@ CPU = {
     "SPECULATORS_DATA_GEN_NO_PROGRESS": "1",
     "SPECULATORS_DATA_GEN_NUM_PREPROCESSING_WORKERS": "1",
 }
+# The command starts itself again with glibc asked for huge pages on a CPU build (speculators_v016/run/huge_pages.py);
+# the runs here, warm or cold, start with that setting already, as the command's own process runs.
+# tests/cli/test_default_dtype.py leaves it out: there the command sets it itself.
+if (_tunables := huge_pages.wanted(os.environ)) is not None:
+    CPU["GLIBC_TUNABLES"] = _tunables
 
 
 def conversations(count: int, seed: int = 0) -> list[dict]:

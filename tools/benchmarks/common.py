@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from speculators_v016.run import huge_pages
+
 
 def bench_model(where: Path, hidden: int = 512, layers: int = 8, **overrides) -> Path:
     """A random Llama of benchmark size (built once); ``overrides`` go to its config."""
@@ -38,9 +40,16 @@ def engine_env(code_from: str | None = None) -> dict:
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
         "VLLM_LOGGING_LEVEL": "WARNING",
     }
+    if tunables := huge_pages.wanted(env):  # every side as the command runs itself (SPECULATORS_V016_HUGE_PAGES=0: not)
+        env["GLIBC_TUNABLES"] = tunables
     if code_from:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(code_from).resolve()), env.get("PYTHONPATH")]))
     return env
+
+
+def pages_text() -> str:
+    """How the measured processes' glibc pages memory (:func:`engine_env`), for a benchmark's header."""
+    return huge_pages.describe(huge_pages.asked(engine_env())).split(" (")[0]
 
 
 def child(script: str, args: dict, code_from: str | None = None) -> dict:

@@ -48,7 +48,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import bench_model, child, engine_env, peak_rss_mib, prompts  # noqa: E402
+from common import bench_model, child, engine_env, pages_text, peak_rss_mib, prompts  # noqa: E402
 from report import recording  # noqa: E402
 
 LAYERS = [2, 4, 5, 7]
@@ -315,7 +315,8 @@ def main() -> None:
         print(
             f"{opts.shape} model ({shape_text}), {opts.prompts} prompts x {opts.length} tokens, "
             f"{'eager' if opts.eager else 'compiled'} engines, max_num_batched_tokens {opts.batched_tokens}, "
-            f"max_num_seqs {opts.max_num_seqs}, layers {base['layer_ids']}, {opts.rounds} round(s), medians"
+            f"max_num_seqs {opts.max_num_seqs}, layers {base['layer_ids']}, {opts.rounds} round(s), medians; "
+            f"every process: {pages_text()}"
         )
         for key in rates:
             label = LABELS[key.split(" ")[0]] + (" [before]" if key.endswith("(before)") else "")

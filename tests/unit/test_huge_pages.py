@@ -1,0 +1,95 @@
+"""The command's process on a CPU build, started again with glibc asked for transparent huge pages."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from speculators_v016.run import huge_pages
+from speculators_v016.run.huge_pages import OPT_OUT, plan, same_invocation
+
+HOST = dict(vllm_version="0.16.0+cpu", thp="madvise", glibc=(2, 36))
+
+
+def test_plan_asks_on_a_cpu_build_with_madvise_huge_pages():
+    """A CPU build, THP in madvise mode, glibc 2.35+: the tunable is added, a user's other tunables kept."""
+    assert plan({}, **HOST) == "glibc.malloc.hugetlb=1"
+    assert plan({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, **HOST) == (
+        "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "host"),
+    [
+        ({OPT_OUT: "0"}, {}),  # the user's opt-out
+        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, {}),  # the user's own choice of the tunable
+        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, {}),  # already started with it: no second start
+        ({}, {"vllm_version": "0.16.0"}),  # a GPU build: not measured with it
+        ({}, {"vllm_version": None}),
+        ({}, {"thp": "always"}),  # the kernel gives huge pages already
+        ({}, {"thp": "never"}),  # the kernel ignores the advice
+        ({}, {"thp": None}),
+        ({}, {"glibc": (2, 31)}),  # no such tunable before 2.35
+        ({}, {"glibc": None}),  # another libc
+    ],
+)
+def test_plan_leaves_the_process_as_it_is(env, host):
+    """Where the tunable is not known to be read and to help, or the user chose, nothing changes."""
+    assert plan(env, **{**HOST, **host}) is None
+
+
+def test_the_hosts_facts_are_read():
+    """The kernel's bracketed THP mode and glibc's version string are parsed; anything else is None."""
+    assert huge_pages.thp_mode("always [madvise] never\n") == "madvise"
+    assert huge_pages.thp_mode("") is None and huge_pages.thp_mode("always madvise never") is None
+    assert huge_pages.glibc_version("glibc 2.36") == (2, 36)
+    assert huge_pages.glibc_version("musl 1.2") is None and huge_pages.glibc_version("glibc x") is None
+
+
+def test_only_the_command_s_own_invocation_starts_again():
+    """`python -m module args` and a console script start again; a host running the module in itself does not."""
+    assert same_invocation(["/py", "-m", "speculators_v016.run.cli", "demo"], ["/x/cli.py", "demo"])
+    assert same_invocation(
+        ["/py", "/venv/bin/speculators-data-gen", "demo"], ["/venv/bin/speculators-data-gen", "demo"]
+    )
+    assert not same_invocation(["/py", "tests/helpers/warm_start.py"], ["speculators_v016.run.cli", "demo"])
+    assert not same_invocation(["/py", "-m", "pytest"], ["speculators_v016.run.cli"])  # no arguments: no start
+
+
+PROBE = """
+import json, os, sys
+from speculators_v016.run import huge_pages
+huge_pages.reexec()
+import torch
+states = torch.ones(64 << 20, dtype=torch.uint8)  # torch's allocator: glibc's malloc, past its mmap ceiling
+huge = [int(line.split()[1]) for line in open("/proc/self/smaps_rollup") if line.startswith("AnonHugePages:")]
+print(json.dumps({"pid": os.getpid(), "tunables": os.environ.get("GLIBC_TUNABLES"), "huge_kib": huge[0]}))
+"""
+
+
+def probe(**env) -> dict:
+    """A fresh interpreter that calls :func:`huge_pages.reexec` as the command does, then makes a 64 MiB tensor."""
+    base = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", OPT_OUT)}
+    with subprocess.Popen([sys.executable, "-c", PROBE, "x"], stdout=subprocess.PIPE, text=True,
+                          env={**base, **env}) as proc:  # fmt: skip
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    return {**json.loads(out.strip().splitlines()[-1]), "started_as": proc.pid}
+
+
+def test_the_process_started_again_gets_huge_pages():
+    """Where this host takes them: the same pid starts again with the tunable and a fresh tensor lies in huge pages;
+    opted out, it lies in 4 KiB pages. Where it does not: the process is left as it was started."""
+    users_env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    asked, plain = probe(), probe(**{OPT_OUT: "0"})
+    assert plain["tunables"] is None and plain["pid"] == plain["started_as"]
+    assert asked["pid"] == asked["started_as"]  # execve: the same process
+    if huge_pages.wanted(users_env) is None:
+        assert asked["tunables"] is None
+        return
+    assert asked["tunables"] == "glibc.malloc.hugetlb=1"
+    assert asked["huge_kib"] >= 32 << 10, asked  # most of the 64 MiB tensor in 2 MiB pages
+    assert plain["huge_kib"] < 2 << 10, plain  # the same tensor without the tunable: none
