@@ -25,8 +25,10 @@ from importlib import metadata
 from pathlib import Path
 
 TUNABLE = "glibc.malloc.hugetlb"
-#: The environment variable that turns the re-exec off (``0``).
+#: The environment variable that turns the re-exec off (``0``); the process started again holds ``started`` in it,
+#: so that it never starts again a second time, whatever becomes of ``GLIBC_TUNABLES`` on the way.
 OPT_OUT = "SPECULATORS_V016_HUGE_PAGES"
+STARTED = "started"
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 MIN_GLIBC = (2, 35)
 
@@ -55,7 +57,7 @@ def glibc_version(text: str | None) -> tuple[int, int] | None:
 def plan(env: dict, *, vllm_version: str | None, thp: str | None, glibc: tuple[int, int] | None) -> str | None:
     """The ``GLIBC_TUNABLES`` value to start again with, or None (with nothing to change)."""
     tunables = env.get("GLIBC_TUNABLES", "")
-    if env.get(OPT_OUT, "1") == "0" or TUNABLE in tunables:
+    if env.get(OPT_OUT, "1") != "1" or TUNABLE in tunables:  # off (0), or started again already
         return None
     if not vllm_version or not vllm_version.endswith("+cpu") or thp != "madvise":
         return None
@@ -111,7 +113,11 @@ def reexec() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        os.execve(sys.executable, [sys.executable, *orig_argv[1:]], dict(os.environ, GLIBC_TUNABLES=value))
+        os.execve(
+            sys.executable,
+            [sys.executable, *orig_argv[1:]],
+            dict(os.environ, GLIBC_TUNABLES=value, **{OPT_OUT: STARTED}),
+        )
     except OSError:  # the interpreter cannot be started again: go on as started (the summary says which pages)
         return
 

@@ -25,6 +25,7 @@ def test_plan_asks_on_a_cpu_build_with_madvise_huge_pages():
     ("env", "host"),
     [
         ({OPT_OUT: "0"}, {}),  # the user's opt-out
+        ({OPT_OUT: "started"}, {}),  # started again already: never a second time, whatever the tunables became
         ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, {}),  # the user's own choice of the tunable
         ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, {}),  # already started with it: no second start
         ({}, {"vllm_version": "0.16.0"}),  # a GPU build: not measured with it
@@ -66,7 +67,8 @@ huge_pages.reexec()
 import torch
 states = torch.ones(64 << 20, dtype=torch.uint8)  # torch's allocator: glibc's malloc, past its mmap ceiling
 huge = [int(line.split()[1]) for line in open("/proc/self/smaps_rollup") if line.startswith("AnonHugePages:")]
-print(json.dumps({"pid": os.getpid(), "tunables": os.environ.get("GLIBC_TUNABLES"), "huge_kib": huge[0]}))
+print(json.dumps({"pid": os.getpid(), "tunables": os.environ.get("GLIBC_TUNABLES"), "huge_kib": huge[0],
+                  "mark": os.environ.get(huge_pages.OPT_OUT)}))
 """
 
 
@@ -90,6 +92,31 @@ def test_the_process_started_again_gets_huge_pages():
     if huge_pages.wanted(users_env) is None:
         assert asked["tunables"] is None
         return
-    assert asked["tunables"] == "glibc.malloc.hugetlb=1"
+    assert asked["tunables"] == "glibc.malloc.hugetlb=1" and asked["mark"] == "started"
     assert asked["huge_kib"] >= 32 << 10, asked  # most of the 64 MiB tensor in 2 MiB pages
     assert plain["huge_kib"] < 2 << 10, plain  # the same tensor without the tunable: none
+
+
+STRIPPING_PROBE = """
+import os
+from speculators_v016.run import huge_pages
+real = os.execve
+def execve(path, args, env):  # a start that loses GLIBC_TUNABLES on the way (a loader that filters it)
+    env = {k: v for k, v in env.items() if k != "GLIBC_TUNABLES"}
+    env["PROBE_STARTS"] = str(int(env.get("PROBE_STARTS", "0")) + 1)
+    if int(env["PROBE_STARTS"]) > 3:
+        raise SystemExit("started again and again")
+    real(path, args, env)
+os.execve = execve
+huge_pages.reexec()
+print(os.environ.get("PROBE_STARTS"))
+"""
+
+
+def test_the_process_never_starts_again_twice():
+    """Should the tunable be lost on the way, the started-again mark still stops a second start."""
+    users_env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", OPT_OUT, "PROBE_STARTS")}
+    proc = subprocess.run([sys.executable, "-c", STRIPPING_PROBE, "x"], capture_output=True, text=True, env=users_env,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == ("1" if huge_pages.wanted(users_env) is not None else "None")
