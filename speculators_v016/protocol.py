@@ -180,6 +180,11 @@ class StepCapture:
     ``layers`` = ``(first, end)``, the rows ``first .. end - 1`` of the captured
     stack (of the slot, or of ``states`` without a ring, which then holds only
     those); ``stage`` is the pipeline rank. Without it, ``layers`` is None: all of them.
+
+    ``finite`` is True when the device proved every value of the step's rows
+    finite as they left it (the float32 sum of the staged bytes is finite:
+    :mod:`~speculators_v016.worker.staging`); None when nothing was proven
+    (CPU engines, the direct path, FP8 storage), and the writer tests the bytes.
     """
 
     step: int
@@ -191,3 +196,4 @@ class StepCapture:
     scales: torch.Tensor | None = None
     layers: tuple[int, int] | None = None  # rows of the captured stack this reply filled (None: all)
     stage: int = 0  # the pipeline stage that captured them
+    finite: bool | None = None  # True: the device proved every value of these rows finite (None: not proven)

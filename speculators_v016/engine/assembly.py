@@ -63,6 +63,7 @@ class _Request:
     generating: bool = False  # rows kept in pieces until its length is final (then ``growing`` is False)
     growing: bool = False  # a generating request whose length is not final yet
     pieces: list | None = None  # a generating request's rows: (start, [layers, n, hidden], FP8 scales or None)
+    finite: bool = True  # every step that gave it rows proved them finite on the device (StepCapture.finite)
 
 
 Allocate = Callable[[Sequence[tuple[Sequence[int], torch.dtype]]], list[torch.Tensor]]
@@ -112,6 +113,7 @@ class Assembler:
         self._expected: dict[int, dict[str, tuple[int, int]]] = {}
         self._complete: list[str] = []
         self._closed: dict[str, int] = {}  # generating requests handed out -> the step then (late rows dropped)
+        self.proven: set[str] = set()  # requests handed out whose every row the device proved finite (caller's to take)
         self._last_step = 0
 
     def add_request(self, req_id: str, key: Any, prompt_len: int, generating: bool = False) -> None:
@@ -210,7 +212,7 @@ class Assembler:
             end = offset + count
             rows = capture.states[:, offset:end] if stacked else [t[offset:end] for t in layers]
             scales = capture.scales[:, offset:end] if self.fp8 else None
-            self._add_rows(req_id, start, rows, scales, pairs)
+            self._add_rows(req_id, start, rows, scales, pairs, capture.finite is True)
             offset = end
         if self.prefault is not None:
             self._row = (layers[0].shape[1], layers[0].dtype, self.fp8 and capture.scales.dtype or None)
@@ -251,14 +253,18 @@ class Assembler:
                 f"{SCALE_DTYPE} scales {tuple(rows)}; got {capture.states.dtype} and {got}"
             )
 
-    def _add_rows(self, req_id: str, start: int, rows: Rows, scales: torch.Tensor | None, pairs: list[Pair]) -> None:
+    def _add_rows(
+        self, req_id: str, start: int, rows: Rows, scales: torch.Tensor | None, pairs: list[Pair], finite: bool = False
+    ) -> None:
         """Name the copies of ``rows`` (``rows[j]``: capture id ``j``'s ``[count, hidden]``; FP8: plus ``scales``
-        ``[capture ids, count]``) into the request's tensors at ``start`` (a generating request's: copied now)."""
+        ``[capture ids, count]``) into the request's tensors at ``start`` (a generating request's: copied now);
+        ``finite``: the device proved them finite (else the request is not proven)."""
         req = self._requests.get(req_id)
         if req is None:
             if req_id in self._closed:  # a generating request already handed out: a step past its end
                 return
             raise AttributionError(f"rows for unknown request {req_id}")
+        req.finite = req.finite and finite
         if req.pieces is not None:
             self._add_piece(req_id, req, start, rows, scales)
             return
@@ -337,7 +343,8 @@ class Assembler:
     def pop_complete(self) -> list[tuple[Any, list]]:
         """Requests whose every prompt position is captured: (key, one tensor per requested layer).
 
-        With FP8 storage each layer is an :class:`~speculators_v016.fp8.Fp8States`.
+        With FP8 storage each layer is an :class:`~speculators_v016.fp8.Fp8States`. The ids of those whose
+        every row the device proved finite are added to :attr:`proven` (the caller takes them out).
         """
         self.land()
         done, self._complete = self._complete, []
@@ -352,6 +359,8 @@ class Assembler:
                     raise AttributionError(f"request {req_id}: rows jump from position {position} to {start}")
                 position += req.chunks[start]
             states = req.out if req.scales is None else [Fp8States(c, s) for c, s in zip(req.out, req.scales)]
+            if req.finite and req.chunks:
+                self.proven.add(req_id)
             out.append((req.key, states))
         return out
 

@@ -543,6 +543,7 @@ class CaptureEngine:
         window: int | None = None,
         prompt_logprobs=None,
         allocate: Allocate | None = None,
+        proven: set | None = None,
     ) -> Iterator[tuple[Any, list[int], list]]:
         """Yield ``(key, input_ids, states per requested layer)`` as each prompt completes.
 
@@ -555,6 +556,10 @@ class CaptureEngine:
         ``allocate`` gives the memory of each prompt's states (default: fresh
         tensors, which the caller owns), e.g. a
         :class:`~speculators_v016.engine.buffer_pool.BufferPool`'s ``take``.
+        ``proven``: a set the keys are added to, before they are yielded, whose
+        every state the device proved finite as it left it (GPU staging in the
+        engine's dtype: ``StepCapture.finite``); the caller takes them out. Code
+        that changes a sample's states afterwards must take its key out too.
 
         If the caller stops early or a prompt is refused, the prompts already
         admitted are aborted and the steps in flight are retired, so the
@@ -596,7 +601,7 @@ class CaptureEngine:
                     self._consume(self.executor.capture_rpc("speculators_capture_flush"), assembler)
                 elif assembler.copying:  # nothing else to wait for: the last steps' copies
                     assembler.settle()
-                yield from self._handed_out(assembler.pop_complete())
+                yield from self._handed_out(assembler.pop_complete(), assembler.proven, proven)
                 waiting.intersection_update(assembler.unfinished())
                 if not (more or waiting or in_flight or self.scheduler.has_requests()):
                     return
@@ -639,11 +644,16 @@ class CaptureEngine:
         except Exception as exc:  # noqa: BLE001 - the stream is already failing or ending; say so, raise the first
             logger.warning("while the stream ended, a step's row copies failed: {}", exc)
 
-    def _handed_out(self, complete: list) -> list:
+    def _handed_out(self, complete: list, finite: set[str], proven: set | None) -> list:
         """Complete requests as the caller gets them; a generating one ends in the scheduler (it ran a step
-        past its end, or further) and its ids and result are the sample's: :attr:`generated` by key."""
+        past its end, or further) and its ids and result are the sample's: :attr:`generated` by key. The keys of
+        those the device proved finite (request ids taken out of ``finite``) go into ``proven``, if given."""
         out, finished = [], []
         for (key, ids, rid), states in complete:
+            if rid in finite:
+                finite.discard(rid)
+                if proven is not None:
+                    proven.add(key)
             decoding = self._decoding.pop(rid, None)
             if decoding is not None:
                 finished.append(rid)

@@ -396,6 +396,7 @@ def host_line(host: dict) -> str:
             else ""
         )
         + _paths(host)
+        + _finite_test(host)
         + f"; buffer pool: {host['blocks_made']} "
         f"blocks made, {host['blocks_reused']} reused"
         + (f", {host['samples_fresh']} samples in fresh memory (CPU engine)" if host.get("samples_fresh") else "")
@@ -412,6 +413,14 @@ def host_line(host: dict) -> str:
             else ""
         )
     )
+
+
+def _finite_test(host: dict) -> str:
+    """Who tested the samples for NaN/Inf: the device as the states left it (GPU staging), or the writers."""
+    proven, tested = host.get("finite_proven", 0), host.get("finite_tested", 0)
+    if not proven + tested:
+        return ""
+    return f"; NaN/Inf test: {proven:,} samples proven on the device, {tested:,} tested by the writers"
 
 
 def _paths(host: dict) -> str:
@@ -483,11 +492,18 @@ def _generate(
     if engine.device_type != "cpu":  # every sample of a GPU engine is in the pool's shared blocks
         writer.start_helpers()
 
+    # samples whose every state the device proved finite as it left it (GPU staging: StepCapture.finite): the
+    # engine's keys, then the samples' names; the writers skip their NaN/Inf test of those
+    device_proven: set[int] = set()
+    proven_names: set[int] = set()
+
     def put(name: int, sample: dict, record: dict | None = None) -> None:
         if record is not None:  # on disk before the sample can be listed (speculators_v016.store.regenerated)
             work.journal.append(record)
         block = fp8.tensors_of(sample["hidden_states"])  # FP8: codes and scales, one block
-        writer.put(name, sample, done=lambda: pool.give_back(block))
+        finite = name in proven_names
+        proven_names.discard(name)
+        writer.put(name, sample, done=lambda: pool.give_back(block), finite=finite)
 
     # every finished sample waits here until the logit check has judged all of its samples
     hold = HoldBack(checked, checker, layer_ids, put, zero_ids, writer_screens=True)
@@ -511,9 +527,12 @@ def _generate(
     try:
         feed = work.feed(pending) if opts.regenerate else _checked_ids(work.feed(pending), vocab_size, opts)
         want = checked.__contains__ if checked else None
-        for index, ids, states in engine.stream(feed, window=window, prompt_logprobs=want, allocate=pool.take):
+        stream = engine.stream(feed, window=window, prompt_logprobs=want, allocate=pool.take, proven=device_proven)
+        for index, ids, states in stream:
             theirs = engine.prompt_logprobs.pop(index, None) if index in checked else None
             name = index + opts.start_idx
+            finite = index in device_proven
+            device_proven.discard(index)
             input_ids = torch.tensor(ids, dtype=torch.long)
             mask, record, sampled_logprobs = work.finish(index, ids, engine)
             if mask is None:  # a turn folded into its conversation's next sample: journaled, its states not kept
@@ -524,6 +543,8 @@ def _generate(
                 theirs = torch.cat([theirs.float(), torch.tensor(sampled_logprobs, dtype=torch.float32)])
             hold.judge(index, name, input_ids, states, theirs)
             sample = {"input_ids": input_ids, "hidden_states": states, "loss_mask": mask}
+            if finite:
+                proven_names.add(name)
             hold.admit(index, name, sample, record)
             summary.tokens += len(ids)
             bar.update((1 + (take_dropped() if take_dropped else 0)) if by_samples else len(ids))

@@ -14,7 +14,10 @@ a chunk at a time right after the chunk is hashed, from the core's cache
 (:data:`~speculators_v016.store.atomic_files.WRITE_CHUNK`); a refused
 tensor deletes the temporary file, and
 ``non_finite(sample)`` names the bad layers for :meth:`SampleWriter.take_rejected`
-(``.pt``: one pickled buffer, checked before the write). Once a
+(``.pt``: one pickled buffer, checked before the write). A sample
+:meth:`SampleWriter.put` with ``finite=True`` (its states proven finite on
+the device as they left it, ``StepCapture.finite``) skips that test: the
+writers do not read its bytes for it. Once a
 sample is written (or rejected, or dropped after an error) its ``done``
 callback runs, e.g. to give its buffers back to a pool.
 
@@ -83,7 +86,8 @@ class SampleWriter:
     ``model_args``: the engine arguments that changed the model, named in each safetensors header.
     ``non_finite``: samples holding NaN/Inf are not written; it returns the
     reason :meth:`take_rejected` reports (None for a clean sample), and is
-    called on such samples only (``.pt``: on every sample, before its write).
+    called on such samples only (``.pt``: on every sample, before its write), never on those :meth:`put`
+    with ``finite=True``.
     ``direct``: files written with ``O_DIRECT`` where the file system takes it (False: through the page cache);
     a file system that takes the flag but refuses a direct write gets that file written again buffered, and
     every later file buffered (:attr:`refused` counts such files).
@@ -143,6 +147,8 @@ class SampleWriter:
         self.shared_blocks = shared_blocks
         self.helped = 0  # files written by helper processes
         self.helper_cpu = 0.0  # their CPU seconds for those files (in :attr:`cpu` too)
+        self.proven = 0  # samples put with finite=True: their NaN/Inf test was the device's, not the writers'
+        self.tested = 0  # samples whose states the writers tested for NaN/Inf
         self._helpers: list[WriteHelper | None] = [None] * workers
         self._threads = [
             threading.Thread(target=self._work, args=(i,), name=f"sample-writer-{i}", daemon=True)
@@ -163,11 +169,11 @@ class SampleWriter:
         except BaseException as exc:  # noqa: BLE001 - handed to the producer; the thread still drains the queue
             self._fail(exc)
         while (job := self.queue.get()) is not None:
-            index, sample, done = job
+            index, sample, done, finite = job
             began, began_cpu = time.monotonic(), time.thread_time()
             try:
                 if self.error is None:
-                    self._write(index, sample, number)
+                    self._write(index, sample, number, finite)
             except BaseException as exc:  # noqa: BLE001 - handed to the producer
                 self._fail(exc)
             with self._lock:
@@ -181,15 +187,19 @@ class SampleWriter:
             self.queue.task_done()
         self.queue.task_done()
 
-    def _write(self, index: int, sample: dict, number: int = 0) -> None:
+    def _write(self, index: int, sample: dict, number: int = 0, finite: bool = False) -> None:
         reason = self.reject(sample) if self.reject is not None else None
         if not reason:
             parts, dtypes = encode_typed(sample, self.fmt, self.layer_ids, self.model_args)
             scans = None
-            if self.non_finite is not None and dtypes is None:  # .pt: its bytes cannot be told apart
+            test = self.non_finite is not None and not finite  # proven on the device: not tested again here
+            if test and dtypes is None:  # .pt: its bytes cannot be told apart
                 reason = self.non_finite(sample)
-            elif self.non_finite is not None:
+            elif test:
                 scans = [_finite_scan(dtype) for dtype in dtypes]
+            if self.non_finite is not None:
+                with self._lock:
+                    self.tested, self.proven = self.tested + test, self.proven + (not test)
             if self.screen is not None and not reason:
                 self.screen.check(index, sample)  # a finding stops the run before any file of it is made
         if reason:
@@ -293,7 +303,8 @@ class SampleWriter:
         waited on a full queue: the writers set the pace there), ``direct``, ``bounced``, ``buffered`` (the
         bytes written from the samples' memory with ``O_DIRECT``, through its bounce buffer, through the page
         cache), ``refused`` (files whose direct write the file system refused: later ones went buffered),
-        ``helped`` (files written by the workers' helper processes)."""
+        ``helped`` (files written by the workers' helper processes), ``finite_proven`` / ``finite_tested`` (samples
+        whose NaN/Inf test was the device's, put with ``finite=True``, / the writers' own)."""
         with self._lock:
             busy, cpu, written, paths = self.busy, self.cpu, self.bytes, dict(self.paths)
         span = max(time.monotonic() - self.started, 1e-9)
@@ -305,6 +316,8 @@ class SampleWriter:
             "waited": self.waited,
             "refused": self.refused,
             "helped": self.helped,
+            "finite_proven": self.proven,
+            "finite_tested": self.tested,
             **paths,
         }
 
@@ -333,14 +346,16 @@ class SampleWriter:
         """``error`` is the screen's own finding (raised as it is, never as a writer bug)."""
         return self.screen is not None and isinstance(error, getattr(self.screen, "errors", ()))
 
-    def put(self, index: int, sample: dict, done: Callable[[], None] | None = None) -> None:
+    def put(self, index: int, sample: dict, done: Callable[[], None] | None = None, finite: bool = False) -> None:
         """Queue a sample (blocks while the queue is full); raise the first write error.
 
-        ``done()`` runs once the writer no longer needs the sample's memory.
+        ``done()`` runs once the writer no longer needs the sample's memory. ``finite``: its states were proven
+        finite on the device, as they are (``StepCapture.finite``), so the writers skip their NaN/Inf test.
         """
         self._raise_if_failed()
+        job = (index, sample, done, finite)
         try:
-            self.queue.put_nowait((index, sample, done))
+            self.queue.put_nowait(job)
             return
         except queue.Full:
             began = time.monotonic()
@@ -348,7 +363,7 @@ class SampleWriter:
             while True:
                 self._raise_if_failed()
                 try:
-                    self.queue.put((index, sample, done), timeout=0.5)
+                    self.queue.put(job, timeout=0.5)
                     return
                 except queue.Full:
                     continue

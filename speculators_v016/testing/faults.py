@@ -62,6 +62,10 @@ modules carry no fault points: each fault wraps one of their seams here.
 * ``execute-model-fails:n`` (a vLLM worker's fault, in-process with the uniprocess executor): the
   ``n``-th call of the model runner's ``execute_model`` with scheduled tokens raises, as a kernel that fails inside the
   forward does (wraps vLLM's ``GPUModelRunner.execute_model``, which the CPU runner inherits).
+* ``nan-step:n`` (a vLLM worker's fault, in-process with the uniprocess executor): the ``n``-th step the
+  capture takes gets a NaN in the first row of every captured layer before it is copied out, as when the forward
+  produced one (wraps the worker's ``Capture._aux``): on a GPU's staged path the device's NaN/Inf proof fails
+  and the writers test the sample's bytes.
 * ``vllm-prompt-rows`` (a vLLM worker's fault): the workaround of vLLM 0.16's
   lost prompt rows (PP, async scheduling, chunked prefill) is not installed
   (replaces :func:`speculators_v016.worker.pipeline_stage.keep_prompt_rows`
@@ -220,8 +224,11 @@ def install() -> None:
 
         def stream(self, *args, **kwargs):
             checked = kwargs.get("prompt_logprobs") or (lambda key: False)
+            proven = kwargs.get("proven")
             for key, ids, states in original_stream(self, *args, **kwargs):
                 if not checked(key) and _armed(point):
+                    if proven is not None:  # changed after the device: its NaN/Inf proof no longer holds
+                        proven.discard(key)
                     last = states[-1]
                     if isinstance(last, Fp8States):  # a NaN row quantizes to a NaN scale
                         last.scales[len(ids) // 2] = float("nan")
@@ -336,13 +343,13 @@ def install() -> None:
         SlotRing.create = classmethod(create)
     elif point == "fork-workers":
         engine_core.set_start_method = lambda device_type, executor_kind: None
-    elif point == "execute-model-fails":  # the uniprocess executor's worker is this process
+    elif point in ("execute-model-fails", "nan-step"):  # the uniprocess executor's worker is this process
         install_worker()
     elif point and point not in WORKER_FAULTS:
         raise SystemExit(f"{VARIABLE}={os.environ[VARIABLE]}: unknown fault point {point!r}")
 
 
-WORKER_FAULTS = ("stage-boundary-late", "vllm-prompt-rows", "execute-model-fails")
+WORKER_FAULTS = ("stage-boundary-late", "vllm-prompt-rows", "execute-model-fails", "nan-step")
 #: What the planted execute_model failure says.
 PLANTED_FAILURE = "planted: a kernel failed inside the forward"
 
@@ -364,6 +371,18 @@ def install_worker() -> None:
             return aux
 
         capture.Capture._aux = late_aux
+    elif point == "nan-step":
+        original_aux = capture.Capture._aux
+
+        def nan_aux(self, runner, step):
+            aux = original_aux(self, runner, step)
+            if self.is_output and _armed(point):
+                with torch.inference_mode():  # vLLM's tensors: changed in place where vLLM made them
+                    for layer in aux:  # every captured layer: the stored ones are among them
+                        layer[0, 0] = float("nan")
+            return aux
+
+        capture.Capture._aux = nan_aux
     elif point == "vllm-prompt-rows":
         capture.keep_prompt_rows = lambda runner: None
     elif point == "execute-model-fails":

@@ -58,11 +58,19 @@ layer on the compute stream, which the device-to-host copy then reads (the
 stream orders the next layer's quantization after that copy); on CPU it
 writes straight into the slot. Half the bytes cross PCIe, the ring and the
 host.
+
+On the ``staged`` path in the engine's dtype the step's rows are also summed
+in float32 on the device, and the sum lands in the slot's proof (pinned host
+memory) with the rows: the reply's ``StepCapture.finite`` is True when it is
+finite, which proves every value finite (:mod:`~speculators_v016.worker.staging`),
+so the writers skip their NaN/Inf test of those bytes. Every other path
+leaves it None, and the writers test the bytes.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,10 +92,13 @@ from speculators_v016.worker.staging import Fp8Buffers, StagingCopier, StagingPl
 class _Pending:
     capture: StepCapture
     ready: torch.cuda.Event | None
+    proof: torch.Tensor | None = None  # the rows' float32 sum, landed with them (staged path): the NaN/Inf proof
 
     def result(self) -> StepCapture:
         if self.ready is not None:
             self.ready.synchronize()
+        if self.proof is not None:
+            self.capture.finite = math.isfinite(float(self.proof))
         return self.capture
 
 
@@ -214,8 +225,10 @@ class StagedCopy:
     def __init__(self, staging: StagingCopier, fp8_storage: bool):
         self.staging, self.fp8 = staging, fp8_storage
 
-    def copy(self, aux, total: int, dst: torch.Tensor, dst_scales: torch.Tensor | None) -> Any:
-        return self.staging.copy(aux, total, Fp8Buffers(dst, dst_scales) if self.fp8 else dst)
+    def copy(
+        self, aux, total: int, dst: torch.Tensor, dst_scales: torch.Tensor | None, proof: torch.Tensor | None = None
+    ) -> Any:
+        return self.staging.copy(aux, total, Fp8Buffers(dst, dst_scales) if self.fp8 else dst, proof)
 
     def close(self) -> None:
         self.staging.close()
@@ -255,6 +268,8 @@ class Capture:
         if self.fp8 and self.copier is not None:
             self.copier = DirectQuantize() if device.type == "cuda" else HostQuantize()
         self.held: HeldStates | None = None
+        #: staged, the engine's dtype: each ring slot's NaN/Inf proof (pinned host float32; None: none made)
+        self.proofs: torch.Tensor | None = None
         if setup.by_reference and self.copier is not None:
             if device.type != "cpu" or self.fp8 or ring is not None or stage is not None:
                 raise ValueError(
@@ -290,6 +305,8 @@ class Capture:
         quant_bytes = 0
         if staging is not None:
             self.copier = StagedCopy(staging, self.fp8)
+            if not self.fp8:
+                self.proofs = torch.zeros(ring.slots, dtype=torch.float32, pin_memory=True)
         elif self.fp8:  # allocated now, before vLLM profiles memory
             self.copier = DirectQuantize(
                 Fp8Buffers(
@@ -413,6 +430,9 @@ class Capture:
         dst, dst_scales = self._destination(step, slot, total, aux[0])
         if slot is None:
             capture.states, capture.scales = dst, dst_scales
+        if self.proofs is not None and slot is not None:  # staged: the sum lands in the slot's proof with the rows
+            proof = self.proofs[slot]
+            return _Pending(capture, self.copier.copy(aux, total, dst, dst_scales, proof), proof)
         return _Pending(capture, self.copier.copy(aux, total, dst, dst_scales))
 
     def _destination(

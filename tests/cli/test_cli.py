@@ -68,6 +68,7 @@ def test_demo_runs_and_verifies(tmp_path):
     paths = re.search(r"bytes written with O_DIRECT ([\d.]+)% from the samples' memory, ([\d.]+)% through a bounce "
                       r"buffer, ([\d.]+)% through the page cache", result.output)  # fmt: skip
     assert paths and sum(map(float, paths.groups())) == pytest.approx(100, abs=0.2), result.output[-3000:]
+    assert "NaN/Inf test: 0 samples proven on the device, 20 tested by the writers" in result.output  # a CPU engine
     if takes_direct(tmp_path):  # the states' memory placed as the files' data is: most bytes go from there
         assert float(paths[3]) == 0 and float(paths[1]) > 50, paths.group(0)
 

@@ -191,6 +191,17 @@ def test_nan_states_are_not_written_and_reported(tmp_path, model_dir, data_file)
     assert strict.exit_code == 5 and "limit --max-bad-samples 0" in strict.output
 
 
+def test_a_nan_made_in_the_forward_is_refused_through_the_capture_path(tmp_path, model_dir, data_file):
+    """A NaN planted in a step's aux states in the worker, before the copy, keeps its one sample out of the folder."""
+    out = tmp_path / "out"
+    result = generate(model_dir, data_file, out, "--logit-check-samples", 0, env={FAULT: "nan-step:1"})
+    assert result.exit_code == 0, result.output
+    match = re.search(r"sample (\d+): NaN/Inf hidden states in layers \[[\d, ]+\]: not written", result.output)
+    assert match, result.output
+    assert int(match.group(1)) not in Manifest(out).entries() and len(Manifest(out).entries()) == COUNT - 1
+    assert "skipped:    1 NaN/Inf hidden states" in result.output
+
+
 def test_logit_check_failure_stops_the_run_before_writing(tmp_path, model_dir, data_file, reference):
     """States shifted by one position fail the logit check: exit 7, nothing written, a resume redoes them all."""
     out = tmp_path / "out"

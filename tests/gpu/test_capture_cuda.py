@@ -235,6 +235,38 @@ def test_without_ring_reference(runner):
     check_and_report("no ring (fresh pinned tensors)", runner, *run_steps(runner, worker, None))
 
 
+def test_the_staged_path_proves_each_step_finite_and_a_planted_nan_or_inf_fails_it(runner):
+    """Staged: each step's ``finite`` is True for the model's rows, not where a NaN, +Inf or -Inf was planted in
+    the aux states before the capture (a value past the step's rows does not count); the direct path proves nothing."""
+    plant = {3: (float("nan"), 11), 5: (float("inf"), 4999), 6: (-float("inf"), 982), 8: (float("nan"), 7000)}
+    ring = make_ring(False)
+    try:
+        for staging in ("auto", "off"):
+            worker = attach(runner, ring, staging)
+            finite = {}
+            gen = torch.Generator(device="cuda").manual_seed(2)
+
+            def consume(capture, finite=finite):
+                if capture is not None:
+                    finite[capture.step] = capture.finite
+                    ring.release(capture.slot)
+
+            try:
+                for step in range(1, 10):
+                    runner.step(torch.randn(TOKENS, HIDDEN, device="cuda", generator=gen).to(DTYPE), 5000 + step % 2)
+                    if step in plant:  # on the compute stream, after the forward: what the capture then reads
+                        value, row = plant[step]
+                        runner.static_aux[step % LAYERS][row, step] = value
+                    consume(worker.speculators_capture_step(step, ring.acquire()))
+                consume(worker.speculators_capture_flush())
+            finally:
+                worker.speculators_capture_close()
+            proven = {s: (s not in plant or plant[s][1] >= 5000 + s % 2) for s in range(1, 10)}
+            assert finite == (proven if staging == "auto" else dict.fromkeys(range(1, 10))), staging
+    finally:
+        ring.close()
+
+
 def test_staging_is_accounted_and_falls_back_when_it_does_not_fit(runner):
     """Staging bytes count as model memory (before vLLM sizes the KV cache); over a quarter of the budget: direct."""
     ring = make_ring(shared=False)

@@ -61,6 +61,10 @@ def default_run(tmp_path_factory, model_dir, data_file):
     out = tmp_path_factory.mktemp("gpu-default") / "out"
     result = run(model_dir, data_file, out)
     assert_ok(result)
+    # the staged copy's NaN/Inf proof held for every sample: the writers read none of their bytes for the test
+    assert f"NaN/Inf test: {COUNT} samples proven on the device, 0 tested by the writers" in result.output, (
+        result.output
+    )
     save_figures("cli-default", {"summary": [line for line in result.output.splitlines() if ":" in line][-10:]})
     return out
 
@@ -106,6 +110,19 @@ def test_engine_args_choose_another_attention_backend(tmp_path, model_dir, data_
     assert "Using AttentionBackendEnum.FLEX_ATTENTION backend" in text, text[-3000:]
     config = json.loads((out / "data_config.json").read_text())
     assert config["speculators_v016"]["fingerprint"]["generation"]["engine_args"] == chosen
+
+
+def test_a_nan_made_in_the_forward_fails_the_devices_proof_and_is_refused(tmp_path, model_dir, data_file):
+    """A NaN planted in a step's aux states on the GPU, before the staged copy: that step is not proven, the writers
+    test its samples' bytes and refuse the one holding it; the others are written."""
+    out = tmp_path / "out"
+    result = run(model_dir, data_file, out, "--logit-check-samples", 0, fault="nan-step:1")
+    assert result.exit_code == 0, result.output[-6000:]
+    refused = re.search(r"sample (\d+): NaN/Inf hidden states in layers \[[\d, ]+\]: not written", result.output)
+    assert refused and "skipped:    1 NaN/Inf hidden states" in result.output, result.output[-6000:]
+    assert len(load_all(out)) == COUNT - 1 and int(refused[1]) not in load_all(out)
+    test = re.search(r"NaN/Inf test: (\d+) samples proven on the device, (\d+) tested by the writers", result.output)
+    assert test and int(test[2]) >= 1 and int(test[1]) + int(test[2]) == COUNT, result.output[-6000:]
 
 
 def test_a_killed_run_resumes_within_the_bounds(tmp_path, model_dir, data_file, default_run):

@@ -44,6 +44,22 @@ def test_chunks_are_stitched_in_order():
     assert states[0].is_contiguous()
 
 
+def test_a_request_is_proven_finite_only_where_every_step_of_its_rows_was():
+    """A request's NaN/Inf proof: every step that gave it rows proved them (``StepCapture.finite``), else none."""
+    asm = Assembler((0, 1))
+    for rid, n in (("a", 5), ("b", 3), ("c", 2)):
+        asm.add_request(rid, rid.upper(), n)
+    asm.expect(1, {"a": (0, 2), "b": (0, 3), "c": (0, 1)})
+    first = capture(1, [("a", 0, 2), ("b", 0, 3), ("c", 0, 1)])
+    first.finite = True
+    asm.add(first)
+    asm.expect(2, {"a": (2, 3), "c": (1, 1)})
+    second = capture(2, [("a", 2, 3), ("c", 1, 1)])  # not proven: finite None
+    asm.add(second)
+    assert sorted(k for k, _ in asm.pop_complete()) == ["A", "B", "C"]
+    assert asm.proven == {"b"}  # a and c had rows in a step without the proof
+
+
 def test_disagreement_with_scheduler_is_an_error():
     """A runner row count that differs from the scheduler's raises AttributionError."""
     asm = Assembler((0, 1))

@@ -87,6 +87,19 @@ def test_stage_replies_join_into_one_capture():
     assert join_stages([whole], 5) is whole  # no pipeline: the output rank's reply as it is
 
 
+def test_a_joined_step_is_proven_finite_only_where_every_stage_proved_its_layers():
+    """The NaN/Inf proof of a step under PP: every stage's, or none (the writers then test the bytes)."""
+
+    def replies(first, second):
+        one, two = _capture(0, (0, 2)), _capture(1, (2, 5))
+        one.finite, two.finite = first, second
+        return [one, two]
+
+    assert join_stages(replies(True, True), 5).finite is True
+    for first, second in [(True, None), (None, True), (False, True), (None, None)]:
+        assert join_stages(replies(first, second), 5).finite is None, (first, second)
+
+
 @pytest.mark.parametrize(
     "second, message",
     [

@@ -183,3 +183,42 @@ def test_one_buffer_waits_for_its_own_previous_drain():
     _, streams, _ = run_copier(LoggingCopier, 1, [4, 4, 4])
     check_order(streams.log, buffers=1)
     assert sum(1 for entry in streams.log if entry[:2] == ("wait", "compute")) == 2
+
+
+def prove(rows: torch.Tensor, dtype=torch.bfloat16) -> float:
+    """The proof ``copy`` hands back for one step of ``rows`` ``[layers, total, hidden]`` (fake streams, CPU)."""
+    layers, total, hidden = rows.shape
+    plan = StagingPlan(True, 2, 0, "test")
+    copier = StagingCopier(plan, (layers, total + 3, hidden), dtype, torch.device("cpu"), streams=FakeStreams())
+    aux = [torch.cat([layer, torch.full((3, hidden), float("nan"), dtype=dtype)]) for layer in rows.to(dtype)]
+    dst, proof = torch.empty((layers, total, hidden), dtype=dtype), torch.full((), -1.0)
+    copier.copy(aux, total, dst, proof)
+    assert torch.equal(dst.view(torch.int16), rows.to(dtype).view(torch.int16))
+    return float(proof)
+
+
+def test_the_proof_is_finite_exactly_for_finite_rows():
+    """A step's float32 sum is finite for finite rows; one NaN, +Inf, -Inf or both infinities make it not."""
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randn(3, 40, 16, generator=gen) * 1e3
+    assert torch.isfinite(torch.tensor(prove(rows)))  # the padding rows past ``total`` (NaN) are not summed
+    for bad in ([float("nan")], [float("inf")], [-float("inf")], [float("inf"), -float("inf")]):
+        faulty = rows.clone()
+        for k, value in enumerate(bad):
+            faulty[2, 17 + k, 5] = value
+        assert not torch.isfinite(torch.tensor(prove(faulty))), bad
+
+
+def test_an_overflowing_sum_leaves_finite_rows_unproven():
+    """Finite values whose sum overflows float32 are not proven (the writers then test their bytes)."""
+    rows = torch.full((2, 8, 4), 3e38)
+    assert torch.isfinite(rows.to(torch.bfloat16).float()).all()
+    assert not torch.isfinite(torch.tensor(prove(rows)))
+
+
+def test_fp8_staging_refuses_a_proof():
+    """FP8 staging has no sum to hand back: asking for one is an error, not a silent pass."""
+    plan = StagingPlan(True, 2, 0, "test")
+    copier = StagingCopier(plan, (1, 4, 8), torch.bfloat16, torch.device("cpu"), streams=FakeStreams(), fp8=True)
+    with pytest.raises(ValueError, match="FP8 staging has no sum"):
+        copier.copy([torch.zeros(4, 8)], 4, None, torch.zeros(()))

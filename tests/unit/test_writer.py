@@ -316,6 +316,26 @@ def test_the_check_reads_every_float_byte_once_and_the_sample_no_more(tmp_path, 
     assert sorted(Manifest(tmp_path).entries()) == [0, 1, 2, 3, 4]
 
 
+def test_a_sample_proven_finite_on_the_device_is_not_read_for_the_test(tmp_path, monkeypatch):
+    """put(finite=True): no chunk scanned and no whole-sample pass for it; the others still tested, load counts both."""
+    monkeypatch.setattr(atomic_files, "WRITE_CHUNK", 64)
+    scanned, whole = [], []
+    real_bytes_finite = finite.bytes_finite
+    monkeypatch.setattr(
+        finite, "bytes_finite", lambda data, dtype: scanned.append(len(data)) or real_bytes_finite(data, dtype)
+    )
+    writer = SampleWriter(tmp_path, "safetensors", [1, 2], workers=1, non_finite=lambda s: whole.append(s) or "bad")
+    proven, tested = sample(0, tokens=11, hidden=6), sample(1, tokens=11, hidden=6)
+    writer.put(0, proven, finite=True)
+    writer.put(1, tested)
+    writer.close()
+    assert sum(scanned) == sum(h.nbytes for h in tested["hidden_states"]) and not whole
+    assert sorted(Manifest(tmp_path).entries()) == [0, 1]
+    assert (writer.load()["finite_proven"], writer.load()["finite_tested"]) == (1, 1)
+    got = load_sample(tmp_path / "data_0.safetensors")["hidden_states"]
+    assert all(torch.equal(a, b) for a, b in zip(got, proven["hidden_states"]))
+
+
 def test_a_scan_the_whole_sample_check_contradicts_stops_the_run(tmp_path, monkeypatch):
     """The scan refusing a chunk while non_finite(sample) finds nothing is a bug: WriterThreadError, no file."""
     monkeypatch.setattr(finite, "bytes_finite", lambda data, dtype: False)
