@@ -298,8 +298,8 @@ def test_fp8_samples_with_a_nan_code_or_scale_are_refused(tmp_path, monkeypatch)
     assert sorted(Manifest(tmp_path).entries()) == [2]
 
 
-def test_the_check_reads_every_float_byte_once_and_the_sample_no_more(tmp_path, monkeypatch):
-    """Clean samples: the chunks scanned are every byte of every hidden state (no int), and no whole-sample pass runs."""
+def counting_writer(tmp_path, monkeypatch):
+    """A one-worker writer in 64-byte chunks that logs each chunk the NaN/Inf scan reads and each whole-sample pass."""
     monkeypatch.setattr(atomic_files, "WRITE_CHUNK", 64)
     scanned, whole = [], []
     real_bytes_finite = finite.bytes_finite
@@ -307,6 +307,12 @@ def test_the_check_reads_every_float_byte_once_and_the_sample_no_more(tmp_path, 
         finite, "bytes_finite", lambda data, dtype: scanned.append(len(data)) or real_bytes_finite(data, dtype)
     )
     writer = SampleWriter(tmp_path, "safetensors", [1, 2], workers=1, non_finite=lambda s: whole.append(s) or "bad")
+    return writer, scanned, whole
+
+
+def test_the_check_reads_every_float_byte_once_and_the_sample_no_more(tmp_path, monkeypatch):
+    """Clean samples: the chunks scanned are every byte of every hidden state (no int), and no whole-sample pass runs."""
+    writer, scanned, whole = counting_writer(tmp_path, monkeypatch)
     samples = [sample(i, tokens=11, hidden=6) for i in range(4)] + [fp8_sample(4, tokens=11, hidden=6)]
     for index, s in enumerate(samples):
         writer.put(index, s)
@@ -318,13 +324,7 @@ def test_the_check_reads_every_float_byte_once_and_the_sample_no_more(tmp_path, 
 
 def test_a_sample_proven_finite_on_the_device_is_not_read_for_the_test(tmp_path, monkeypatch):
     """put(finite=True): no chunk scanned and no whole-sample pass for it; the others still tested, load counts both."""
-    monkeypatch.setattr(atomic_files, "WRITE_CHUNK", 64)
-    scanned, whole = [], []
-    real_bytes_finite = finite.bytes_finite
-    monkeypatch.setattr(
-        finite, "bytes_finite", lambda data, dtype: scanned.append(len(data)) or real_bytes_finite(data, dtype)
-    )
-    writer = SampleWriter(tmp_path, "safetensors", [1, 2], workers=1, non_finite=lambda s: whole.append(s) or "bad")
+    writer, scanned, whole = counting_writer(tmp_path, monkeypatch)
     proven, tested = sample(0, tokens=11, hidden=6), sample(1, tokens=11, hidden=6)
     writer.put(0, proven, finite=True)
     writer.put(1, tested)
