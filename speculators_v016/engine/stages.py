@@ -96,9 +96,8 @@ def join_stages(replies: Sequence[StepCapture | None], num_ids: int) -> StepCapt
     if end != num_ids:
         raise AttributionError(f"step {first.step}: the stages filled {end} of {num_ids} captured layers")
     joined = StepCapture(first.step, first.req_ids, first.starts, first.counts, first.slot)
-    joined.finite = (
-        True if all(c.finite is True for c in got) else None
-    )  # proven only where every stage proved its layers
+    # the NaN/Inf proof: only where every stage proved its layers
+    joined.finite = True if all(c.finite is True for c in got) else None
     if first.slot is None:  # no ring (Ray): each stage's layers travelled in its reply
         joined.states = torch.cat([c.states for c in got])
         joined.scales = torch.cat([c.scales for c in got]) if first.scales is not None else None
