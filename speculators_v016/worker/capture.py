@@ -59,12 +59,13 @@ stream orders the next layer's quantization after that copy); on CPU it
 writes straight into the slot. Half the bytes cross PCIe, the ring and the
 host.
 
-On the ``staged`` path in the engine's dtype the step's rows are also summed
-in float32 on the device, and the sum lands in the slot's proof (pinned host
-memory) with the rows: the reply's ``StepCapture.finite`` is True when it is
-finite, which proves every value finite (:mod:`~speculators_v016.worker.staging`),
-so the writers skip their NaN/Inf test of those bytes. Every other path
-leaves it None, and the writers test the bytes.
+On the ``staged`` path the step's rows (with FP8 storage: their scales) are
+also summed in float32 on the device, and the sum lands in the slot's proof
+(pinned host memory) with the rows: the reply's ``StepCapture.finite`` is
+True when it is finite, which proves every value finite
+(:mod:`~speculators_v016.worker.staging`), so the writers skip their NaN/Inf
+test of those bytes. Every other path leaves it None, and the writers test
+the bytes.
 """
 
 from __future__ import annotations
@@ -268,7 +269,7 @@ class Capture:
         if self.fp8 and self.copier is not None:
             self.copier = DirectQuantize() if device.type == "cuda" else HostQuantize()
         self.held: HeldStates | None = None
-        #: staged, the engine's dtype: each ring slot's NaN/Inf proof (pinned host float32; None: none made)
+        #: staged: each ring slot's NaN/Inf proof (pinned host float32; None: none made)
         self.proofs: torch.Tensor | None = None
         if setup.by_reference and self.copier is not None:
             if device.type != "cpu" or self.fp8 or ring is not None or stage is not None:
@@ -305,8 +306,7 @@ class Capture:
         quant_bytes = 0
         if staging is not None:
             self.copier = StagedCopy(staging, self.fp8)
-            if not self.fp8:
-                self.proofs = torch.zeros(ring.slots, dtype=torch.float32, pin_memory=True)
+            self.proofs = torch.zeros(ring.slots, dtype=torch.float32, pin_memory=True)
         elif self.fp8:  # allocated now, before vLLM profiles memory
             self.copier = DirectQuantize(
                 Fp8Buffers(

@@ -23,18 +23,22 @@ scales (:class:`Fp8Buffers`), so the quantization is the device-to-device
 step and only codes and scales cross PCIe; :meth:`StagingCopier.drain`
 moves a staged buffer to the host.
 
-The NaN/Inf proof: with ``proof`` (a pinned host float32 scalar; the
-engine's dtype only, not FP8), :meth:`StagingCopier.copy` also sums the
-staged rows in float32 on the device, after the fill, and copies the sum
-to ``proof`` with the rows. IEEE arithmetic makes the sum NaN or infinite
-whenever any value is (NaN absorbs everything; an infinity stays one or,
-met by its opposite, becomes NaN), so a finite sum proves every value of
-the step's rows finite and the writers need not read the bytes to test
-them (``StepCapture.finite``). The converse does not hold: finite values
-whose sum overflows float32 leave the step unproven, and the writers test
-its bytes, as they test every step of a CPU engine, the direct path and
-FP8 storage. The sum reads the staging buffer once more on the device
-(~0.15 ms for 448 MiB on an H100; a step of that size runs ~50 ms).
+The NaN/Inf proof: with ``proof`` (a pinned host float32 scalar),
+:meth:`StagingCopier.copy` also sums the staged rows in float32 on the
+device, after the fill, and copies the sum to ``proof`` with the rows. IEEE
+arithmetic makes the sum NaN or infinite whenever any value is (NaN absorbs
+everything; an infinity stays one or, met by its opposite, becomes NaN), so
+a finite sum proves every value of the step's rows finite and the writers
+need not read the bytes to test them (``StepCapture.finite``). The converse
+does not hold: finite values whose sum overflows float32 leave the step
+unproven, and the writers test its bytes, as they test every step of a CPU
+engine and the direct path. The sum reads the staging buffer once more on
+the device (~0.15 ms for 448 MiB on an H100; a step of that size runs
+~50 ms). With FP8 storage the sum is of the step's scales (4 bytes a row):
+a row holding NaN or Inf gets a NaN or Inf scale (:mod:`speculators_v016.fp8`),
+and a finite row divided by its finite scale is at most 448 in magnitude,
+so its codes are finite e4m3 values; a finite sum of the (positive) scales
+thus proves the codes and the scales finite.
 
 Memory: the buffers are allocated at capture set-up, after vLLM loaded the
 model and before it profiles memory and sizes the KV cache, and the worker
@@ -171,8 +175,8 @@ class StagingCopier:
         self.fp8 = fp8
         self.buffers = [self._buffer(shape, dtype, device) for _ in range(plan.buffers)]
         self.copy_stream = self.streams.new_stream()
-        #: each buffer's float32 sum, the NaN/Inf proof (not with FP8: its codes are not summed)
-        self.sums = None if fp8 else torch.zeros(plan.buffers, dtype=torch.float32, device=device)
+        #: each buffer's float32 sum (FP8: of its scales), the NaN/Inf proof
+        self.sums = torch.zeros(plan.buffers, dtype=torch.float32, device=device)
         self._drained: list[Any] = [None] * plan.buffers  # event after each buffer's last device-to-host copy
         self._next = 0
 
@@ -195,13 +199,11 @@ class StagingCopier:
 
         Returns the event recorded on the copy stream after the last
         device-to-host copy: once it has completed, ``dst`` holds the rows
-        and ``proof`` (a host float32 scalar, if given; not with FP8) their
-        float32 sum, finite only if every value is.
+        and ``proof`` (a host float32 scalar, if given) their float32 sum
+        (FP8: of their scales), finite only if every value is.
         Call from the thread that runs the forward, right after it (the
         compute stream is that thread's current stream).
         """
-        if proof is not None and self.sums is None:
-            raise ValueError("the NaN/Inf proof sums the engine's dtype; FP8 staging has no sum")
         index, self._next = self._next, (self._next + 1) % len(self.buffers)
         stage = self.buffers[index]
         compute = self.streams.compute()
@@ -209,7 +211,7 @@ class StagingCopier:
             compute.wait_event(self._drained[index])  # on the device: the buffer's previous copy-out is done
         self.fill(stage, aux, total)
         if proof is not None:  # on the compute stream, after the fill: what the slot will hold
-            torch.sum(stage[:, :total], dim=(0, 1, 2), dtype=torch.float32, out=self.sums[index])
+            self.prove(stage, total, self.sums[index])
         staged = self.streams.new_event()
         staged.record(compute)
         self.copy_stream.wait_event(staged)
@@ -229,6 +231,14 @@ class StagingCopier:
                 fp8.quantize_into(layer[:total], stage.codes[j, :total], stage.scales[j, :total])
             else:
                 stage[j, :total].copy_(layer[:total])
+
+    @staticmethod
+    def prove(stage: torch.Tensor | Fp8Buffers, total: int, out: torch.Tensor) -> None:
+        """The step's float32 sum into ``out`` (a device scalar): of its rows, or with FP8 of its scales."""
+        if isinstance(stage, Fp8Buffers):
+            torch.sum(stage.scales[:, :total], dim=(0, 1), dtype=torch.float32, out=out)
+        else:
+            torch.sum(stage[:, :total], dim=(0, 1, 2), dtype=torch.float32, out=out)
 
     def drain(self, stage: torch.Tensor | Fp8Buffers, total: int, dst: torch.Tensor | Fp8Buffers) -> None:
         """Device-to-host, on the copy stream: one contiguous copy per layer into the pinned slot."""

@@ -119,13 +119,15 @@ class StandInWorker(CaptureWorkerExtension):
             self.requested_memory = budget
 
 
-def make_ring(shared: bool) -> SlotRing:
-    return SlotRing.create(slots=3, num_ids=LAYERS, max_rows=TOKENS, hidden=HIDDEN, dtype=DTYPE, shared=shared)
+def make_ring(shared: bool, storage: str = "auto") -> SlotRing:
+    return SlotRing.create(
+        slots=3, num_ids=LAYERS, max_rows=TOKENS, hidden=HIDDEN, dtype=DTYPE, shared=shared, hidden_states_dtype=storage
+    )
 
 
-def attach(runner, ring, staging: str, budget: int | None = 64 * GIB) -> StandInWorker:
+def attach(runner, ring, staging: str, budget: int | None = 64 * GIB, storage: str = "auto") -> StandInWorker:
     worker = StandInWorker(runner, budget)
-    worker.speculators_capture_attach(worker_setup(LAYERS, ring.spec, staging))
+    worker.speculators_capture_attach(worker_setup(LAYERS, ring.spec, staging, storage))
     expected = "staged" if staging == "auto" else "direct"
     assert worker._speculators_capture.copy_info["copy_path"] == expected, worker._speculators_capture.copy_info
     assert worker._speculators_capture.ring.pinned
@@ -235,14 +237,16 @@ def test_without_ring_reference(runner):
     check_and_report("no ring (fresh pinned tensors)", runner, *run_steps(runner, worker, None))
 
 
-def test_the_staged_path_proves_each_step_finite_and_a_planted_nan_or_inf_fails_it(runner):
-    """Staged: each step's ``finite`` is True for the model's rows, not where a NaN, +Inf or -Inf was planted in
-    the aux states before the capture (a value past the step's rows does not count); the direct path proves nothing."""
+@pytest.mark.parametrize("storage", ["auto", "fp8_e4m3"], ids=["bf16", "fp8"])
+def test_the_staged_path_proves_each_step_finite_and_a_planted_nan_or_inf_fails_it(runner, storage):
+    """Staged (bf16 rows or FP8 scales summed): each step's ``finite`` is True for the model's rows, not where a
+    NaN, +Inf or -Inf was planted in the aux states before the capture (a value past the step's rows does not
+    count); the direct path proves nothing."""
     plant = {3: (float("nan"), 11), 5: (float("inf"), 4999), 6: (-float("inf"), 982), 8: (float("nan"), 7000)}
-    ring = make_ring(False)
+    ring = make_ring(False, storage)
     try:
         for staging in ("auto", "off"):
-            worker = attach(runner, ring, staging)
+            worker = attach(runner, ring, staging, storage=storage)
             finite = {}
             gen = torch.Generator(device="cuda").manual_seed(2)
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculators_v016.worker.staging import FREE_HEADROOM_BYTES, StagingCopier, StagingPlan, plan_staging
+from speculators_v016 import fp8
+from speculators_v016.worker.staging import FREE_HEADROOM_BYTES, Fp8Buffers, StagingCopier, StagingPlan, plan_staging
 
 MIB = 2**20
 
@@ -216,9 +217,35 @@ def test_an_overflowing_sum_leaves_finite_rows_unproven():
     assert not torch.isfinite(torch.tensor(prove(rows)))
 
 
-def test_fp8_staging_refuses_a_proof():
-    """FP8 staging has no sum to hand back: asking for one is an error, not a silent pass."""
+def prove_fp8(rows: torch.Tensor) -> tuple[float, Fp8Buffers]:
+    """The proof and the slot of one FP8 step of ``rows`` ``[layers, total, hidden]`` (bf16, fake streams)."""
+    layers, total, hidden = rows.shape
     plan = StagingPlan(True, 2, 0, "test")
-    copier = StagingCopier(plan, (1, 4, 8), torch.bfloat16, torch.device("cpu"), streams=FakeStreams(), fp8=True)
-    with pytest.raises(ValueError, match="FP8 staging has no sum"):
-        copier.copy([torch.zeros(4, 8)], 4, None, torch.zeros(()))
+    shape = (layers, total + 3, hidden)
+    copier = StagingCopier(plan, shape, torch.bfloat16, torch.device("cpu"), streams=FakeStreams(), fp8=True)
+    aux = [torch.cat([layer, torch.full((3, hidden), float("nan"))]).to(torch.bfloat16) for layer in rows]
+    dst = Fp8Buffers(torch.empty((layers, total, hidden), dtype=fp8.CODE_DTYPE), torch.empty((layers, total)))
+    proof = torch.full((), -1.0)
+    copier.copy(aux, total, dst, proof)
+    return float(proof), dst
+
+
+def test_the_fp8_proof_is_finite_exactly_for_finite_rows():
+    """FP8: the scales' sum is finite for finite rows (their codes never NaN); a NaN, +Inf or -Inf fails it."""
+    gen = torch.Generator().manual_seed(2)
+    rows = torch.randn(3, 40, 16, generator=gen) * 1e3
+    rows[1, 7] = torch.finfo(torch.bfloat16).max  # the largest finite rows still quantize to finite codes
+    rows[1, 8, ::2] = -torch.finfo(torch.bfloat16).max
+    rows[2, 9] = 0.0
+    rows[0, 3] = torch.finfo(torch.bfloat16).tiny
+    proof, dst = prove_fp8(rows)
+    assert torch.isfinite(torch.tensor(proof))  # the padding rows past ``total`` (NaN) are not summed
+    assert not fp8.code_is_nan(dst.codes).any()
+    codes, scales = fp8.quantize(rows.to(torch.bfloat16))
+    assert torch.equal(dst.codes.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(dst.scales, scales)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        faulty = rows.clone()
+        faulty[2, 17, 5] = bad
+        proof, dst = prove_fp8(faulty)
+        assert not torch.isfinite(torch.tensor(proof)), bad
+        assert not torch.isfinite(dst.scales[2, 17]), bad  # what the writers' test would have found
