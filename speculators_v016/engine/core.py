@@ -557,8 +557,8 @@ class CaptureEngine:
         tensors, which the caller owns), e.g. a
         :class:`~speculators_v016.engine.buffer_pool.BufferPool`'s ``take``.
         ``proven``: a set the keys are added to, before they are yielded, whose
-        every state the device proved finite as it left it (GPU staging in the
-        engine's dtype: ``StepCapture.finite``); the caller takes them out. Code
+        every state the device proved finite as it left it (GPU staging:
+        ``StepCapture.finite``); the caller takes them out. Code
         that changes a sample's states afterwards must take its key out too.
 
         If the caller stops early or a prompt is refused, the prompts already

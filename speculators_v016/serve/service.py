@@ -96,6 +96,8 @@ class ServiceStats:
     bytes: int = 0
     refused: int = 0
     screened: int = 0  # refused: their states hold rows no model produces
+    finite_proven: int = 0  # not NaN/Inf-tested by the publishers: the device proved their states finite
+    finite_tested: int = 0  # NaN/Inf-tested by the publishers (the refused ones too)
     started: float = field(default_factory=time.monotonic)
 
 
@@ -340,9 +342,13 @@ class CaptureService:
         layer_ids = list(self.plan.layer_ids)
         want = self._checked.__contains__ if self._checked else None
         held: list[tuple] = []  # finished while a checked request, already taken, was not judged yet
+        proven: set = set()  # keys whose states the device proved finite (GPU staging): not tested again
         try:
-            stream = self.engine.stream(self._feed(), window=2 * self.config.engine.max_num_seqs, prompt_logprobs=want)
+            window = 2 * self.config.engine.max_num_seqs
+            stream = self.engine.stream(self._feed(), window=window, prompt_logprobs=want, proven=proven)
             for key, ids, states in stream:
+                finite = key in proven
+                proven.discard(key)
                 request = self._taken.pop(key)
                 if ids != request.ids:  # never: submit() keeps prompts within the engine's length
                     request.future.set_exception(RuntimeError(f"the engine changed request {key}'s ids"))
@@ -363,7 +369,7 @@ class CaptureService:
                     except SelfCheckError as exc:
                         request.future.set_exception(ServiceStopped(f"the service stopped: {exc}"))
                         raise
-                    held.append((request, states))
+                    held.append((request, states, finite))
                 self._unjudged.discard(key)
                 if not self._unjudged:  # nothing taken is still to be judged: publish what waited
                     for item in held:
@@ -377,7 +383,7 @@ class CaptureService:
                 self.failure = exc
             if isinstance(exc, SelfCheckError):
                 self._stopping.set()  # states this service captures cannot be trusted: it serves no more
-            for request, _states in held:
+            for request, *_ in held:
                 if not request.future.done():
                     request.future.set_exception(self.down())
             self._fail_all(self.down())
@@ -421,17 +427,20 @@ class CaptureService:
             item = self._to_publish.get()
             if item is None:
                 return
-            request, states = item
+            request, states, finite = item
             try:
-                request.future.set_result(self._publish(request, states, layer_ids))
+                request.future.set_result(self._publish(request, states, layer_ids, finite))
             except BaseException as exc:  # noqa: BLE001 - told to the one who asked
                 self.stats.refused += 1
                 if not request.future.done():
                     request.future.set_exception(exc)
 
-    def _publish(self, request: Request, states: list, layer_ids: list[int]) -> dict:
+    def _publish(self, request: Request, states: list, layer_ids: list[int], finite: bool = False) -> dict:
+        """``finite``: the device proved every state finite (``StepCapture.finite``); else they are tested here."""
         input_ids = torch.tensor(request.ids, dtype=torch.long)
-        bad = non_finite(states)
+        bad = [] if finite else non_finite(states)
+        self.stats.finite_proven += finite
+        self.stats.finite_tested += not finite
         if bad:
             raise RequestError(f"NaN/Inf hidden states in layers {[layer_ids[j] for j in bad]}: not published")
         if request.layout == "stacked":
@@ -482,6 +491,8 @@ class CaptureService:
             "requests": self.stats.requests,
             "served": self.stats.served,
             "screened": self.stats.screened,
+            "finite_proven": self.stats.finite_proven,
+            "finite_tested": self.stats.finite_tested,
             "published_not_taken_bytes": self.backend.not_taken(),
             "publishing_waiting_seconds": round(self.backend.waiting_seconds(), 1),
             "max_published_bytes": self.config.max_published_bytes,

@@ -141,6 +141,30 @@ def test_a_failing_self_check_stops_the_service_and_nothing_is_published(
     assert published(serve_dir) == []
 
 
+def test_nan_states_made_in_the_forward_refuse_that_sample_alone(model_dir, data_file, tmp_path):
+    """A NaN planted in the first step's aux states (the forward "made" it): that sample is refused to its client
+    naming its layers, the next ones are served, and /v1/info counts every sample as tested by the publishers."""
+    serve_dir = tmp_path / "states"
+    proc, url, lines = start_service(
+        model_dir, serve_dir, "--logit-check-samples", 0, data_file=data_file, fault="nan-step:1"
+    )
+    assert url, "".join(lines)
+    try:
+        client = ProducerClient(url, retries=0)
+        with pytest.raises(ProducerError) as caught:
+            client.request("sample 0", index=0)
+        assert re.search(r"NaN/Inf hidden states in layers \[[\d, ]+\]: not published", str(caught.value)), caught.value
+        for i in (1, 2):
+            client.request(f"sample {i}", index=i)
+        info = client.info()
+        assert (info["served"], info["finite_proven"], info["finite_tested"]) == (2, 0, 3), info
+        assert info["failure"] is None, info
+        assert len(published(serve_dir)) == 2  # the refused sample's file was never made
+    finally:
+        code, rest = stop_service(proc)
+    assert code == 0, rest
+
+
 def test_a_zero_embedding_token_is_served_and_one_broken_sample_is_refused_not_fatal(zero_embedding_model, tmp_path):
     """A request starting with a token whose embedding row is zero (exact-zero states at position 0) is served; a
     sample whose capture failed once (all zero) is refused to its client alone, counted, and the service goes on."""

@@ -24,7 +24,7 @@ from helpers.families import MEDIAN_BOUND
 from helpers.gpu import command_env, engine_args, invoke_gpu, requires_vllm_gpu, save_figures
 from helpers.layer_rows import fp8_worst_error
 from speculators_v016.checks.fidelity import row_errors
-from speculators_v016.online import OnlineSampleDataset
+from speculators_v016.online import OnlineSampleDataset, ProducerClient
 
 pytestmark = requires_vllm_gpu
 
@@ -217,6 +217,8 @@ def test_serve_items_equal_the_offline_files(tmp_path, model_dir, data_file, one
                     assert torch.equal(a[key], b[key]), f"sample {i}: {key}"
         save_figures("serve-vs-offline", {"worst_row": worst, "bit_for_bit": worst == 0.0})
         assert worst <= MEDIAN_BOUND[torch.bfloat16]
+        info = ProducerClient(url).info()  # the staged steps' proof: the publishers tested no sample's bytes
+        assert (info["finite_proven"], info["finite_tested"]) == (COUNT, 0), info
     finally:
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=120)
