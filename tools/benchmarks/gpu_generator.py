@@ -40,6 +40,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -319,6 +320,43 @@ def write_rate(folder: Path, gib: int = 4) -> float:
     return gib / seconds
 
 
+def writers_rate(folder: Path, threads: int, gib_each: int = 2) -> float:
+    """GiB/s that ``threads`` threads together hash (BLAKE3) and write into ``folder``, each its own file of
+    ``gib_each`` GiB in the writers' chunks (``store/atomic_files.py``'s ``WRITE_CHUNK``), fsync'd: the ceiling of
+    that many write workers on this host, beside nothing else (no NaN/Inf test: the device proves a GPU's steps)."""
+    import blake3  # noqa: PLC0415 - the CLI's dependency; this script's parent needs it here only
+
+    from speculators_v016.store.atomic_files import WRITE_CHUNK  # noqa: PLC0415 - parent only
+
+    folder.mkdir(parents=True, exist_ok=True)
+    piece = memoryview(os.urandom(64 << 20))
+    paths = [folder / f"writers-rate-{i}.bin" for i in range(threads)]
+    ready = threading.Barrier(threads + 1)
+
+    def write(path: Path) -> None:
+        digest = blake3.blake3()
+        with open(path, "wb", buffering=0) as f:
+            ready.wait()
+            for _ in range(gib_each * 16):
+                for start in range(0, len(piece), WRITE_CHUNK):
+                    chunk = piece[start : start + WRITE_CHUNK]
+                    f.write(chunk)
+                    digest.update(chunk)
+            os.fsync(f.fileno())
+
+    workers = [threading.Thread(target=write, args=(path,)) for path in paths]
+    for worker in workers:
+        worker.start()
+    ready.wait()
+    start = time.perf_counter()
+    for worker in workers:
+        worker.join()
+    seconds = time.perf_counter() - start
+    for path in paths:
+        path.unlink()
+    return threads * gib_each / seconds
+
+
 def cli_rate(
     model: str,
     data: Path,
@@ -502,7 +540,8 @@ def main() -> None:
             batch = prompts(opts.cli_prompts or opts.prompts, opts.low, high, s["vocab"])
             data.write_text("".join(json.dumps({"input_ids": p, "loss_mask": [1] * len(p)}) + "\n" for p in batch))
             for parent in opts.cli_out or [Path(opts.where)]:
-                disk = write_rate(parent)
+                count, _ = cli_writers(s.get("hidden", hidden), len(layer_ids(s["layers"])), "auto", None, None)
+                disk = (write_rate(parent), count, writers_rate(parent, count))  # one thread; the bf16 writers
                 for dtype in opts.cli_dtypes:
                     for workers in opts.cli_write_workers or [None]:
                         variants = [{}]
@@ -535,6 +574,8 @@ def main() -> None:
                         subprocess.run(["gzip", "-f", str(profiled)], check=False)
                         print(f"py-spy profile {profiled}.gz; host path: {host}", file=sys.stderr, flush=True)
         lines.append((hidden, s, rates, cli, prof, high, memory, memory_lines, streams))
+    from speculators_v016.store.disk_forecast import stored_token_bytes  # noqa: PLC0415 - parent only
+
     with recording(__file__):
         cli_prompts = f" (the CLI: {opts.cli_prompts})" if opts.cli and opts.cli_prompts else ""
         print(f"{opts.prompts} prompts a pass{cli_prompts}, bf16, {'eager' if opts.eager else 'compiled (CUDA graphs)'}, "
@@ -566,10 +607,13 @@ def main() -> None:
                     print(f"  {name}, each timed pass's end (EngineStats): drained in {drained} ms (every prompt fed, "
                           f"no step in flight, to the stream's end); copy thread {thread:.2f} s, the engine's thread "
                           f"waited on it {waited * 1e3:,.0f} ms (medians); prefault hits/misses {faulted}")  # fmt: skip
-            for parent, disk, dtype, workers, spec, runs, host in cli if "uni" in med else []:
+            for parent, (disk, count, together), dtype, workers, spec, runs, host in cli if "uni" in med else []:
                 stored = "bf16" if dtype == "auto" else dtype
                 gil = variant_label(spec)
-                print(f"  CLI writing files under {parent} (one thread writes {disk:.2f} GiB/s there), {stored} "
+                token = stored_token_bytes(len(layer_ids(s["layers"])), s.get("hidden", hidden), 2, dtype == "fp8_e4m3")
+                print(f"  CLI writing files under {parent} (one thread writes {disk:.2f} GiB/s there; {count} threads "
+                      f"hashing and writing {together:.2f} GiB/s together; uni's stream of {stored} states "
+                      f"{med['uni'] * token / 2**30:.2f} GiB/s), {stored} "
                       f"stored, {workers or 'default'} write workers{gil}: {statistics.median(runs):,.0f} tokens/s to the "
                       f"last durable file (runs: {', '.join(f'{v:,.0f}' for v in runs)}); ratio CLI / uni: "
                       f"{statistics.median(runs) / med['uni']:.3f}x")  # fmt: skip
