@@ -408,7 +408,7 @@ def host_line(host: dict) -> str:
             else ""
         )
         + (
-            f"; the last files were made durable {host['drain_seconds']:.1f} s after the engine's last sample"
+            f"; the last files were made durable {host['drain_seconds']:.2f} s after the engine's last sample"
             if host.get("drain_seconds") is not None
             else ""
         )

@@ -83,7 +83,7 @@ def test_the_summary_says_where_the_host_time_went(tmp_path):
     (line,) = [line for line in summary.lines() if line.startswith("host path:")]
     assert line.endswith(
         "buffer pool: 0 blocks made, 0 reused, 64 samples in fresh memory (CPU engine); this process used 43.1 CPU-s "
-        "(user + system); the last files were made durable 0.4 s after the engine's last sample"
+        "(user + system); the last files were made durable 0.44 s after the engine's last sample"
     )
     summary.host.update(huge_pages=True)  # a CPU engine's process, glibc asked for huge pages
     (line,) = [line for line in summary.lines() if line.startswith("host path:")]

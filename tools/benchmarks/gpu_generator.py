@@ -412,6 +412,16 @@ def cli_rate(
     return float(found.group(1).replace(",", "")), host.group(1).strip() if host else ""
 
 
+def to_last_sample(rate: float, host: str, tokens: int) -> tuple[float, float] | None:
+    """The CLI's tokens/s to the engine's last sample (its clock less the tail its summary's ``host path`` line
+    names: the last files made durable after that sample) and the tail's seconds; None where the line has none."""
+    tail = re.search(r"made durable ([\d.]+) s after the engine's last sample", host)
+    if not tail or rate <= 0:
+        return None
+    seconds = tokens / rate
+    return tokens / max(seconds - float(tail.group(1)), 1e-9), float(tail.group(1))
+
+
 VARIANT_KEYS = {"switch": float, "chunk": int, "workers": int, "finite": lambda v: {"on": True, "off": False}[v]}
 
 
@@ -508,6 +518,7 @@ def main() -> None:
             ap.error(f"shape {hidden}: {len(opts.sides)} sides at --memory {memory} hold more than the GPU; "
                      "run fewer --sides or a smaller --memory")  # fmt: skip
     lines = []
+    cli_tokens: dict[int, int] = {}  # each shape's CLI prompts' tokens
     for hidden in opts.shapes:
         s = SHAPES[hidden]
         high, memory = opts.high or s.get("high", 4096), opts.memory or s.get("memory", 0.25)
@@ -538,6 +549,7 @@ def main() -> None:
         if opts.cli:
             data = Path(opts.where) / f"prompts-{hidden}.jsonl"
             batch = prompts(opts.cli_prompts or opts.prompts, opts.low, high, s["vocab"])
+            cli_tokens[hidden] = sum(map(len, batch))
             data.write_text("".join(json.dumps({"input_ids": p, "loss_mask": [1] * len(p)}) + "\n" for p in batch))
             for parent in opts.cli_out or [Path(opts.where)]:
                 count, _ = cli_writers(s.get("hidden", hidden), len(layer_ids(s["layers"])), "auto", None, None)
@@ -617,6 +629,11 @@ def main() -> None:
                       f"stored, {workers or 'default'} write workers{gil}: {statistics.median(runs):,.0f} tokens/s to the "
                       f"last durable file (runs: {', '.join(f'{v:,.0f}' for v in runs)}); ratio CLI / uni: "
                       f"{statistics.median(runs) / med['uni']:.3f}x")  # fmt: skip
+                steady = to_last_sample(runs[-1], host, cli_tokens[hidden]) if hidden in cli_tokens else None
+                if steady is not None:
+                    print(f"    to the engine's last sample (the last run, without its {steady[1]:.2f} s tail to the "
+                          f"last durable file, which a run pays once): {steady[0]:,.0f} tokens/s, "
+                          f"{steady[0] / med['uni']:.3f}x of uni")  # fmt: skip
                 if host:
                     print(f"    host path (last run's summary): {host}")
             if prof:
