@@ -15,7 +15,8 @@ projected, must reproduce vLLM's own prompt logprobs. While a checked request
 that was already taken is not judged yet, every sample that finishes is held
 back, so nothing that finished beside a failing check is published (a client
 asking one sample at a time is never held: its checked request comes first). The
-publishers refuse a sample with NaN/Inf states (its client is told), then publish it
+publishers refuse a sample with NaN/Inf states (its client is told; a sample the
+GPU proved finite as it left the device is not tested again), then publish it
 (:class:`~speculators_v016.serve.folder.ServeDir`, or the Mooncake store:
 :class:`~speculators_v016.serve.mooncake.MooncakeBackend`) and its future answered with
 the handle. Bounded everywhere: at most ``max_pending`` requests are taken at once
@@ -115,6 +116,7 @@ class CaptureService:
             self.backend = MooncakeBackend(config.mooncake_master, config.host, config.max_published_bytes,
                                            config.lease_seconds, log_dir=private_dir())  # fmt: skip
         self.stats = ServiceStats()
+        self._counting = threading.Lock()  # the publishers' counters: several threads add to them
         self.zero_ids = zero_embedding_ids(config.engine.model, self.target.vocab_size) or frozenset()
         self._screened_in_a_row = 0
         self.failure: BaseException | None = None
@@ -431,7 +433,8 @@ class CaptureService:
             try:
                 request.future.set_result(self._publish(request, states, layer_ids, finite))
             except BaseException as exc:  # noqa: BLE001 - told to the one who asked
-                self.stats.refused += 1
+                with self._counting:
+                    self.stats.refused += 1
                 if not request.future.done():
                     request.future.set_exception(exc)
 
@@ -439,8 +442,9 @@ class CaptureService:
         """``finite``: the device proved every state finite (``StepCapture.finite``); else they are tested here."""
         input_ids = torch.tensor(request.ids, dtype=torch.long)
         bad = [] if finite else non_finite(states)
-        self.stats.finite_proven += finite
-        self.stats.finite_tested += not finite
+        with self._counting:
+            self.stats.finite_proven += finite
+            self.stats.finite_tested += not finite
         if bad:
             raise RequestError(f"NaN/Inf hidden states in layers {[layer_ids[j] for j in bad]}: not published")
         if request.layout == "stacked":
@@ -453,9 +457,10 @@ class CaptureService:
         self.backend.reserve(nbytes, self._stopping)
         handle = self.backend.publish(parts, nbytes, request.consumer)
         handle["num_tokens"] = len(request.ids)
-        self.stats.served += 1
-        self.stats.tokens += len(request.ids)
-        self.stats.bytes += nbytes
+        with self._counting:
+            self.stats.served += 1
+            self.stats.tokens += len(request.ids)
+            self.stats.bytes += nbytes
         return handle
 
     def _reaper(self) -> None:
