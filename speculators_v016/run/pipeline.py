@@ -390,6 +390,7 @@ def host_line(host: dict) -> str:
         + f" and waited {host['waited']:.1f} s for the writers (queue full); "
         f"{host['workers']} write workers busy {host['busy']:.0%} of the time"
         + (f" ({host['helped']} files written by their helper processes)" if host.get("helped") else "")
+        + (f", {host['drainers']} more for the last samples" if host.get("drainers") else "")
         + (
             f" (on a CPU {host['on_cpu']:.0%} of it, {host['cpu_per_gib']:.2f} CPU-s per GiB written)"
             if host.get("cpu_per_gib")
@@ -562,7 +563,9 @@ def _generate(
         hold.finish()
     finally:
         try:
-            writer.close()  # the samples still queued are written and made durable: inside the clock
+            # the samples still queued are written and made durable, inside the clock; the engine is done, so
+            # up to three quarters of the cores write them (one more thread per queued sample)
+            writer.close(drain_workers=max(0, len(cpus or ()) * 3 // 4 - opts.write_workers))
             summary.generation_seconds = time.monotonic() - started
             if opts.regenerate:
                 work.end(directory, set(Manifest(directory).entries()))

@@ -149,6 +149,8 @@ class SampleWriter:
         self.helper_cpu = 0.0  # their CPU seconds for those files (in :attr:`cpu` too)
         self.proven = 0  # samples put with finite=True: their NaN/Inf test was the device's, not the writers'
         self.tested = 0  # samples whose states the writers tested for NaN/Inf
+        self.workers = workers
+        self.drainers = 0  # threads :meth:`close` added for the samples still queued
         self._helpers: list[WriteHelper | None] = [None] * workers
         self._threads = [
             threading.Thread(target=self._work, args=(i,), name=f"sample-writer-{i}", daemon=True)
@@ -303,14 +305,16 @@ class SampleWriter:
         waited on a full queue: the writers set the pace there), ``direct``, ``bounced``, ``buffered`` (the
         bytes written from the samples' memory with ``O_DIRECT``, through its bounce buffer, through the page
         cache), ``refused`` (files whose direct write the file system refused: later ones went buffered),
-        ``helped`` (files written by the workers' helper processes), ``finite_proven`` / ``finite_tested`` (samples
+        ``helped`` (files written by the workers' helper processes), ``drainers`` (threads :meth:`close` added for
+        the last samples; ``busy`` is of ``workers`` alone), ``finite_proven`` / ``finite_tested`` (samples
         whose NaN/Inf test was the device's, put with ``finite=True``, / the writers' own)."""
         with self._lock:
             busy, cpu, written, paths = self.busy, self.cpu, self.bytes, dict(self.paths)
         span = max(time.monotonic() - self.started, 1e-9)
         return {
-            "workers": len(self._threads),
-            "busy": busy / (span * len(self._threads)),
+            "workers": self.workers,
+            "drainers": self.drainers,
+            "busy": busy / (span * self.workers),
             "on_cpu": cpu / busy if busy > 0 else 0.0,
             "cpu_per_gib": cpu / (written / 2**30) if written else 0.0,
             "waited": self.waited,
@@ -346,6 +350,17 @@ class SampleWriter:
         """``error`` is the screen's own finding (raised as it is, never as a writer bug)."""
         return self.screen is not None and isinstance(error, getattr(self.screen, "errors", ()))
 
+    def _add_drainers(self, count: int) -> None:
+        if self._closed or self.shared_blocks is not None or self.error is not None:
+            return
+        for _ in range(min(count, self.queue.qsize())):
+            number = len(self._threads)
+            self._helpers.append(None)
+            thread = threading.Thread(target=self._work, args=(number,), name=f"sample-writer-{number}", daemon=True)
+            self._threads.append(thread)
+            self.drainers += 1
+            thread.start()
+
     def put(self, index: int, sample: dict, done: Callable[[], None] | None = None, finite: bool = False) -> None:
         """Queue a sample (blocks while the queue is full); raise the first write error.
 
@@ -370,9 +385,16 @@ class SampleWriter:
         finally:
             self.waited += time.monotonic() - began
 
-    def close(self) -> None:
-        """Wait for every queued sample and commit every written one; raise the first write error."""
+    def close(self, drain_workers: int = 0) -> None:
+        """Wait for every queued sample and commit every written one; raise the first write error.
+
+        ``drain_workers``: at most this many threads join the workers, one per sample still queued, for a caller
+        that puts nothing more and whose other threads are done (the engine finished: its cores are free), so the
+        last samples are not left to wait for a worker. Not with write helpers (a new thread's helper process
+        would start first).
+        """
         try:
+            self._add_drainers(drain_workers)
             for _ in self._threads:
                 while any(t.is_alive() for t in self._threads):
                     try:

@@ -79,6 +79,10 @@ def test_the_summary_says_where_the_host_time_went(tmp_path):
     assert "spent 3.2 s in vLLM's steps, copied rows for 1.5 s and waited 0.4 s for the writers" in line
     assert "8 write workers busy 62% of the time; buffer pool: 20 blocks made, 236 reused" in line
     assert line.endswith("236 reused")  # a GPU engine's run: every sample pooled, nothing said of fresh memory
+    summary.host.update(drainers=4)  # close() added threads for the samples still queued
+    (line,) = [line for line in summary.lines() if line.startswith("host path:")]
+    assert "8 write workers busy 62% of the time, 4 more for the last samples;" in line
+    summary.host.update(drainers=0)
     summary.host.update(blocks_made=0, blocks_reused=0, samples_fresh=64, cpu_seconds=43.06, drain_seconds=0.44)
     (line,) = [line for line in summary.lines() if line.startswith("host path:")]
     assert line.endswith(

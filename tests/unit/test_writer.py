@@ -47,6 +47,44 @@ def test_every_sample_is_written_listed_and_hashed(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
 
+def test_close_adds_threads_for_the_samples_still_queued(tmp_path):
+    """close(drain_workers=3): with the one worker held, 3 more threads write the queued samples, the same bytes."""
+    release = threading.Event()
+    writer = SampleWriter(tmp_path, "safetensors", [1, 2], workers=1)
+    writer.put(0, sample(0), done=lambda: release.wait(60))  # the worker holds here once sample 0 is written
+    for i in range(1, 6):
+        writer.put(i, sample(i))
+    closing = threading.Thread(target=writer.close, kwargs={"drain_workers": 3})
+    closing.start()
+    deadline = time.monotonic() + 20  # well before the worker would go on by itself
+    while len(list(tmp_path.glob("data_*.safetensors"))) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    written_while_held = sorted(p.name for p in tmp_path.glob("data_*.safetensors"))
+    release.set()
+    closing.join(60)
+    assert len(written_while_held) == 6, written_while_held  # 1..5 by the added threads alone
+    load = writer.load()
+    assert (load["workers"], load["drainers"]) == (1, 3)
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    alone = SampleWriter(reference, "safetensors", [1, 2], workers=1)
+    for i in range(6):
+        alone.put(i, sample(i))
+    alone.close(drain_workers=3)  # nothing queued by then, or a few: the same files either way
+    for i, entry in Manifest(tmp_path).entries().items():
+        assert (tmp_path / entry.file).read_bytes() == (reference / entry.file).read_bytes(), i
+
+
+def test_close_adds_no_thread_for_an_empty_queue(tmp_path):
+    """With nothing queued, close(drain_workers=4) adds no thread."""
+    writer = SampleWriter(tmp_path, "safetensors", [1, 2], workers=2)
+    writer.put(0, sample(0))
+    while writer.queue.qsize():
+        time.sleep(0.01)
+    writer.close(drain_workers=4)
+    assert writer.load()["drainers"] == 0 and len(Manifest(tmp_path).entries()) == 1
+
+
 def test_commits_are_grouped(tmp_path):
     """With a long commit interval, 30 samples take at most 2 commits (2 fsyncs each), not 30."""
     writer = SampleWriter(tmp_path, "safetensors", [1, 2], workers=2, commit_interval=60)
