@@ -310,7 +310,7 @@ def write_rate(folder: Path, gib: int = 4) -> float:
     folder.mkdir(parents=True, exist_ok=True)
     piece, path = os.urandom(64 << 20), folder / "write-rate.bin"
     start = time.perf_counter()
-    with open(path, "wb") as f:
+    with open(path, "xb") as f:  # made here, never over another's file: the unlink below removes only ours
         for _ in range(gib * 16):
             f.write(piece)
         f.flush()
@@ -330,13 +330,14 @@ def writers_rate(folder: Path, threads: int, gib_each: int = 2) -> float:
 
     folder.mkdir(parents=True, exist_ok=True)
     piece = memoryview(os.urandom(64 << 20))
-    paths = [folder / f"writers-rate-{i}.bin" for i in range(threads)]
-    ready = threading.Barrier(threads + 1)
+    made: list[tuple[Path, object]] = []  # files this call created (exclusively): the only ones it unlinks
+    try:
+        for i in range(threads):
+            path = folder / f"writers-rate-{i}.bin"
+            made.append((path, open(path, "xb", buffering=0)))  # noqa: SIM115 - closed below
 
-    def write(path: Path) -> None:
-        digest = blake3.blake3()
-        with open(path, "wb", buffering=0) as f:
-            ready.wait()
+        def write(f) -> None:
+            digest = blake3.blake3()
             for _ in range(gib_each * 16):
                 for start in range(0, len(piece), WRITE_CHUNK):
                     chunk = piece[start : start + WRITE_CHUNK]
@@ -344,16 +345,17 @@ def writers_rate(folder: Path, threads: int, gib_each: int = 2) -> float:
                     digest.update(chunk)
             os.fsync(f.fileno())
 
-    workers = [threading.Thread(target=write, args=(path,)) for path in paths]
-    for worker in workers:
-        worker.start()
-    ready.wait()
-    start = time.perf_counter()
-    for worker in workers:
-        worker.join()
-    seconds = time.perf_counter() - start
-    for path in paths:
-        path.unlink()
+        workers = [threading.Thread(target=write, args=(f,)) for _, f in made]
+        start = time.perf_counter()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        seconds = time.perf_counter() - start
+    finally:
+        for path, f in made:
+            f.close()
+            path.unlink()
     return threads * gib_each / seconds
 
 
