@@ -108,11 +108,14 @@ def default_write_workers(cores: int) -> int:
 DEFAULT_WRITE_WORKERS = default_write_workers(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 4)
 #: A run's writer threads, when --write-workers is not given: one per this many bytes a token weighs on disk.
 WRITER_TOKEN_BYTES = 4096
-#: ... and at most this many where the threads write every file themselves (the default): on an H200
-#: host (16 cores, files in RAM) 8 writers wrote 8.24 GiB/s on 8.4 cores, 12 and 16 wrote 7.65 and 7.69 GiB/s on
-#: 8.6 cores (tools/benchmarks/host_path.py, 2026-12-04): more threads only contend. With write helpers
+#: ... and at most this many where the threads write every file themselves (the default). It was 8: on an H200
+#: host (16 cores, files in RAM) 8 writers alone wrote 8.24 GiB/s on 8.4 cores, 12 and 16 wrote 7.65 and 7.69 GiB/s
+#: (tools/benchmarks/host_path.py, 2026-12-04, the writers testing for NaN/Inf). In the CLI itself, at hidden 7168 in
+#: bf16 on an H100 host (16 cores, files in RAM, 2026-12-06, no run the job's first), 12 writers made 148,276-150,579
+#: tokens/s against 141,448-148,339 for 8, whose engine thread waited 1.1-1.3 s for them (12: 0.0 s)
+#: (docs/benchmarks/README.md), so a 16-core host now takes 12 at that width (three quarters of its cores). With write helpers
 #: (store/write_helper.py) each thread's file is written by a process of its own: no cap but the cores'.
-MAX_WRITE_WORKERS = 8
+MAX_WRITE_WORKERS = 16
 
 
 def write_helpers_used(setting: str) -> bool:
@@ -127,8 +130,8 @@ def write_workers_for(cores: int, token_bytes: int, helpers: bool = False) -> in
     hashes and writes about 1 GiB per CPU-second, tools/benchmarks/host_path.py; an H200 computes ~120-160k
     tokens/s at hidden 4096-7168, 32-56 KiB a token with 4 layers in bf16: 3.7-8.7 GiB/s), at least 4 (a disk's
     worth of concurrent writes), at most three quarters of the cores (the rest: vLLM's engine thread, the copy
-    threads) and, without ``helpers``, :data:`MAX_WRITE_WORKERS`. A 16-core host: 8 at hidden 4096 and 7168 in bf16 (12
-    at 7168 with ``helpers``), 7 at 7168 and 4 at 4096 in FP8; 2 cores: 4."""
+    threads) and, without ``helpers``, :data:`MAX_WRITE_WORKERS`. A 16-core host: 8 at hidden 4096 and 12 at 7168 in
+    bf16, 7 at 7168 and 4 at 4096 in FP8 (4 layers); 2 cores: 4."""
     cap = cores * 3 // 4 if helpers else min(cores * 3 // 4, MAX_WRITE_WORKERS)
     return max(4, min(round(token_bytes / WRITER_TOKEN_BYTES), cap))
 
@@ -651,7 +654,7 @@ class RunConfig:
     write_workers: int | None = setting(
         None,
         "Threads writing sample files (default: one per 4 KiB a token weighs on disk, at least 4 and at most "
-        "three quarters of the cores, 8 at most unless --write-helpers on; the summary's host path line says how "
+        "three quarters of the cores, 16 at most unless --write-helpers on; the summary's host path line says how "
         "many).",
         section=OUTPUT,
         min=1,
@@ -659,7 +662,8 @@ class RunConfig:
     direct_io: bool = setting(
         True,
         "Write sample files through the page cache (default: O_DIRECT, from the states' memory to the disk, "
-        "where the file system takes it; the summary's host path line says how the bytes went).",
+        "where the file system takes it, and through the page cache on tmpfs and ramfs, whose files are memory "
+        "pages; the summary's host path line says how the bytes went).",
         option="--no-direct-io",
         negate=True,
         section=OUTPUT,

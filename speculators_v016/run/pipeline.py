@@ -426,7 +426,7 @@ def _finite_test(host: dict) -> str:
 
 def _paths(host: dict) -> str:
     """How the files' bytes reached the disk: with O_DIRECT from the samples' memory, through its bounce buffer,
-    through the page cache (a file system that refuses O_DIRECT)."""
+    through the page cache (a file system that refuses O_DIRECT, or keeps its files in memory: tmpfs, ramfs)."""
     total = sum(host.get(k, 0) for k in ("direct", "bounced", "buffered"))
     if not total:
         return ""
@@ -435,6 +435,12 @@ def _paths(host: dict) -> str:
         f"{host.get('bounced', 0) / total:.1%} through a bounce buffer, {host.get('buffered', 0) / total:.1%} "
         "through the page cache"
         + (" (the file system refused a direct write: the later files went through it)" if host.get("refused") else "")
+        + (
+            f" (the folder is on {host['in_memory']}, whose files are memory pages: each chunk copied there, then "
+            "hashed from the cache)"
+            if host.get("in_memory")
+            else ""
+        )
     )
 
 

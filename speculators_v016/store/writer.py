@@ -90,7 +90,9 @@ class SampleWriter:
     with ``finite=True``.
     ``direct``: files written with ``O_DIRECT`` where the file system takes it (False: through the page cache);
     a file system that takes the flag but refuses a direct write gets that file written again buffered, and
-    every later file buffered (:attr:`refused` counts such files).
+    every later file buffered (:attr:`refused` counts such files). A folder on tmpfs or ramfs is written
+    buffered all the same (:attr:`in_memory` names it: there a direct write is the same copy, after the hash
+    read the bytes from memory, :func:`~speculators_v016.store.direct_io.in_memory`).
     ``shared_blocks``: the buffer pool whose blocks are shared memory (``locate(address, length)``, ``live()``:
     :class:`~speculators_v016.engine.buffer_pool.BufferPool` with ``shared=True``); given, each worker hands the
     files whose states lie there to a helper process of its own (:mod:`~speculators_v016.store.write_helper`),
@@ -137,7 +139,9 @@ class SampleWriter:
         self.busy = 0.0  # thread-seconds the workers spent on samples (check, encode, hash, write, fsync)
         self.cpu = 0.0  # of which on a CPU (their threads' own CPU time): the rest is waiting (a core, the GIL)
         self.started = time.monotonic()
-        self.direct = direct  # O_DIRECT where the file system takes it (store/direct_io.py)
+        # O_DIRECT where the file system takes it, not where its files are memory pages (store/direct_io.py)
+        self.in_memory = direct_io.in_memory(self.directory) if direct else None
+        self.direct = direct and self.in_memory is None
         self.paths = {"direct": 0, "bounced": 0, "buffered": 0}  # bytes by how they reached the file
         self.refused = 0  # files whose direct write the file system refused (after the first, no more are tried)
         self._rejected: list[tuple[int, Any]] = []
@@ -305,8 +309,9 @@ class SampleWriter:
         waited on a full queue: the writers set the pace there), ``direct``, ``bounced``, ``buffered`` (the
         bytes written from the samples' memory with ``O_DIRECT``, through its bounce buffer, through the page
         cache), ``refused`` (files whose direct write the file system refused: later ones went buffered),
-        ``helped`` (files written by the workers' helper processes), ``drainers`` (threads :meth:`close` added for
-        the last samples; ``busy`` is of ``workers`` alone), ``finite_proven`` / ``finite_tested`` (samples
+        ``in_memory`` (the folder's file system where its files are memory pages, written buffered: tmpfs,
+        ramfs; else None), ``helped`` (files written by the workers' helper processes), ``drainers`` (threads
+        :meth:`close` added for the last samples; ``busy`` is of ``workers`` alone), ``finite_proven`` / ``finite_tested`` (samples
         whose NaN/Inf test was the device's, put with ``finite=True``, / the writers' own)."""
         with self._lock:
             busy, cpu, written, paths = self.busy, self.cpu, self.bytes, dict(self.paths)
@@ -319,6 +324,7 @@ class SampleWriter:
             "cpu_per_gib": cpu / (written / 2**30) if written else 0.0,
             "waited": self.waited,
             "refused": self.refused,
+            "in_memory": self.in_memory,
             "helped": self.helped,
             "finite_proven": self.proven,
             "finite_tested": self.tested,

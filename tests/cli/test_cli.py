@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers.cli import CPU, assert_one_voice, conversations, invoke, load_all, write_jsonl
-from helpers.direct import takes_direct
+from helpers.direct import writer_goes_direct
 from helpers.reference import TOLERANCE, hf_layer_outputs
 from speculators_v016.config import ConfigError, RunConfig, launcher_shards
 from speculators_v016.run.cli import _join_multi_value
@@ -69,7 +69,7 @@ def test_demo_runs_and_verifies(tmp_path):
                       r"buffer, ([\d.]+)% through the page cache", result.output)  # fmt: skip
     assert paths and sum(map(float, paths.groups())) == pytest.approx(100, abs=0.2), result.output[-3000:]
     assert "NaN/Inf test: 0 samples proven on the device, 20 tested by the writers" in result.output  # a CPU engine
-    if takes_direct(tmp_path):  # the states' memory placed as the files' data is: most bytes go from there
+    if writer_goes_direct(tmp_path):  # the states' memory placed as the files' data is: most bytes go from there
         assert float(paths[3]) == 0 and float(paths[1]) > 50, paths.group(0)
 
 

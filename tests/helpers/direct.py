@@ -13,6 +13,12 @@ def takes_direct(folder) -> bool:
     return direct_io.takes(folder)
 
 
+def writer_goes_direct(folder) -> bool:
+    """A SampleWriter writes the folder's files with O_DIRECT: its file system takes it and keeps its files on a
+    disk (not tmpfs or ramfs, whose files are memory pages: written buffered there)."""
+    return direct_io.takes(folder) and direct_io.in_memory(folder) is None
+
+
 def fs_type(path) -> str:
     """The file system type of the mount holding ``path`` (from /proc/mounts; '' where unknown)."""
     best, kind = "", ""

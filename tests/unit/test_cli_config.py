@@ -348,13 +348,15 @@ def test_serve_write_workers_follow_the_cores(cores, workers):
 
 @pytest.mark.parametrize(
     ("cores", "hidden", "fp8", "workers"),
-    [(16, 7168, False, 8), (16, 4096, False, 8), (16, 7168, True, 7), (16, 4096, True, 4), (8, 7168, True, 6),
-     (2, 7168, False, 4), (2, 512, False, 4), (64, 7168, False, 8), (64, 512, False, 4)],
+    [(16, 7168, False, 12), (16, 4096, False, 8), (16, 7168, True, 7), (16, 4096, True, 4), (8, 7168, True, 6),
+     (2, 7168, False, 4), (2, 512, False, 4), (64, 7168, False, 14), (64, 512, False, 4), (128, 7168, False, 14)],
 )  # fmt: skip
 def test_run_write_workers_follow_the_width_and_the_cores(cores, hidden, fp8, workers):
-    """A run's writers: one per 4 KiB a stored token weighs (4 layers), from 4 to 8 and 3/4 of the cores."""
+    """A run's writers: one per 4 KiB a stored token weighs (4 layers), from 4 to 3/4 of the cores and 16."""
     weight = disk_forecast.stored_token_bytes(4, hidden, 2, fp8)
     assert config.write_workers_for(cores, weight) == workers
+    wide = disk_forecast.stored_token_bytes(32, 7168, 2, False)  # 32 layers at 7168 on 128 cores: the cap
+    assert config.write_workers_for(128, wide) == config.MAX_WRITE_WORKERS == 16
 
 
 @pytest.mark.parametrize(

@@ -4,12 +4,14 @@ import ctypes
 import errno
 import mmap
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from helpers.direct import TAKE_DIRECT, fs_type, takes_direct
+from helpers.direct import TAKE_DIRECT, fs_type, takes_direct, writer_goes_direct
+from helpers.shm import private_shm
 from speculators_v016.engine.buffer_pool import BufferPool
 from speculators_v016.fp8 import CODE_DTYPE, SCALE_DTYPE, Fp8States
 from speculators_v016.store import checksum, direct_io
@@ -228,9 +230,38 @@ def test_the_writer_says_how_its_bytes_went(tmp_path, direct):
     assert load["direct"] + load["bounced"] + load["buffered"] == writer.bytes
     if not direct:
         assert load["buffered"] == writer.bytes
-    elif takes_direct(tmp_path):
+    elif writer_goes_direct(tmp_path):
         assert load["buffered"] == 0 and load["direct"] > 0.9 * writer.bytes
     _read_back(tmp_path, states)
+
+
+def test_in_memory_names_the_file_systems_whose_files_are_pages(tmp_path):
+    """in_memory() agrees with /proc/mounts: tmpfs (a folder under /dev/shm) is named, the test folder's disk is not."""
+    with private_shm() as shm:
+        assert fs_type(shm) == "tmpfs" and direct_io.in_memory(shm) == "tmpfs"
+    kind = fs_type(tmp_path)
+    assert direct_io.in_memory(tmp_path) == (kind if kind in ("tmpfs", "ramfs") else None)
+    assert direct_io.in_memory(tmp_path / "absent") is None  # statfs fails: not known, so not in memory
+
+
+def test_a_writer_into_tmpfs_goes_through_the_page_cache_and_says_why(tmp_path):
+    """On tmpfs a direct write is the same kernel copy, after the hash read the bytes: the writer goes buffered there
+    (each chunk copied, then hashed from the cache), every file reads back, and the host line names the folder's
+    file system."""
+    from speculators_v016.run.pipeline import _paths  # noqa: PLC0415 - the run's module only for its host line
+
+    with private_shm() as shm:
+        writer = SampleWriter(Path(shm), "safetensors", [1, 2], workers=2, direct=True)
+        assert writer.in_memory == "tmpfs" and writer.direct is False
+        states = _write_pooled(writer, 3)
+        load = writer.load()
+        assert load["buffered"] == writer.bytes > 0 and load["direct"] == load["bounced"] == 0
+        assert load["in_memory"] == "tmpfs"
+        assert "100.0% through the page cache (the folder is on tmpfs, whose files are memory pages" in _paths(load)
+        _read_back(Path(shm), states)
+    disk = SampleWriter(tmp_path, "safetensors", [1, 2], workers=1, direct=True)
+    disk.close()
+    assert disk.in_memory == direct_io.in_memory(tmp_path) and disk.direct is (disk.in_memory is None)
 
 
 def _write_pooled(writer: SampleWriter, count: int) -> list:

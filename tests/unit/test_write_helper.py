@@ -14,7 +14,7 @@ import blake3
 import pytest
 import torch
 
-from helpers.direct import takes_direct
+from helpers.direct import writer_goes_direct
 from speculators_v016.checks.finite import non_finite_reason
 from speculators_v016.engine.buffer_pool import BufferPool
 from speculators_v016.fp8 import Fp8States, quantize_into
@@ -98,7 +98,7 @@ def test_states_outside_the_blocks_are_written_by_their_thread(tmp_path, tokens)
     writer.close()
     assert writer.helped == 3 and len(Manifest(tmp_path).entries()) == 4
     assert torch.equal(load_sample(tmp_path / "data_3.safetensors")["hidden_states"][2], fresh[2])
-    if takes_direct(tmp_path):  # the fresh states went from their own memory, not copied through a socket
+    if writer_goes_direct(tmp_path):  # the fresh states went from their own memory, not copied through a socket
         assert writer.paths["direct"] >= 3 * tokens * 1024 * 2 - 3 * 4096
 
 
