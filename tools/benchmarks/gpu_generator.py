@@ -371,6 +371,7 @@ def cli_rate(
     chunk: int | None = None,
     helpers: str | None = None,
     finite: bool = True,
+    direct: str = "auto",
 ) -> tuple[float, str]:
     """speculators-data-gen writing every sample (default options, the GPU build's engine arguments): its
     tokens/s from the first step to the last file made durable (the writers drained), from the summary, and
@@ -381,7 +382,9 @@ def cli_rate(
     ``chunk``: the writers hash and test this many bytes a call (``store/atomic_files.py``'s ``WRITE_CHUNK``;
     None: its own). ``helpers``: its ``--write-helpers`` (None: its default, off). ``finite=False``: a measurement
     only, no setting of the CLI: its writers skip the NaN/Inf test of each chunk (what moving the test off the host's
-    cores would save them at most)."""
+    cores would save them at most). ``direct``: ``auto`` (the CLI's default: O_DIRECT where the file
+    system takes it, buffered on tmpfs and ramfs), ``off`` (its ``--no-direct-io``) or ``always`` (O_DIRECT on tmpfs
+    too, as before 2026-12-06: ``direct_io.in_memory`` answers None in its process; a measurement only)."""
     settings = engine_settings(args)
     extra = {k: v for k, v in settings.items() if k not in OURS}
     module = "speculators_v016.testing.gpu_kit" if args.get("kimi") else "speculators_v016.run.cli"  # kimi: stand-ins
@@ -389,6 +392,11 @@ def cli_rate(
         ([f"sys.setswitchinterval({switch!r})"] if switch is not None else [])
         + ([f"import speculators_v016.store.atomic_files as a; a.WRITE_CHUNK = {chunk}"] if chunk is not None else [])
         + ([] if finite else ["import speculators_v016.store.writer as w; w._finite_scan = lambda dtype: None"])
+        + (
+            ["import speculators_v016.store.direct_io as d; d.in_memory = lambda folder: None"]
+            if direct == "always"
+            else []
+        )
     )
     run_module = f"runpy.run_module({module!r}, run_name='__main__')"
     start = ["-c", "; ".join(["import runpy, sys", *setup, run_module])] if setup else ["-m", module]
@@ -399,7 +407,7 @@ def cli_rate(
            "--max-num-batched-tokens", str(args["batched_tokens"]), "--token-freq-path", "", "--logit-check-samples",
            "0", "--no-progress", *(["--enforce-eager"] if args["eager"] else []),
            "--hidden-states-dtype", dtype, *(["--write-workers", str(workers)] if workers else []),
-           *(["--write-helpers", helpers] if helpers else [])]  # fmt: skip
+           *(["--write-helpers", helpers] if helpers else []), *(["--no-direct-io"] if direct == "off" else [])]  # fmt: skip
     if py_spy is not None:
         py_spy.parent.mkdir(parents=True, exist_ok=True)
         cmd = ["py-spy", "record", "--threads", "--idle", "--nonblocking", "--rate", "100", "--format", "speedscope",
@@ -424,12 +432,20 @@ def to_last_sample(rate: float, host: str, tokens: int) -> tuple[float, float] |
     return tokens / max(seconds - float(tail.group(1)), 1e-9), float(tail.group(1))
 
 
-VARIANT_KEYS = {"switch": float, "chunk": int, "workers": int, "finite": lambda v: {"on": True, "off": False}[v]}
+ON_OFF = {"on": True, "off": False}
+VARIANT_KEYS = {
+    "switch": float,
+    "chunk": int,
+    "workers": int,
+    "finite": ON_OFF.__getitem__,
+    "direct": {"auto": "auto", "off": "off", "always": "always"}.__getitem__,
+}
 
 
 def cli_variant(text: str) -> dict:
     """``--cli-variants``' SPEC: ``key=value`` pairs, comma-separated, of :data:`VARIANT_KEYS` (e.g.
-    ``switch=0.0002,workers=12``; ``finite=off``: the writers skip the NaN/Inf test, a measurement only)."""
+    ``switch=0.0002,workers=12``; ``finite=off``: the writers skip the NaN/Inf test, a measurement only;
+    ``direct=off``: the CLI's ``--no-direct-io``; ``direct=always``: O_DIRECT on tmpfs too, a measurement only)."""
     spec = {}
     for pair in text.split(","):
         key, _, value = pair.partition("=")
@@ -447,6 +463,9 @@ def variant_label(spec: dict) -> str:
     text = "" if spec.get("switch") is None else f", GIL switch interval {spec['switch'] * 1e3:g} ms"
     text += "" if spec.get("chunk") is None else f", writers hashing {spec['chunk'] / 2**20:g} MiB a call"
     text += "" if spec.get("finite", True) else ", NaN/Inf test off (a measurement, not a setting)"
+    text += {"off": ", --no-direct-io", "always": ", O_DIRECT on tmpfs too (as before 2026-12-06; a measurement)"}.get(
+        spec.get("direct", "auto"), ""
+    )
     return text + ("" if spec.get("helpers") is None else f", --write-helpers {spec['helpers']}")
 
 
@@ -485,11 +504,15 @@ def main() -> None:
     ap.add_argument("--cli-variants", type=cli_variant, nargs="+", default=[], metavar="SPEC",
                     help="also run the CLI so, each in turn: key=value pairs, comma-separated (switch: the GIL switch "
                     "interval in s; chunk: bytes hashed a call; workers; finite=off: no NaN/Inf test, a "
-                    "measurement only), e.g. switch=0.0002,workers=12 (--cli)")  # fmt: skip
+                    "measurement only; direct=off: --no-direct-io, direct=always: O_DIRECT on tmpfs too, a measurement only), e.g. switch=0.0002,workers=12 (--cli)")  # fmt: skip
     ap.add_argument("--cli-variants-at", type=shape_key, nargs="+", help="the variants (--cli-variants, "
                     "--cli-switch-intervals, --cli-write-chunks) at these shapes only (default: every shape)")  # fmt: skip
     ap.add_argument("--cli-variants-dtypes", nargs="+", choices=["auto", "fp8_e4m3"], help="the variants for these "
                     "--cli-dtypes only (default: every one)")  # fmt: skip
+    ap.add_argument("--cli-warmup", action=argparse.BooleanOptionalAction, default=True, help="one untimed CLI "
+                    "run per shape and folder before the timed ones (default on), as each side's timed passes follow "
+                    "a warm-up pass: a lent machine's first writes into fresh memory pages of a folder in RAM cost "
+                    "more (2026-12-06, an H100 host: a first run 109,291 tokens/s, the next 148,276)")  # fmt: skip
     ap.add_argument("--cli-prompts", type=int, help="prompts the CLI writes (default: --prompts; its files must fit "
                     "under --cli-out: 256 prompts at hidden 7168 are 28 GB)")  # fmt: skip
     ap.add_argument("--cli-write-helpers", nargs="+", choices=["on", "off"], help="the CLI's --write-helpers, "
@@ -521,6 +544,7 @@ def main() -> None:
                      "run fewer --sides or a smaller --memory")  # fmt: skip
     lines = []
     cli_tokens: dict[int, int] = {}  # each shape's CLI prompts' tokens
+    warmups: list[str] = []  # the untimed CLI runs (--cli-warmup): shape, dtype, tokens/s
     for hidden in opts.shapes:
         s = SHAPES[hidden]
         high, memory = opts.high or s.get("high", 4096), opts.memory or s.get("memory", 0.25)
@@ -556,6 +580,11 @@ def main() -> None:
             for parent in opts.cli_out or [Path(opts.where)]:
                 count, _ = cli_writers(s.get("hidden", hidden), len(layer_ids(s["layers"])), "auto", None, None)
                 disk = (write_rate(parent), count, writers_rate(parent, count))  # one thread; the bf16 writers
+                if opts.cli_warmup:  # as the sides' timed passes follow a warm-up pass: see --cli-warmup
+                    rate, _ = cli_rate(model, data, parent / "cli-out", args, None, opts.cli_dtypes[0])
+                    print(f"CLI warm-up under {parent} ({opts.cli_dtypes[0]}, not timed): {rate:,.0f} tokens/s",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    warmups.append(f"{hidden} {opts.cli_dtypes[0]} {rate:,.0f}")
                 for dtype in opts.cli_dtypes:
                     for workers in opts.cli_write_workers or [None]:
                         variants = [{}]
@@ -579,7 +608,8 @@ def main() -> None:
                             ran.add(key)
                             done = [cli_rate(model, data, parent / "cli-out", args, count, dtype,
                                              switch=spec.get("switch"), chunk=spec.get("chunk"), helpers=helpers,
-                                             finite=spec.get("finite", True)) for _ in range(opts.cli_runs)]  # fmt: skip
+                                             finite=spec.get("finite", True), direct=spec.get("direct", "auto"))
+                                    for _ in range(opts.cli_runs)]  # fmt: skip
                             cli.append((parent, disk, dtype, count, {**spec, "helpers": helpers},
                                         [r for r, _ in done], done[-1][1]))  # fmt: skip
                     if opts.cli_py_spy and hidden in (opts.cli_py_spy_at or [hidden]):
@@ -596,6 +626,9 @@ def main() -> None:
               f"max_num_batched_tokens {opts.batched_tokens}, max_num_seqs {opts.max_num_seqs}, up to {CAPTURE} "
               f"layers captured, {opts.rounds} interleaved rounds, medians; vllm = LLMEngine (add_request, step), "
               "uni / mp = the generator's stream() with the uniprocess / multiprocess (TP 1) executor")  # fmt: skip
+        if warmups:
+            print(f"the CLI's runs each follow one untimed warm-up run per shape and folder (--cli-warmup; shape, "
+                  f"stored, tokens/s: {'; '.join(warmups)})")  # fmt: skip
         for hidden, s, rates, cli, prof, high, memory, memory_lines, streams in lines:
             med = {k: statistics.median(v) for k, v in rates.items() if v}
             if s.get("kimi"):
