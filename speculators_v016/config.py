@@ -113,8 +113,8 @@ WRITER_TOKEN_BYTES = 4096
 #: (tools/benchmarks/host_path.py, 2026-12-04, the writers testing for NaN/Inf). In the CLI itself, at hidden 7168 in
 #: bf16 on an H100 host (16 cores, files in RAM, 2026-12-06, no run the job's first), 12 writers made 148,276-150,579
 #: tokens/s against 141,448-148,339 for 8, whose engine thread waited 1.1-1.3 s for them (12: 0.0 s)
-#: (docs/benchmarks/README.md), so a 16-core host now takes 12 at that width (three quarters of its cores). With write helpers
-#: (store/write_helper.py) each thread's file is written by a process of its own: no cap but the cores'.
+#: (docs/benchmarks/README.md), so a 16-core host now takes 12 at that width (three quarters of its cores). With
+#: write helpers (store/write_helper.py) each thread's file is written by a process of its own: no cap but the cores'.
 MAX_WRITE_WORKERS = 16
 
 

@@ -29,8 +29,9 @@ into the file's pages all the same, made once the whole file is queued: the
 hash read each chunk from memory first, and the copy reads it from memory again.
 Written through the page cache, each chunk is copied and then hashed from the
 core's cache: one read of the states' memory fewer (on an H100 host at hidden
-7168, 0.78 against 0.88 CPU-s per GiB; ``docs/benchmarks/README.md``). The
-sample writer therefore writes such folders buffered.
+7168, 0.85 against 0.86-0.90 CPU-s per GiB, the rate within noise;
+``docs/benchmarks/README.md``). The sample writer therefore writes such
+folders buffered.
 """
 
 from __future__ import annotations

@@ -311,8 +311,9 @@ class SampleWriter:
         cache), ``refused`` (files whose direct write the file system refused: later ones went buffered),
         ``in_memory`` (the folder's file system where its files are memory pages, written buffered: tmpfs,
         ramfs; else None), ``helped`` (files written by the workers' helper processes), ``drainers`` (threads
-        :meth:`close` added for the last samples; ``busy`` is of ``workers`` alone), ``finite_proven`` / ``finite_tested`` (samples
-        whose NaN/Inf test was the device's, put with ``finite=True``, / the writers' own)."""
+        :meth:`close` added for the last samples; ``busy`` is of ``workers`` alone), ``finite_proven`` /
+        ``finite_tested`` (samples whose NaN/Inf test was the device's, put with ``finite=True``, / the writers'
+        own)."""
         with self._lock:
             busy, cpu, written, paths = self.busy, self.cpu, self.bytes, dict(self.paths)
         span = max(time.monotonic() - self.started, 1e-9)

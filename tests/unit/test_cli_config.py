@@ -355,7 +355,11 @@ def test_run_write_workers_follow_the_width_and_the_cores(cores, hidden, fp8, wo
     """A run's writers: one per 4 KiB a stored token weighs (4 layers), from 4 to 3/4 of the cores and 16."""
     weight = disk_forecast.stored_token_bytes(4, hidden, 2, fp8)
     assert config.write_workers_for(cores, weight) == workers
-    wide = disk_forecast.stored_token_bytes(32, 7168, 2, False)  # 32 layers at 7168 on 128 cores: the cap
+
+
+def test_run_write_workers_stop_at_16_threads():
+    """32 layers at hidden 7168 on 128 cores would ask for 112 writers: the threads' cap, 16, holds."""
+    wide = disk_forecast.stored_token_bytes(32, 7168, 2, False)
     assert config.write_workers_for(128, wide) == config.MAX_WRITE_WORKERS == 16
 
 

@@ -385,6 +385,8 @@ def cli_rate(
     cores would save them at most). ``direct``: ``auto`` (the CLI's default: O_DIRECT where the file
     system takes it, buffered on tmpfs and ramfs), ``off`` (its ``--no-direct-io``) or ``always`` (O_DIRECT on tmpfs
     too, as before 2026-12-06: ``direct_io.in_memory`` answers None in its process; a measurement only)."""
+    if out.exists():  # removed after the run below: only a folder this call's CLI made
+        raise RuntimeError(f"{out} exists already: the benchmark removes only the CLI folder it makes; move it away")
     settings = engine_settings(args)
     extra = {k: v for k, v in settings.items() if k not in OURS}
     module = "speculators_v016.testing.gpu_kit" if args.get("kimi") else "speculators_v016.run.cli"  # kimi: stand-ins
