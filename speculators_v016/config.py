@@ -136,6 +136,13 @@ def write_workers_for(cores: int, token_bytes: int, helpers: bool = False) -> in
     return max(4, min(round(token_bytes / WRITER_TOKEN_BYTES), cap))
 
 
+def last_samples_threads(cores: int, workers: int, given: bool) -> int:
+    """Threads a run adds for the samples still queued once its engine is done (its cores are free then): up to
+    three quarters of the cores with the ``workers``, none where the user gave ``--write-workers`` (``given``):
+    that many threads, no more (on a 16-core host ``--write-workers 1`` got 11 more until 2026-12-06)."""
+    return 0 if given else max(0, cores * 3 // 4 - workers)
+
+
 # -- help sections, in --help's order -----------------------------------------
 INPUT, OUTPUT, ENGINE, CHECKS, TERMINAL = "Input", "Output", "Engine (vLLM)", "Self-check", "Terminal"
 REGENERATION = "Regeneration (on-policy data)"
@@ -654,8 +661,8 @@ class RunConfig:
     write_workers: int | None = setting(
         None,
         "Threads writing sample files (default: one per 4 KiB a token weighs on disk, at least 4 and at most "
-        "three quarters of the cores, 16 at most unless --write-helpers on; the summary's host path line says how "
-        "many).",
+        "three quarters of the cores, 16 at most unless --write-helpers on, and more for the samples still queued "
+        "once the engine is done; given, that many and no more; the summary's host path line says how many).",
         section=OUTPUT,
         min=1,
     )

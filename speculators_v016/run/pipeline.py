@@ -42,7 +42,7 @@ from speculators_v016.checks.logit_check import LogitChecker
 from speculators_v016.checks.self_check import HoldBack, NonFiniteError, WriterScreen
 from speculators_v016.checks.self_check import SelfCheckError as SelfCheckError  # re-exported: callers import it here
 from speculators_v016.checks.zero_embeddings import zero_embedding_ids
-from speculators_v016.config import RunConfig, write_helpers_used, write_workers_for
+from speculators_v016.config import RunConfig, last_samples_threads, write_helpers_used, write_workers_for
 from speculators_v016.engine import arg_kinds
 from speculators_v016.engine.buffer_pool import MALLOC_MMAP_CEILING, BufferPool
 from speculators_v016.engine.engine_args import check_engine_args, vllm_defaults
@@ -264,6 +264,7 @@ def _run_work(opts, work, target, model_config, directory, plan, summary, starte
         _forecast_disk(directory, *_prefill_tokens(work, pending), len(plan.layer_ids), model_config, opts)
     zero_ids = zero_embedding_rows(opts.engine.model, target.vocab_size)
     cpus = os.sched_getaffinity(0)  # before vLLM's CPU worker pins this thread to one core
+    given = opts.write_workers is not None  # then that many threads, none more for the last samples
     if opts.write_workers is None:  # from the bytes a token weighs and the cores (said in the host path line)
         weight = disk_forecast.stored_token_bytes(
             len(plan.layer_ids), model_config.get_hidden_size(), model_config.dtype.itemsize, opts.engine.fp8
@@ -279,7 +280,7 @@ def _run_work(opts, work, target, model_config, directory, plan, summary, starte
         model_args = config["speculators_v016"].get(MODEL_ARGS_KEY) or {}  # what verify expects in headers
         _generate(
             generator, work, pending, directory, opts, summary, progress_to, cpus, algorithm, done, zero_ids,
-            model_args, target.vocab_size,
+            model_args, target.vocab_size, given,
         )  # fmt: skip
     finally:
         generator.shutdown()
@@ -465,6 +466,7 @@ def _generate(
     zero_ids: frozenset[int] = frozenset(),
     model_args: dict | None = None,
     vocab_size: int | None = None,
+    workers_given: bool = False,
 ) -> None:
     layer_ids = list(generator.plan.layer_ids)
     engine = generator.engine
@@ -570,8 +572,9 @@ def _generate(
     finally:
         try:
             # the samples still queued are written and made durable, inside the clock; the engine is done, so
-            # up to three quarters of the cores write them (one more thread per queued sample)
-            writer.close(drain_workers=max(0, len(cpus or ()) * 3 // 4 - opts.write_workers))
+            # up to three quarters of the cores write them (one more thread per queued sample), unless the user
+            # gave --write-workers
+            writer.close(drain_workers=last_samples_threads(len(cpus or ()), opts.write_workers, workers_given))
             summary.generation_seconds = time.monotonic() - started
             if opts.regenerate:
                 work.end(directory, set(Manifest(directory).entries()))

@@ -363,6 +363,15 @@ def test_run_write_workers_stop_at_16_threads():
     assert config.write_workers_for(128, wide) == config.MAX_WRITE_WORKERS == 16
 
 
+def test_the_last_samples_get_more_threads_only_without_write_workers_given():
+    """Once the engine is done the queued samples get up to 3/4 of the cores, but never past --write-workers given."""
+    assert config.last_samples_threads(16, 8, given=False) == 4
+    assert config.last_samples_threads(16, 12, given=False) == 0
+    assert config.last_samples_threads(2, 4, given=False) == 0
+    assert config.last_samples_threads(16, 1, given=True) == 0  # was 11: the GPU host's kill test saw 7 listed, not 2
+    assert config.last_samples_threads(64, 4, given=True) == 0
+
+
 @pytest.mark.parametrize(
     ("cores", "hidden", "fp8", "workers"),
     [(16, 7168, False, 12), (16, 4096, False, 8), (16, 7168, True, 7), (2, 7168, False, 4), (64, 7168, False, 14),
