@@ -120,6 +120,7 @@ class Console:
         self.err: TextIO = sys.stderr
         self._saved: tuple[int, int] | None = None
         self.fallback = ""  # why the log is not where it was asked for
+        self._env: dict[str, str] = {}  # the variables this console set (not there before): unset again on close
 
     # -- set-up -----------------------------------------------------------
     def __enter__(self) -> Console:
@@ -133,10 +134,10 @@ class Console:
             os.dup2(fd, 1)
             os.dup2(fd, 2)
             os.close(fd)
-            os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")  # it is all in the log now
+            self._set_default("VLLM_LOGGING_LEVEL", "INFO")  # it is all in the log now
         else:
-            os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if self.mode == "quiet" else "INFO")
-        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+            self._set_default("VLLM_LOGGING_LEVEL", "WARNING" if self.mode == "quiet" else "INFO")
+        self._set_default("VLLM_CONFIGURE_LOGGING", "1")
         logger.remove()
         logger.enable("speculators_v016")
         if self.log_file is not None:  # the full record, in the log
@@ -149,6 +150,11 @@ class Console:
         if self.fallback:
             logger.warning("cannot write the log in {}; it is in {}", self.fallback, self.log_file)
         return self
+
+    def _set_default(self, name: str, value: str) -> None:
+        """``os.environ[name] = value`` unless the caller set it; remembered, so :meth:`close` unsets it again."""
+        if name not in os.environ:
+            os.environ[name] = self._env[name] = value
 
     def _open_log(self) -> int | None:
         """The log file's descriptor: at ``log_file``, else (its folder cannot be made or written: read-only,
@@ -174,6 +180,10 @@ class Console:
     def close(self) -> None:
         logger.remove()
         logger.disable("speculators_v016")  # the library is quiet again once the command is done (in-process callers)
+        for name, value in self._env.items():  # a quiet command's WARNING must not stay for the caller's next one
+            if os.environ.get(name) == value:
+                del os.environ[name]
+        self._env = {}
         if self._saved is None:
             return
         try:

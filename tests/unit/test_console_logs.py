@@ -91,3 +91,14 @@ def test_the_library_is_quiet_again_after_the_console_closes():
     finally:
         logger.remove(sink)
     assert seen == []
+
+
+def test_the_console_unsets_the_variables_it_set_and_keeps_the_callers(monkeypatch):
+    """vLLM's logging variables a console set are gone once it closes (a quiet command's WARNING level stayed for
+    the next command run in the same process, whose log then lacked vLLM's lines); a caller's own are kept."""
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")
+    with Console(None, mode="quiet"):
+        assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING"
+    assert "VLLM_LOGGING_LEVEL" not in os.environ
+    assert os.environ["VLLM_CONFIGURE_LOGGING"] == "0"
