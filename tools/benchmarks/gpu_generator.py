@@ -20,7 +20,9 @@ staging buffers.
 
 Each round times one pass of every side over the same prompts, in turn (interleaved: the machine's noise
 hits all alike); ratios are of medians. ``--cli`` also times ``speculators-data-gen`` writing the files
-(its own summary line: tokens/s from the first step to the last file made durable, the writers drained) against the ``uni`` side's passes. ``--profile`` runs one pass of
+(its own summary line: tokens/s from the first step to the last file made durable, the writers drained) against the ``uni`` side's passes over the
+same prompts (``--cli-consume``: a consumer deletes each file once listed, so the CLI writes the sides' own prompts
+through a folder in RAM; ``--cli-prompts N``: uni also times a pass over the CLI's N each round). ``--profile`` runs one pass of
 the generator under torch's profiler and gives the share of GPU time in our copies (device-to-device into
 the staging buffer, device-to-host into the ring) and in FP8 quantization, and the device's idle time in
 that pass (gaps with no kernel and no copy but those to the host: a step waiting on the host shows as one).
@@ -37,6 +39,7 @@ import json
 import os
 import re
 import signal
+import stat
 import statistics
 import subprocess
 import sys
@@ -63,7 +66,7 @@ STAND_INS = "SPECULATORS_BENCH_STAND_INS"
 OURS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "enforce_eager")
 CAPTURE = 4  # layers captured: 1, n//2, n-2, n-1 of the bench model
 #: the generator's engine stats reported for each timed pass (speculators_v016.engine.core.EngineStats)
-STREAM_STATS = ("drained", "copy_thread", "copy_waited", "prefault_hits", "prefault_misses")
+STREAM_STATS = ("stepped", "drained", "copy_thread", "copy_waited", "prefault_hits", "prefault_misses")
 TRACE_PROMPTS = 48  # --profile-trace: prompts of the traced pass (~15 steps; its trace a few MB gzipped)
 
 
@@ -122,6 +125,8 @@ def layer_ids(num_layers: int) -> list[int]:
 def side(args: dict) -> None:
     batch = prompts(args["count"], args["low"], args["high"], args["vocab"])
     warm = prompts(8, args["low"], args["high"], args["vocab"], seed=1)
+    # "run cli": a pass over the prompts the CLI writes, where they are not the side's own (--cli-prompts)
+    cli_batch = prompts(args["cli_count"], args["low"], args["high"], args["vocab"]) if args.get("cli_count") else None
     settings = engine_settings(args)
     if args.get("kimi"):  # before any engine: this process sees the stand-ins, and vLLM's engine core runs in it
         from speculators_v016.testing import gpu_kit  # noqa: PLC0415 - the GPU kit's stand-ins, kimi only
@@ -176,12 +181,13 @@ def side(args: dict) -> None:
         if line.startswith("trace "):  # trace PATH: a shorter pass, the host's ops too, for trace_gaps
             print(json.dumps(trace(one_pass, batch[:TRACE_PROMPTS], Path(line[6:].strip()))), flush=True)
             continue
+        items = cli_batch if line.strip() == "run cli" and cli_batch is not None else batch
         before = engine_stats()
         start = time.perf_counter()
-        one_pass(batch)
+        one_pass(items)
         seconds = time.perf_counter() - start
         after = engine_stats()
-        print(json.dumps({"tokens_per_s": sum(map(len, batch)) / seconds, "seconds": seconds,
+        print(json.dumps({"tokens_per_s": sum(map(len, items)) / seconds, "seconds": seconds,
                           "stream": {k: after[k] - before[k] for k in after}}), flush=True)  # fmt: skip
 
 
@@ -359,6 +365,56 @@ def writers_rate(folder: Path, threads: int, gib_each: int = 2) -> float:
     return threads * gib_each / seconds
 
 
+class Consumer(threading.Thread):
+    """Deletes each sample file of the CLI's folder ``out`` once its manifest lists it, as the online mode's trainer
+    deletes what it read (``--cli-consume``): a run as long as the sides' passes then fits in a folder in RAM.
+    Only names of sample files (``data_N.ext``, no folder), regular files (never a link), in ``out`` itself; it runs
+    at nice 10 and counts its files, bytes and CPU seconds."""
+
+    def __init__(self, out: Path):
+        super().__init__(name="bench-consumer", daemon=True)
+        self.out, self.files, self.bytes, self.cpu = out, 0, 0, 0.0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        from speculators_v016.store.sample_format import parse_sample_name  # noqa: PLC0415 - parent only
+
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except OSError:
+            pass
+        manifest, offset, last = self.out / "manifest.jsonl", 0, False
+        while not last:
+            last = self.stop.is_set()  # one more read after the CLI ended: its last lines
+            try:
+                with open(manifest, "rb") as f:
+                    f.seek(offset)
+                    data = f.read()
+            except FileNotFoundError:
+                data = b""
+            lines = data[: data.rfind(b"\n") + 1]  # whole lines only; the rest is read again
+            offset += len(lines)
+            for line in lines.splitlines():
+                name = json.loads(line).get("file", "")
+                path = self.out / name
+                if parse_sample_name(name) is None or path.name != name:
+                    continue
+                try:
+                    info = os.lstat(path)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(info.st_mode):
+                    path.unlink()
+                    self.files, self.bytes = self.files + 1, self.bytes + info.st_size
+            if not last:
+                self.stop.wait(0.02)
+        self.cpu = time.thread_time()
+
+    def line(self) -> str:
+        return (f"; the benchmark's consumer deleted {self.files} files ({self.bytes / 2**30:.1f} GiB) as the manifest "
+                f"listed them, on {self.cpu:.1f} CPU-s (nice 10)")  # fmt: skip
+
+
 def cli_rate(
     model: str,
     data: Path,
@@ -372,6 +428,8 @@ def cli_rate(
     helpers: str | None = None,
     finite: bool = True,
     direct: str = "auto",
+    consume: bool = False,
+    copy: int | None = None,
 ) -> tuple[float, str]:
     """speculators-data-gen writing every sample (default options, the GPU build's engine arguments): its
     tokens/s from the first step to the last file made durable (the writers drained), from the summary, and
@@ -384,7 +442,9 @@ def cli_rate(
     only, no setting of the CLI: its writers skip the NaN/Inf test of each chunk (what moving the test off the host's
     cores would save them at most). ``direct``: ``auto`` (the CLI's default: O_DIRECT where the file
     system takes it, buffered on tmpfs and ramfs), ``off`` (its ``--no-direct-io``) or ``always`` (O_DIRECT on tmpfs
-    too, as before 2026-12-06: ``direct_io.in_memory`` answers None in its process; a measurement only)."""
+    too, as before 2026-12-06: ``direct_io.in_memory`` answers None in its process; a measurement only).
+    ``copy``: torch's threads for the copies out of the ring slots (``config.DEFAULT_COPY_THREADS``, 4; a
+    measurement only). ``consume``: a :class:`Consumer` deletes each file once it is listed (its figures end the host line)."""
     if out.exists():  # removed after the run below: only a folder this call's CLI made
         raise RuntimeError(f"{out} exists already: the benchmark removes only the CLI folder it makes; move it away")
     settings = engine_settings(args)
@@ -393,6 +453,11 @@ def cli_rate(
     setup = (
         ([f"sys.setswitchinterval({switch!r})"] if switch is not None else [])
         + ([f"import speculators_v016.store.atomic_files as a; a.WRITE_CHUNK = {chunk}"] if chunk is not None else [])
+        + (
+            [f"import speculators_v016.engine.assembly as c; c.DEFAULT_COPY_THREADS = {copy}"]
+            if copy is not None
+            else []
+        )
         + ([] if finite else ["import speculators_v016.store.writer as w; w._finite_scan = lambda dtype: None"])
         + (
             ["import speculators_v016.store.direct_io as d; d.in_memory = lambda folder: None"]
@@ -409,19 +474,77 @@ def cli_rate(
            "--max-num-batched-tokens", str(args["batched_tokens"]), "--token-freq-path", "", "--logit-check-samples",
            "0", "--no-progress", *(["--enforce-eager"] if args["eager"] else []),
            "--hidden-states-dtype", dtype, *(["--write-workers", str(workers)] if workers else []),
-           *(["--write-helpers", helpers] if helpers else []), *(["--no-direct-io"] if direct == "off" else [])]  # fmt: skip
+           *(["--write-helpers", helpers] if helpers else []), *(["--no-direct-io"] if direct == "off" else []),
+           *(["--ignore-disk-forecast"] if consume else [])]  # fmt: skip
     if py_spy is not None:
         py_spy.parent.mkdir(parents=True, exist_ok=True)
         cmd = ["py-spy", "record", "--threads", "--idle", "--nonblocking", "--rate", "100", "--format", "speedscope",
                "--output", str(py_spy), "--", *cmd]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    consumer = Consumer(out) if consume else None
+    if consumer is not None:
+        consumer.start()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    finally:
+        if consumer is not None:
+            consumer.stop.set()
+            consumer.join()
     print(f"CLI, {workers or 'default'} write workers, under {out.parent}:\n{proc.stdout[-2500:]}", file=sys.stderr)
+    stepped = engine_stepped(out)
     subprocess.run(["rm", "-rf", str(out)], check=False)
     found = re.search(r"\(([\d,]+) tokens/s", proc.stdout + proc.stderr)
+    if consumer is not None and proc.returncode == 1 and consumed_only(proc.stdout + proc.stderr, consumer.files):
+        proc.returncode = 0  # its verify found missing exactly the files the consumer deleted, and nothing else
     if proc.returncode != 0 or not found:
         raise RuntimeError(f"the CLI failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
     host = re.search(r"host path:\s+(.*)", proc.stdout + proc.stderr)
-    return float(found.group(1).replace(",", "")), host.group(1).strip() if host else ""
+    line = host.group(1).strip() if host else ""
+    line += f"; in vLLM's steps {stepped:.3f} s (data_config.json)" if stepped is not None else ""
+    return float(found.group(1).replace(",", "")), line + (consumer.line() if consumer is not None else "")
+
+
+def engine_stepped(out: Path) -> float | None:
+    """The seconds the CLI's engine thread spent in vLLM's steps, to the ms (its folder's ``data_config.json``,
+    the run's summary: the summary line rounds them to 0.1 s); None where it has none."""
+    try:
+        config = json.loads((out / "data_config.json").read_text())
+        return float(config["speculators_v016"]["last_run"]["host"]["engine_stepped"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def consumed_only(text: str, deleted: int) -> bool:
+    """The CLI's output (exit 1, ``--cli-consume``): does its verify line fail only for the files a consumer deleted,
+    every sample it wrote (``written``) and every problem it names a listed file that is missing?"""
+    written = re.search(r"written:\s+(\d+) samples", text)
+    problems = [x.strip() for x in text.splitlines() if x.startswith("  ") and ": " in x and "/data_" in x]
+    return (
+        bool(written)
+        and int(written.group(1)) == deleted
+        and re.search(r"^verify:\s+FAILED", text, re.MULTILINE) is not None
+        and all(x.endswith(": listed in the manifest but missing") for x in problems)
+        and not re.search(r"^(error|Error)", text, re.MULTILINE)
+    )
+
+
+def where_time(steady: tuple[float, float], host: str, tokens: int, passes: list[dict]) -> str:
+    """The CLI's seconds to the engine's last sample against uni's pass over the same prompts (medians), each split
+    into the engine's thread's time in vLLM's steps and the rest (its summary's ``host path`` line; uni's
+    EngineStats): where the CLI's extra time goes, before its tail."""
+    stepped = re.search(r"in vLLM's steps ([\d.]+) s \(data_config.json\)", host) or re.search(
+        r"spent ([\d.]+) s in vLLM's steps", host
+    )
+    uni_s = statistics.median(tokens / x["tokens_per_s"] for x in passes)
+    uni_stepped = [x["stream"]["stepped"] for x in passes if "stepped" in (x.get("stream") or {})]
+    cli_s = tokens / steady[0]
+    if not stepped or not uni_stepped:
+        return f"seconds to the engine's last sample: CLI {cli_s:.2f}, uni {uni_s:.2f}"
+    uni_in = statistics.median(uni_stepped)
+    cli_in = float(stepped.group(1))
+    return (
+        f"seconds to the engine's last sample: CLI {cli_s:.2f} ({cli_in:.2f} in vLLM's steps, "
+        f"{cli_s - cli_in:.2f} outside), uni {uni_s:.2f} ({uni_in:.2f} in vLLM's steps, {uni_s - uni_in:.2f} outside)"
+    )
 
 
 def to_last_sample(rate: float, host: str, tokens: int) -> tuple[float, float] | None:
@@ -439,6 +562,7 @@ VARIANT_KEYS = {
     "switch": float,
     "chunk": int,
     "workers": int,
+    "copy": int,
     "finite": ON_OFF.__getitem__,
     "direct": {"auto": "auto", "off": "off", "always": "always"}.__getitem__,
 }
@@ -464,6 +588,7 @@ def variant_label(spec: dict) -> str:
     """How a CLI variant reads on the page ('' for the CLI as it runs)."""
     text = "" if spec.get("switch") is None else f", GIL switch interval {spec['switch'] * 1e3:g} ms"
     text += "" if spec.get("chunk") is None else f", writers hashing {spec['chunk'] / 2**20:g} MiB a call"
+    text += "" if spec.get("copy") is None else f", {spec['copy']} torch threads for the row copies (a measurement)"
     text += "" if spec.get("finite", True) else ", NaN/Inf test off (a measurement, not a setting)"
     text += {"off": ", --no-direct-io", "always": ", O_DIRECT on tmpfs too (as before 2026-12-06; a measurement)"}.get(
         spec.get("direct", "auto"), ""
@@ -505,7 +630,7 @@ def main() -> None:
                     "turn (--cli)")  # fmt: skip
     ap.add_argument("--cli-variants", type=cli_variant, nargs="+", default=[], metavar="SPEC",
                     help="also run the CLI so, each in turn: key=value pairs, comma-separated (switch: the GIL switch "
-                    "interval in s; chunk: bytes hashed a call; workers; finite=off: no NaN/Inf test, a "
+                    "interval in s; chunk: bytes hashed a call; workers; copy: torch threads for the row copies; finite=off: no NaN/Inf test, a "
                     "measurement only; direct=off: --no-direct-io, direct=always: O_DIRECT on tmpfs too, a measurement only), e.g. switch=0.0002,workers=12 (--cli)")  # fmt: skip
     ap.add_argument("--cli-variants-at", type=shape_key, nargs="+", help="the variants (--cli-variants, "
                     "--cli-switch-intervals, --cli-write-chunks) at these shapes only (default: every shape)")  # fmt: skip
@@ -517,6 +642,9 @@ def main() -> None:
                     "more (2026-12-06, an H100 host: a first run 109,291 tokens/s, the next 148,276)")  # fmt: skip
     ap.add_argument("--cli-prompts", type=int, help="prompts the CLI writes (default: --prompts; its files must fit "
                     "under --cli-out: 256 prompts at hidden 7168 are 28 GB)")  # fmt: skip
+    ap.add_argument("--cli-consume", action="store_true", help="a consumer thread deletes each of the CLI's files "
+                    "once its manifest lists it, as the online mode's trainer does, so a CLI run as long as the sides' "
+                    "passes (--cli-prompts left out) fits in a folder in RAM (its files and CPU-s in the host line)")  # fmt: skip
     ap.add_argument("--cli-write-helpers", nargs="+", choices=["on", "off"], help="the CLI's --write-helpers, "
                     "each in turn for every variant (--cli; default: its default, off)")  # fmt: skip
     ap.add_argument(
@@ -554,16 +682,21 @@ def main() -> None:
         args = dict(model=model, count=opts.prompts, low=opts.low, high=high, vocab=s["vocab"], layers=s["layers"],
                     max_num_seqs=opts.max_num_seqs, batched_tokens=opts.batched_tokens, memory=memory,
                     eager=opts.eager, kimi=s.get("kimi", False))  # fmt: skip
+        if opts.cli and opts.cli_prompts and opts.cli_prompts != opts.prompts:  # uni passes over the CLI's own too
+            args["cli_count"] = opts.cli_prompts
         sides = [Side({**args, "side": name}) for name in opts.sides]
         memory_lines = {x.name: x.memory for x in sides if x.memory}
         rates: dict[str, list[float]] = {name: [] for name in opts.sides}
         streams: dict[str, list[dict]] = {name: [] for name in opts.sides}  # each timed pass's engine stats
+        same: list[dict] = []  # uni's passes over the CLI's prompts, where they are not the sides' (cli_count)
         for _ in range(opts.rounds):
             for running in sides:
                 reply = running.ask()
                 rates[running.name].append(reply["tokens_per_s"])
                 if reply.get("stream"):
                     streams[running.name].append(reply["stream"])
+                if running.name == "uni" and args.get("cli_count"):
+                    same.append(running.ask("run cli"))
         prof = next((x.ask("profile") for x in sides if x.name == "uni"), None) if opts.profile else None
         if prof is not None and opts.profile_trace:
             path = opts.profile_trace.resolve() / f"trace-{hidden}-uni.json.gz"
@@ -583,7 +716,8 @@ def main() -> None:
                 count, _ = cli_writers(s.get("hidden", hidden), len(layer_ids(s["layers"])), "auto", None, None)
                 disk = (write_rate(parent), count, writers_rate(parent, count))  # one thread; the bf16 writers
                 if opts.cli_warmup:  # as the sides' timed passes follow a warm-up pass: see --cli-warmup
-                    rate, _ = cli_rate(model, data, parent / "cli-out", args, None, opts.cli_dtypes[0])
+                    rate, _ = cli_rate(model, data, parent / "cli-out", args, None, opts.cli_dtypes[0],
+                                       consume=opts.cli_consume)  # fmt: skip
                     print(f"CLI warm-up under {parent} ({opts.cli_dtypes[0]}, not timed): {rate:,.0f} tokens/s",
                           file=sys.stderr, flush=True)  # fmt: skip
                     warmups.append(f"{hidden} {opts.cli_dtypes[0]} {rate:,.0f}")
@@ -610,16 +744,18 @@ def main() -> None:
                             ran.add(key)
                             done = [cli_rate(model, data, parent / "cli-out", args, count, dtype,
                                              switch=spec.get("switch"), chunk=spec.get("chunk"), helpers=helpers,
-                                             finite=spec.get("finite", True), direct=spec.get("direct", "auto"))
+                                             finite=spec.get("finite", True), direct=spec.get("direct", "auto"),
+                                             consume=opts.cli_consume, copy=spec.get("copy"))
                                     for _ in range(opts.cli_runs)]  # fmt: skip
                             cli.append((parent, disk, dtype, count, {**spec, "helpers": helpers},
                                         [r for r, _ in done], done[-1][1]))  # fmt: skip
                     if opts.cli_py_spy and hidden in (opts.cli_py_spy_at or [hidden]):
                         profiled = opts.cli_py_spy / f"cli-{hidden}-{dtype}.speedscope.json"
-                        _, host = cli_rate(model, data, parent / "cli-out", args, None, dtype, profiled)
+                        _, host = cli_rate(model, data, parent / "cli-out", args, None, dtype, profiled,
+                                           consume=opts.cli_consume)  # fmt: skip
                         subprocess.run(["gzip", "-f", str(profiled)], check=False)
                         print(f"py-spy profile {profiled}.gz; host path: {host}", file=sys.stderr, flush=True)
-        lines.append((hidden, s, rates, cli, prof, high, memory, memory_lines, streams))
+        lines.append((hidden, s, rates, cli, prof, high, memory, memory_lines, streams, same))
     from speculators_v016.store.disk_forecast import stored_token_bytes  # noqa: PLC0415 - parent only
 
     with recording(__file__):
@@ -631,7 +767,7 @@ def main() -> None:
         if warmups:
             print(f"the CLI's runs each follow one untimed warm-up run per shape and folder (--cli-warmup; shape, "
                   f"stored, tokens/s: {'; '.join(warmups)})")  # fmt: skip
-        for hidden, s, rates, cli, prof, high, memory, memory_lines, streams in lines:
+        for hidden, s, rates, cli, prof, high, memory, memory_lines, streams, same in lines:
             med = {k: statistics.median(v) for k, v in rates.items() if v}
             if s.get("kimi"):
                 print(f"kimi: Kimi-K2.5 slice, {s['layers']} layers (dense, then 2 x 384 INT4 W4A16 experts), hidden "
@@ -656,7 +792,15 @@ def main() -> None:
                     print(f"  {name}, each timed pass's end (EngineStats): drained in {drained} ms (every prompt fed, "
                           f"no step in flight, to the stream's end); copy thread {thread:.2f} s, the engine's thread "
                           f"waited on it {waited * 1e3:,.0f} ms (medians); prefault hits/misses {faulted}")  # fmt: skip
-            for parent, (disk, count, together), dtype, workers, spec, runs, host in cli if "uni" in med else []:
+            # the CLI against uni's passes over the same prompts: the sides' own, or (--cli-prompts) uni's over the CLI's
+            base_passes = same or [{"tokens_per_s": r, "stream": x} for r, x in zip(rates.get("uni", []),
+                                                                                  streams.get("uni", []) or [{}] * len(rates.get("uni", [])))]  # fmt: skip
+            base = statistics.median(x["tokens_per_s"] for x in base_passes) if base_passes else None
+            if same:
+                each = ", ".join(f"{x['tokens_per_s']:,.0f}" for x in same)
+                print(f"  uni over the CLI's {opts.cli_prompts} prompts: {base:,.0f} tokens/s (rounds: {each}); the "
+                      "CLI's ratios below are against these passes")  # fmt: skip
+            for parent, (disk, count, together), dtype, workers, spec, runs, host in cli if base else []:
                 stored = "bf16" if dtype == "auto" else dtype
                 gil = variant_label(spec)
                 token = stored_token_bytes(len(layer_ids(s["layers"])), s.get("hidden", hidden), 2, dtype == "fp8_e4m3")
@@ -665,12 +809,13 @@ def main() -> None:
                       f"{med['uni'] * token / 2**30:.2f} GiB/s), {stored} "
                       f"stored, {workers or 'default'} write workers{gil}: {statistics.median(runs):,.0f} tokens/s to the "
                       f"last durable file (runs: {', '.join(f'{v:,.0f}' for v in runs)}); ratio CLI / uni: "
-                      f"{statistics.median(runs) / med['uni']:.3f}x")  # fmt: skip
+                      f"{statistics.median(runs) / base:.3f}x")  # fmt: skip
                 steady = to_last_sample(runs[-1], host, cli_tokens[hidden]) if hidden in cli_tokens else None
                 if steady is not None:
                     print(f"    to the engine's last sample (the last run, without its {steady[1]:.2f} s tail to the "
                           f"last durable file, which a run pays once): {steady[0]:,.0f} tokens/s, "
-                          f"{steady[0] / med['uni']:.3f}x of uni")  # fmt: skip
+                          f"{steady[0] / base:.3f}x of uni")  # fmt: skip
+                    print(f"    {where_time(steady, host, cli_tokens[hidden], base_passes)}")
                 if host:
                     print(f"    host path (last run's summary): {host}")
             if prof:
