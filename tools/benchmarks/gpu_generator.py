@@ -20,12 +20,13 @@ staging buffers.
 
 Each round times one pass of every side over the same prompts, in turn (interleaved: the machine's noise
 hits all alike); ratios are of medians. ``--cli`` also times ``speculators-data-gen`` writing the files
-(its own summary line: tokens/s from the first step to the last file made durable, the writers drained) against the ``uni`` side's passes over the
-same prompts (``--cli-consume``: a consumer deletes each file once listed, so the CLI writes the sides' own prompts
-through a folder in RAM; ``--cli-prompts N``: uni also times a pass over the CLI's N each round). ``--profile`` runs one pass of
-the generator under torch's profiler and gives the share of GPU time in our copies (device-to-device into
-the staging buffer, device-to-host into the ring) and in FP8 quantization, and the device's idle time in
-that pass (gaps with no kernel and no copy but those to the host: a step waiting on the host shows as one).
+(its own summary line: tokens/s from the first step to the last file made durable, the writers drained)
+against the ``uni`` side's passes over the same prompts (``--cli-consume``: a consumer deletes each file once
+listed, so the CLI writes the sides' own prompts through a folder in RAM; ``--cli-prompts N``: uni also times a
+pass over the CLI's N each round). ``--profile`` runs one pass of the generator under torch's profiler and
+gives the share of GPU time in our copies (device-to-device into the staging buffer, device-to-host into the
+ring) and in FP8 quantization, and the device's idle time in that pass (gaps with no kernel and no copy but
+those to the host: a step waiting on the host shows as one).
 
     . .gpu-vllm/install.sh && python3 tools/benchmarks/gpu_generator.py [--shapes 4096 7168] [--rounds 3] [--cli]
     . .gpu-vllm/install.sh && python3 tools/benchmarks/gpu_generator.py --shapes kimi --sides vllm uni --prompts 64
@@ -126,7 +127,8 @@ def side(args: dict) -> None:
     batch = prompts(args["count"], args["low"], args["high"], args["vocab"])
     warm = prompts(8, args["low"], args["high"], args["vocab"], seed=1)
     # "run cli": a pass over the prompts the CLI writes, where they are not the side's own (--cli-prompts)
-    cli_batch = prompts(args["cli_count"], args["low"], args["high"], args["vocab"]) if args.get("cli_count") else None
+    theirs = args.get("cli_count") if args["side"] == "uni" else None
+    cli_batch = prompts(theirs, args["low"], args["high"], args["vocab"]) if theirs else None
     settings = engine_settings(args)
     if args.get("kimi"):  # before any engine: this process sees the stand-ins, and vLLM's engine core runs in it
         from speculators_v016.testing import gpu_kit  # noqa: PLC0415 - the GPU kit's stand-ins, kimi only
@@ -688,6 +690,7 @@ def main() -> None:
         memory_lines = {x.name: x.memory for x in sides if x.memory}
         rates: dict[str, list[float]] = {name: [] for name in opts.sides}
         streams: dict[str, list[dict]] = {name: [] for name in opts.sides}  # each timed pass's engine stats
+        own: list[dict] = []  # uni's timed passes (tokens_per_s, stream)
         same: list[dict] = []  # uni's passes over the CLI's prompts, where they are not the sides' (cli_count)
         for _ in range(opts.rounds):
             for running in sides:
@@ -695,8 +698,10 @@ def main() -> None:
                 rates[running.name].append(reply["tokens_per_s"])
                 if reply.get("stream"):
                     streams[running.name].append(reply["stream"])
-                if running.name == "uni" and args.get("cli_count"):
-                    same.append(running.ask("run cli"))
+                if running.name == "uni":
+                    own.append(reply)
+                    if args.get("cli_count"):
+                        same.append(running.ask("run cli"))
         prof = next((x.ask("profile") for x in sides if x.name == "uni"), None) if opts.profile else None
         if prof is not None and opts.profile_trace:
             path = opts.profile_trace.resolve() / f"trace-{hidden}-uni.json.gz"
@@ -755,7 +760,7 @@ def main() -> None:
                                            consume=opts.cli_consume)  # fmt: skip
                         subprocess.run(["gzip", "-f", str(profiled)], check=False)
                         print(f"py-spy profile {profiled}.gz; host path: {host}", file=sys.stderr, flush=True)
-        lines.append((hidden, s, rates, cli, prof, high, memory, memory_lines, streams, same))
+        lines.append((hidden, s, rates, cli, prof, high, memory, memory_lines, streams, same or own))
     from speculators_v016.store.disk_forecast import stored_token_bytes  # noqa: PLC0415 - parent only
 
     with recording(__file__):
@@ -767,7 +772,7 @@ def main() -> None:
         if warmups:
             print(f"the CLI's runs each follow one untimed warm-up run per shape and folder (--cli-warmup; shape, "
                   f"stored, tokens/s: {'; '.join(warmups)})")  # fmt: skip
-        for hidden, s, rates, cli, prof, high, memory, memory_lines, streams, same in lines:
+        for hidden, s, rates, cli, prof, high, memory, memory_lines, streams, base_passes in lines:
             med = {k: statistics.median(v) for k, v in rates.items() if v}
             if s.get("kimi"):
                 print(f"kimi: Kimi-K2.5 slice, {s['layers']} layers (dense, then 2 x 384 INT4 W4A16 experts), hidden "
@@ -793,11 +798,9 @@ def main() -> None:
                           f"no step in flight, to the stream's end); copy thread {thread:.2f} s, the engine's thread "
                           f"waited on it {waited * 1e3:,.0f} ms (medians); prefault hits/misses {faulted}")  # fmt: skip
             # the CLI against uni's passes over the same prompts: the sides' own, or (--cli-prompts) uni's over the CLI's
-            base_passes = same or [{"tokens_per_s": r, "stream": x} for r, x in zip(rates.get("uni", []),
-                                                                                  streams.get("uni", []) or [{}] * len(rates.get("uni", [])))]  # fmt: skip
             base = statistics.median(x["tokens_per_s"] for x in base_passes) if base_passes else None
-            if same:
-                each = ", ".join(f"{x['tokens_per_s']:,.0f}" for x in same)
+            if base_passes and opts.cli_prompts and opts.cli_prompts != opts.prompts:
+                each = ", ".join(f"{x['tokens_per_s']:,.0f}" for x in base_passes)
                 print(f"  uni over the CLI's {opts.cli_prompts} prompts: {base:,.0f} tokens/s (rounds: {each}); the "
                       "CLI's ratios below are against these passes")  # fmt: skip
             for parent, (disk, count, together), dtype, workers, spec, runs, host in cli if base else []:
