@@ -185,6 +185,10 @@ class StepCapture:
     finite as they left it (the float32 sum of the staged bytes is finite:
     :mod:`~speculators_v016.worker.staging`); None when nothing was proven
     (CPU engines, the direct path, FP8 storage), and the writer tests the bytes.
+
+    ``placed`` names the requests whose rows the worker copied straight into the
+    destinations the engine gave it for this step (:class:`RowPlacement`), not
+    into the slot; the slot's rows of those requests are left as they were.
     """
 
     step: int
@@ -197,3 +201,22 @@ class StepCapture:
     layers: tuple[int, int] | None = None  # rows of the captured stack this reply filled (None: all)
     stage: int = 0  # the pipeline stage that captured them
     finite: bool | None = None  # True: the device proved every value of these rows finite (None: not proven)
+    placed: list[str] | None = None  # requests whose rows went to their RowPlacement, not to the slot
+
+
+@dataclass
+class RowPlacement:
+    """Where one request's rows of one step go, straight from the worker: the request's own tensors.
+
+    Only an in-process worker (the uniprocess executor) receives them: the destinations are this process's
+    memory, never pickled. The worker places a request only where its own attribution of the step agrees
+    (the request's first row at ``start``, at least ``count`` rows); the engine checks that attribution
+    against the scheduler's as for every step, and refuses a step whose placed requests differ from
+    those it asked for. On GPUs the destinations are registered (pinned) memory that outlives the copy.
+    """
+
+    start: int  # the request's first position among the step's rows
+    count: int  # rows placed (the step may hold more of it: rows past its prompt, which nobody keeps)
+    #: per requested layer: (its row of the captured stack, the ``[count, hidden]`` destination, with FP8
+    #: storage the ``[count]`` float32 scales' destination, else None)
+    layers: list[tuple[int, torch.Tensor, torch.Tensor | None]]

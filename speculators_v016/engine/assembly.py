@@ -25,6 +25,14 @@ each step run on a thread of their own while the engine goes on, and a request i
 once the copies of its last rows have landed. ``copy_threads`` bounds
 torch's intra-op threads for these copies (restored after each step): a copy
 split over every core stalls whenever the writers' threads take one of them.
+
+With ``place`` (an in-process worker, :meth:`Assembler.place`) a prompt's rows are
+not copied on this side at all: before each step is launched the engine asks
+for its placements (the prompt's tensors, allocated then, sliced at the step's
+rows) and hands them to the worker, which copies the rows there instead of into
+the slot (:mod:`~speculators_v016.worker.row_placement`). The step's capture
+then only names them (``StepCapture.placed``); its attribution is checked as
+for any step, and a placed set other than the one asked for is refused.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from speculators_v016.config import DEFAULT_COPY_THREADS
 from speculators_v016.engine.prefault import Prefaulter
 from speculators_v016.engine.row_copies import Pair, RowCopies, torch_threads
 from speculators_v016.fp8 import CODE_DTYPE, SCALE_DTYPE, Fp8States
-from speculators_v016.protocol import StepCapture
+from speculators_v016.protocol import RowPlacement, StepCapture
 
 #: A request's rows of one step: a slot's ``[capture ids, count, hidden]`` view, or (states handed over by
 #: reference) one ``[count, hidden]`` tensor per capture id; either way ``rows[j]`` is capture id ``j``'s.
@@ -64,6 +72,7 @@ class _Request:
     growing: bool = False  # a generating request whose length is not final yet
     pieces: list | None = None  # a generating request's rows: (start, [layers, n, hidden], FP8 scales or None)
     finite: bool = True  # every step that gave it rows proved them finite on the device (StepCapture.finite)
+    placed: bool = False  # its rows go straight to its tensors (Assembler.place): every step's, recomputes too
 
 
 Allocate = Callable[[Sequence[tuple[Sequence[int], torch.dtype]]], list[torch.Tensor]]
@@ -100,13 +109,18 @@ class Assembler:
         copy_threads: int | None = None,
         prefault: Prefaulter | None = None,
         copies: RowCopies | None = None,
+        place: tuple[int, torch.dtype, torch.dtype | None] | None = None,
     ):
         self.capture_order = capture_order  # requested layer j -> row in the captured stack
         self._captured = max(capture_order, default=-1) + 1  # layers a capture holds at least
         self.copies = copies  # runs each step's copies on its own thread (None: on the caller's, in add)
         self.allocate = allocate or fresh_tensors
         self.prefault = prefault  # makes the next prompts' tensors ahead (with this ``allocate``)
-        self._row: tuple[int, torch.dtype, torch.dtype | None] | None = None  # hidden, dtype, FP8 scales' dtype
+        #: hidden, dtype, FP8 scales' dtype (known from the first capture, or given with ``place``)
+        self._row: tuple[int, torch.dtype, torch.dtype | None] | None = place
+        self.placing = place is not None  # the worker copies prompts' rows into their tensors (place)
+        self._placed: dict[int, dict[str, int]] = {}  # step -> {request placed: rows placed}
+        self.placed_rows = 0  # rows the worker placed (counted as their steps come)
         self.fp8 = fp8  # captures carry e4m3 codes and scales
         self.copy_threads = copy_threads  # torch threads for the copies (None: as they are)
         self._requests: dict[str, _Request] = {}
@@ -135,6 +149,37 @@ class Assembler:
 
     def expect(self, step: int, rows: dict[str, tuple[int, int]]) -> None:
         self._expected[step] = rows
+
+    def place(self, step: int, rows: dict[str, tuple[int, int]]) -> dict[str, RowPlacement]:
+        """Where the worker copies each prompt's rows of ``step`` (``rows``: :meth:`expect`'s): the prompt's
+        tensors, allocated now if they are not yet. A prompt is placed in every step or in none (one whose
+        first rows came through the slot stays there), so a recompute's rows land after the ones it replaces.
+        Generating requests, and everything without ``place``, go through the slot."""
+        if not self.placing:
+            return {}
+        out = {}
+        layers = len(self.capture_order)
+        for req_id, (start, count) in rows.items():
+            req = self._requests.get(req_id)
+            if req is None or req.pieces is not None or (req.rows and not req.placed) or req.rows >= req.prompt_len:
+                continue  # never into a prompt already complete: its tensors are handed out next
+            keep = min(count, req.prompt_len - start)  # rows past the prompt are decode steps
+            if keep <= 0:
+                continue
+            if req.out is None:
+                self._allocate(req_id, req)
+            req.placed = True
+            scales = req.scales if req.scales is not None else [None] * layers
+            out[req_id] = RowPlacement(
+                start,
+                keep,
+                [
+                    (j, o[start : start + keep], None if s is None else s[start : start + keep])
+                    for o, s, j in zip(req.out, scales, self.capture_order)
+                ],
+            )
+        self._placed[step] = {req_id: where.count for req_id, where in out.items()}
+        return out
 
     @property
     def pending_steps(self) -> int:
@@ -185,8 +230,14 @@ class Assembler:
     def _attribute(self, capture: StepCapture, pairs: list[Pair]) -> None:
         """Check a step's rows against the scheduler's and name their copies (``pairs``: destination, source)."""
         expected = self._expected.pop(capture.step, None)
+        placed = self._placed.pop(capture.step, {})
         if expected is None:
             raise AttributionError(f"capture for step {capture.step}, which was not scheduled or came twice")
+        if sorted(capture.placed or ()) != sorted(placed):
+            raise AttributionError(
+                f"step {capture.step}: the worker placed the rows of {sorted(capture.placed or ())} in their "
+                f"tensors, the engine asked it to place {sorted(placed)}"
+            )
         got = {r: (s, n) for r, s, n in zip(capture.req_ids, capture.starts, capture.counts)}
         if got != expected:
             raise AttributionError(
@@ -211,8 +262,11 @@ class Assembler:
         for req_id, start, count in zip(capture.req_ids, capture.starts, capture.counts):
             end = offset + count
             rows = capture.states[:, offset:end] if stacked else [t[offset:end] for t in layers]
-            scales = capture.scales[:, offset:end] if self.fp8 else None
-            self._add_rows(req_id, start, rows, scales, pairs, capture.finite is True)
+            if req_id in placed:  # already in its tensors, copied there by the worker
+                self._add_placed(req_id, start, count, placed[req_id], capture.finite is True)
+            else:
+                scales = capture.scales[:, offset:end] if self.fp8 else None
+                self._add_rows(req_id, start, rows, scales, pairs, capture.finite is True)
             offset = end
         if self.prefault is not None:
             self._row = (layers[0].shape[1], layers[0].dtype, self.fp8 and capture.scales.dtype or None)
@@ -277,15 +331,39 @@ class Assembler:
         if start in req.chunks:
             raise AttributionError(f"request {req_id}: positions from {start} captured twice")
         if req.out is None:
-            layers = len(self.capture_order)
-            specs = self._specs(
-                req.prompt_len, rows[0].shape[1], rows[0].dtype, None if scales is None else scales.dtype
-            )
-            tensors = self.prefault.take(req_id, specs) if req.offered else self.allocate(specs)
-            req.out, req.scales = tensors[:layers], (tensors[layers:] if scales is not None else None)
+            self._allocate(req_id, req, (rows[0].shape[1], rows[0].dtype, None if scales is None else scales.dtype))
         pairs += [(out[start : start + keep], rows[j][:keep]) for out, j in zip(req.out, self.capture_order)]
         if scales is not None:
             pairs += [(out[start : start + keep], scales[j, :keep]) for out, j in zip(req.scales, self.capture_order)]
+        self._count(req_id, req, start, keep)
+
+    def _allocate(self, req_id: str, req: _Request, row: tuple | None = None) -> None:
+        """The prompt's tensors (``row``: hidden, dtype, FP8 scales' dtype; default the known row)."""
+        layers = len(self.capture_order)
+        specs = self._specs(req.prompt_len, *(row or self._row))
+        tensors = self.prefault.take(req_id, specs) if req.offered else self.allocate(specs)
+        fp8 = len(tensors) > layers
+        req.out, req.scales = tensors[:layers], (tensors[layers:] if fp8 else None)
+
+    def _add_placed(self, req_id: str, start: int, count: int, placed: int, finite: bool) -> None:
+        """Rows the worker copied into the request's tensors (``placed`` of the step's ``count``)."""
+        req = self._requests.get(req_id)
+        if req is None:  # its tensors were handed out before these rows landed in them
+            raise AttributionError(f"rows placed for request {req_id} after its states were handed out")
+        req.finite = req.finite and finite
+        keep = max(0, min(count, req.prompt_len - start))
+        if keep != placed:
+            raise AttributionError(f"request {req_id}: {placed} rows placed at {start}, {keep} wanted")
+        if start == 0 and req.chunks:  # preempted and recomputed from the start: these rows landed last
+            req.chunks.clear()
+            req.rows = 0
+        if start in req.chunks:
+            raise AttributionError(f"request {req_id}: positions from {start} captured twice")
+        self.placed_rows += keep
+        self._count(req_id, req, start, keep)
+
+    def _count(self, req_id: str, req: _Request, start: int, keep: int) -> None:
+        """``keep`` rows at ``start`` are in the request's tensors (or on their way there)."""
         req.chunks[start] = keep
         req.rows += keep
         if req.rows == req.prompt_len:

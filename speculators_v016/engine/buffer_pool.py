@@ -42,6 +42,13 @@ With ``shared`` the blocks are memfd-backed shared memory, each with its own des
 processes (:mod:`~speculators_v016.store.write_helper`) read a sample's tensors where they lie:
 :meth:`BufferPool.locate` names the block and the offset of a buffer inside one, :meth:`BufferPool.live` the
 blocks not dropped yet (a helper unmaps the others).
+
+With ``pin`` (a GPU engine whose worker copies rows straight into a sample's
+tensors, :meth:`~speculators_v016.engine.assembly.Assembler.place`) every block is
+registered with CUDA as pinned memory when it is made, so the device-to-host
+copies land in it asynchronously. A block is unregistered before the pool
+forgets it (dropped, or at :meth:`BufferPool.close`), after a device synchronize:
+no copy can still be landing in memory that goes back to the system.
 """
 
 from __future__ import annotations
@@ -73,7 +80,13 @@ def size_class(nbytes: int) -> int:
 class BufferPool:
     """Blocks of host memory carved into a sample's tensors, handed out and taken back by whole blocks."""
 
-    def __init__(self, keep_bytes: int = 2 << 30, fresh_below: int = 0, align: int = 64, shared: bool = False):
+    def __init__(
+        self, keep_bytes: int = 2 << 30, fresh_below: int = 0, align: int = 64, shared: bool = False, pin: bool = False
+    ):
+        if pin and fresh_below:
+            raise ValueError("a pinned pool hands out blocks only (fresh_below must be 0)")
+        self.pin = pin  # blocks registered as pinned memory (see the module's docstring)
+        self._pinned: set[int] = set()  # data_ptr of the blocks registered
         self.keep_bytes = keep_bytes
         self.shared = shared  # blocks in memfd-backed shared memory (see the module's docstring)
         self._descriptors: dict[int, tuple[int, int]] = {}  # shared: data_ptr -> (block id, its memfd)
@@ -137,16 +150,24 @@ class BufferPool:
             block, fd = _shared_block(size_class(total))
         else:
             block = torch.empty(size_class(total), dtype=torch.uint8)
+        if self.pin:
+            _register(block)
         with self._lock:
             self._lent[block.data_ptr()] = block
             if self.shared:
                 self._descriptors[block.data_ptr()] = (next(self._ids), fd)
+            if self.pin:
+                self._pinned.add(block.data_ptr())
             self.allocated += 1
         return block
 
     def _drop(self, ptr: int) -> None:
-        """Forget a free block (``_lock`` held): its memory goes once its tensors do (shared: its memfd closed)."""
-        self._free.pop(ptr)
+        """Forget a free block (``_lock`` held): its memory goes once its tensors do (shared: its memfd closed;
+        pinned: unregistered first)."""
+        block = self._free.pop(ptr)
+        if ptr in self._pinned:
+            self._pinned.discard(ptr)
+            _unregister(block)
         if ptr in self._descriptors:
             os.close(self._descriptors.pop(ptr)[1])
 
@@ -186,8 +207,13 @@ class BufferPool:
                 self._drop(oldest)
 
     def close(self) -> None:
-        """Drop the free blocks and close every shared block's memfd (the memory goes with the last tensor)."""
+        """Drop the free blocks, unregister every pinned block (lent ones too) and close every shared block's
+        memfd (the memory goes with the last tensor)."""
         with self._lock:
+            blocks = {**self._free, **self._lent}
+            for ptr in sorted(self._pinned):
+                _unregister(blocks[ptr])
+            self._pinned.clear()
             self._free.clear()
             for _, fd in self._descriptors.values():
                 os.close(fd)
@@ -203,6 +229,21 @@ class BufferPool:
         """Samples whose memory is out (blocks and fresh tensors)."""
         with self._lock:
             return len(self._lent) + len(self._fresh)
+
+
+def _register(block: torch.Tensor) -> None:
+    """Register ``block``'s memory with CUDA as pinned (page-locked) memory."""
+    err = int(torch.cuda.cudart().cudaHostRegister(block.data_ptr(), block.numel(), 0))
+    if err != 0:
+        raise RuntimeError(f"cudaHostRegister of a {block.numel()}-byte sample block failed: CUDA error {err}")
+
+
+def _unregister(block: torch.Tensor) -> None:
+    """Undo :func:`_register`, once every copy on the device is done (one may still be landing in it)."""
+    torch.cuda.synchronize()
+    err = int(torch.cuda.cudart().cudaHostUnregister(block.data_ptr()))
+    if err != 0:
+        raise RuntimeError(f"cudaHostUnregister of a {block.numel()}-byte sample block failed: CUDA error {err}")
 
 
 def _shared_block(size: int) -> tuple[torch.Tensor, int]:

@@ -10,7 +10,12 @@ steps are in flight, as in vLLM's own
 gets a slot of the engine's :class:`~speculators_v016.shared.slot_ring.SlotRing`,
 which the worker fills and the capture reply names; the slot comes back once
 its rows are copied into the requests' tensors (no free slot: the oldest step
-is retired first). Requests are
+is retired first). With :data:`PLACE_ROWS` (off by default) an in-process
+worker (the uniprocess executor) copies a prompt's rows straight into its
+tensors instead, where the engine hands it their places with the step
+(:meth:`~speculators_v016.engine.assembly.Assembler.place`; on GPUs only into
+memory registered as pinned, ``stream(pinned=True)``): the copy out of the slot
+is gone. Requests are
 admitted from an iterator into a bounded window, and each one is yielded as
 soon as all its prompt positions are captured, so memory stays bounded
 however long the input is.
@@ -49,6 +54,7 @@ from speculators_v016.engine.row_copies import RowCopies
 from speculators_v016.engine.stages import check_stage_plan
 from speculators_v016.engine.vllm_check import require_vllm
 from speculators_v016.engine.worker_start import set_start_method
+from speculators_v016.fp8 import CODE_DTYPE, SCALE_DTYPE
 from speculators_v016.layers import LayerPlan
 from speculators_v016.protocol import CaptureConfig
 from speculators_v016.shared.shm_records import RunRecord, reclaim_and_log
@@ -58,6 +64,11 @@ from speculators_v016.target import PromptError, check_token_ids
 __all__ = ["CaptureEngine", "EngineConfig", "EngineDeadError", "PromptError"]
 
 _IN_PROCESS_ENGINES = 0  # live engines whose worker runs in this process (uniprocess executor)
+#: Whether an in-process worker copies prompts' rows straight into their tensors where it can (off: every row goes
+#: through the ring slot and the copy out of it, as with other executors). Off until it is faster: on an H100 at
+#: hidden 7168 in bf16 the CLI so placed ran at 0.762x of the generator against 0.908x through the slot, vLLM's
+#: steps 19.0 s against 12.4 s (126 pool blocks registered as pinned during the run; docs/benchmarks/README.md)
+PLACE_ROWS = False
 
 
 class EngineDeadError(RuntimeError):
@@ -95,6 +106,7 @@ class EngineStats:
     # stream's end: the last rows fetched and copied out, handed out, the stream's threads stopped (once a stream())
     prefault_hits: int = 0  # prompts whose tensors were made and touched ahead (GPU engines: engine/prefault.py)
     prefault_misses: int = 0  # prompts whose tensors were made when their first rows came after all
+    placed_rows: int = 0  # prompts' rows the worker copied straight into their tensors, never into a slot
 
 
 @dataclass
@@ -301,6 +313,10 @@ class CaptureEngine:
         self.max_prompt_len = config.model_config.max_model_len - 1  # room for the one sampled token
         self.copy_threads = copy_threads(config.device_config.device_type)
         self.device_type = config.device_config.device_type
+        #: the worker may copy rows straight into requests' tensors: in-process, one stage, a ring
+        self.can_place = (
+            self.ring is not None and self._in_process and config.parallel_config.pipeline_parallel_size == 1
+        )
 
     def _check_started(self, config) -> None:
         """The ring covers the steps in flight, the loaded model has the planned depth, and (pipeline
@@ -444,9 +460,12 @@ class CaptureEngine:
                 return _Step(so, executed, executed, captured=False)
             self._step += 1
             self.stats.steps += 1
-            assembler.expect(self._step, expected_rows(so))
+            rows = expected_rows(so)
+            assembler.expect(self._step, rows)
             slot = self.ring.acquire() if self.ring is not None else None
-            output = self.executor.capture_and_sample(self._step, slot, self.scheduler.get_grammar_bitmask(so))
+            placement = assembler.place(self._step, rows)  # empty unless the worker copies rows into their tensors
+            grammar = self.scheduler.get_grammar_bitmask(so)
+            output = self.executor.capture_and_sample(self._step, slot, grammar, *((placement,) if placement else ()))
             return _Step(so, executed, output, number=self._step)
         finally:
             self.stats.stepped += time.perf_counter() - began
@@ -544,6 +563,7 @@ class CaptureEngine:
         prompt_logprobs=None,
         allocate: Allocate | None = None,
         proven: set | None = None,
+        pinned: bool = False,
     ) -> Iterator[tuple[Any, list[int], list]]:
         """Yield ``(key, input_ids, states per requested layer)`` as each prompt completes.
 
@@ -560,6 +580,12 @@ class CaptureEngine:
         every state the device proved finite as it left it (GPU staging:
         ``StepCapture.finite``); the caller takes them out. Code
         that changes a sample's states afterwards must take its key out too.
+        ``pinned``: ``allocate``'s memory is registered with the device as pinned
+        and stays so (and allocated) while a copy into it may be in flight, e.g. a
+        pinned :class:`~speculators_v016.engine.buffer_pool.BufferPool`: with
+        :data:`PLACE_ROWS` a GPU worker of this process then copies the rows there
+        directly (:attr:`can_place`; a CPU one does so into any memory, its copies
+        done when the step's call returns).
 
         If the caller stops early or a prompt is refused, the prompts already
         admitted are aborted and the steps in flight are retired, so the
@@ -572,7 +598,7 @@ class CaptureEngine:
         held = self.ring is not None or self.by_reference  # rows to copy out of a slot, or out of the worker's states
         copies = RowCopies(self.copy_threads) if self.row_copies_apart and held else None
         assembler = Assembler(self.plan.capture_order, allocate, fp8=self.config.fp8, copy_threads=self.copy_threads,
-                              prefault=prefault, copies=copies)  # fmt: skip
+                              prefault=prefault, copies=copies, place=self._placed_row(pinned))  # fmt: skip
         feed, waiting, in_flight = iter(prompts), set(), deque()
         self.open_requests = waiting
         drain_began = None  # when no step was in flight and none was left: the stream's end is drained from there
@@ -629,12 +655,21 @@ class CaptureEngine:
                 copies.close()
                 self.stats.copy_thread += copies.copying
                 self.stats.copy_waited += copies.waited
+            self.stats.placed_rows += assembler.placed_rows
             if prefault is not None:
                 prefault.close()
                 self.stats.prefault_hits += prefault.hits
                 self.stats.prefault_misses += prefault.misses
             if drain_began is not None:
                 self.stats.drained += time.perf_counter() - drain_began
+
+    def _placed_row(self, pinned: bool) -> tuple | None:
+        """(hidden, stored dtype, FP8 scales' dtype) of the rows the worker copies into requests' tensors;
+        None where it copies them into the ring slot (see :meth:`stream`'s ``pinned``)."""
+        if not (PLACE_ROWS and self.can_place and (pinned or self.device_type == "cpu")):
+            return None
+        spec = self.ring.spec
+        return spec.hidden, *((CODE_DTYPE, SCALE_DTYPE) if self.config.fp8 else (spec.torch_dtype, None))
 
     @staticmethod
     def _settle(assembler: Assembler) -> None:

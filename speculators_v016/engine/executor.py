@@ -105,21 +105,26 @@ def capture_executor(
             joined = join_stages(captures, len(capture.capture_ids))
             return (replies[self.capture_output_rank][0], joined) if paired else joined
 
-        def capture_and_sample(self, step: int, slot: int | None, grammar_output):
+        def capture_and_sample(self, step: int, slot: int | None, grammar_output, placement: dict | None = None):
             """Future of ``(model runner output, the previous step's capture)``: step ``step`` captured
             into ``slot``, then sampled. One RPC where vLLM's executor runs ours (uni, mp; not with a
-            KV connector, whose aggregator reads the replies), else the capture RPC and vLLM's own."""
+            KV connector, whose aggregator reads the replies), else the capture RPC and vLLM's own.
+            ``placement`` (:class:`~speculators_v016.protocol.RowPlacement` by request): the uniprocess
+            executor's worker alone, whose arguments are this process's objects, never pickled."""
+            if placement and self.kind != "uni":
+                raise RuntimeError(f"rows placed in requests' tensors need the uniprocess executor, not {self.kind}")
+            placed = (placement,) if placement else ()
             if self.kind in ("uni", "mp") and getattr(self, "kv_output_aggregator", None) is None:
                 from vllm import envs  # noqa: PLC0415 - vLLM only when an engine starts
 
                 return self.capture_rpc(
                     "speculators_capture_sample",
-                    (step, slot, grammar_output),
+                    (step, slot, grammar_output, *placed),
                     non_block=True,
                     timeout=envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS,
                     paired=True,
                 )
-            capture = self.capture_rpc("speculators_capture_step", (step, slot), non_block=True)
+            capture = self.capture_rpc("speculators_capture_step", (step, slot, *placed), non_block=True)
             return Pair(self.sample_tokens(grammar_output, non_block=True), capture)
 
         def shutdown(self) -> None:

@@ -44,6 +44,7 @@ from speculators_v016.checks.self_check import SelfCheckError as SelfCheckError 
 from speculators_v016.checks.zero_embeddings import zero_embedding_ids
 from speculators_v016.config import RunConfig, last_samples_threads, write_helpers_used, write_workers_for
 from speculators_v016.engine import arg_kinds
+from speculators_v016.engine import core as engine_core
 from speculators_v016.engine.buffer_pool import MALLOC_MMAP_CEILING, BufferPool
 from speculators_v016.engine.engine_args import check_engine_args, vllm_defaults
 from speculators_v016.generator import VllmHiddenStatesGenerator
@@ -399,6 +400,7 @@ def host_line(host: dict) -> str:
         )
         + _paths(host)
         + _finite_test(host)
+        + (f"; {host['rows_placed']:,} prompt rows placed by the worker" if host.get("rows_placed") else "")
         + f"; buffer pool: {host['blocks_made']} "
         f"blocks made, {host['blocks_reused']} reused"
         + (f", {host['samples_fresh']} samples in fresh memory (CPU engine)" if host.get("samples_fresh") else "")
@@ -479,11 +481,14 @@ def _generate(
     # each sample's states: one block, back to the pool once its file is written; on a CPU engine, whose forward
     # shares this process's heap, samples under glibc's mmap ceiling come fresh (speculators_v016.engine.buffer_pool)
     # (shared memory with write helpers: their processes read the states where they lie, speculators_v016.store.write_helper)
+    # (with engine.core.PLACE_ROWS, off by default, a GPU engine's worker in this process copies each prompt's rows
+    # straight into its block: pinned blocks)
     helpers = write_helpers_used(opts.write_helpers)
+    pin = engine.device_type != "cpu" and engine.can_place and engine_core.PLACE_ROWS
     pool = BufferPool(fresh_below=MALLOC_MMAP_CEILING if engine.device_type == "cpu" else 0, align=DATA_ALIGN,
-                      shared=helpers)  # fmt: skip
+                      shared=helpers, pin=pin)  # fmt: skip
     stats = engine.stats  # the engine's thread's time, counted from here
-    before = (stats.stepped, stats.copied, stats.copy_thread, stats.copy_waited)
+    before = (stats.stepped, stats.copied, stats.copy_thread, stats.copy_waited, stats.placed_rows)
 
     writer = SampleWriter(
         directory,
@@ -536,7 +541,9 @@ def _generate(
     try:
         feed = work.feed(pending) if opts.regenerate else _checked_ids(work.feed(pending), vocab_size, opts)
         want = checked.__contains__ if checked else None
-        stream = engine.stream(feed, window=window, prompt_logprobs=want, allocate=pool.take, proven=device_proven)
+        stream = engine.stream(
+            feed, window=window, prompt_logprobs=want, allocate=pool.take, proven=device_proven, pinned=pool.pin
+        )
         for index, ids, states in stream:
             theirs = engine.prompt_logprobs.pop(index, None) if index in checked else None
             name = index + opts.start_idx
@@ -586,6 +593,7 @@ def _generate(
             summary.written, summary.bytes = writer.written, writer.bytes
             host = {**writer.load(), "engine_stepped": stats.stepped - before[0], "engine_copied": stats.copied - before[1],
                     "copy_thread": stats.copy_thread - before[2], "copy_waited": stats.copy_waited - before[3],
+                    "rows_placed": stats.placed_rows - before[4],
                     "blocks_made": pool.allocated, "blocks_reused": pool.reused,
                     "samples_fresh": pool.fresh, "cpu_seconds": _cpu_since(cpu_before),
                     "huge_pages": huge_pages.asked() if engine.device_type == "cpu" else None,

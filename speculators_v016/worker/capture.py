@@ -86,6 +86,7 @@ from speculators_v016.worker.check_forward import engine_check_forward
 from speculators_v016.worker.cpu_seeds import discarded_generators_aside
 from speculators_v016.worker.held_states import HeldStates
 from speculators_v016.worker.pipeline_stage import LastForwardAux, StageLayers, keep_prompt_rows, stage_of
+from speculators_v016.worker.row_placement import destinations, split_rows
 from speculators_v016.worker.staging import Fp8Buffers, StagingCopier, StagingPlan, plan_staging
 
 
@@ -151,21 +152,31 @@ class StageShare:
 
 
 class HostCopy:
-    """``host``: a CPU worker copies each layer's scheduled rows straight into host memory; done on return."""
+    """``host``: a CPU worker copies each layer's scheduled rows straight into host memory; done on return.
+
+    Every copier takes the step's ``ranges`` of rows for the slot (``dst``; None: all of them) and the
+    ``segments`` of placed requests (:func:`~speculators_v016.worker.row_placement.split_rows`)."""
 
     name = "host"
 
-    def copy(self, aux, total: int, dst: torch.Tensor, dst_scales: torch.Tensor | None) -> None:
-        for j, layer in enumerate(aux):  # one contiguous copy per layer, no intermediate buffer
-            dst[j].copy_(layer[:total], non_blocking=False)
+    def copy(self, aux, total: int, dst: torch.Tensor, dst_scales, segments=(), ranges=None) -> None:
+        for j, layer in enumerate(aux):  # one contiguous copy per layer and range, no intermediate buffer
+            for a, b in [(0, total)] if ranges is None else ranges:
+                dst[j, a:b].copy_(layer[a:b], non_blocking=False)
+            for first, count, to, _ in destinations(segments, j):
+                to.copy_(layer[first : first + count], non_blocking=False)
 
 
 class HostQuantize(HostCopy):
-    """``host`` with FP8 storage: each layer quantized straight into the slot (codes and scales)."""
+    """``host`` with FP8 storage: each layer quantized straight into the slot (codes and scales), or into
+    a placed request's tensors (one scale per row: a row's codes do not depend on the rows beside it)."""
 
-    def copy(self, aux, total: int, dst: torch.Tensor, dst_scales: torch.Tensor | None) -> None:
+    def copy(self, aux, total: int, dst: torch.Tensor, dst_scales, segments=(), ranges=None) -> None:
         for j, layer in enumerate(aux):
-            fp8.quantize_into(layer[:total], dst[j], dst_scales[j])
+            for a, b in [(0, total)] if ranges is None else ranges:
+                fp8.quantize_into(layer[a:b], dst[j, a:b], dst_scales[j, a:b])
+            for first, count, to, to_scales in destinations(segments, j):
+                fp8.quantize_into(layer[first : first + count], to, to_scales)
 
 
 class Reference:
@@ -180,9 +191,12 @@ class DirectCopy:
 
     name = "direct"
 
-    def copy(self, aux, total: int, dst: torch.Tensor, dst_scales: torch.Tensor | None) -> torch.cuda.Event:
+    def copy(self, aux, total: int, dst: torch.Tensor, dst_scales, segments=(), ranges=None) -> torch.cuda.Event:
         for j, layer in enumerate(aux):
-            dst[j].copy_(layer[:total], non_blocking=True)
+            for a, b in [(0, total)] if ranges is None else ranges:
+                dst[j, a:b].copy_(layer[a:b], non_blocking=True)
+            for first, count, to, _ in destinations(segments, j):
+                to.copy_(layer[first : first + count], non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()  # on the compute stream: the copy is ordered before the next forward
         return ready
@@ -195,12 +209,16 @@ class DirectQuantize(DirectCopy):
     def __init__(self, buffers: Fp8Buffers | None = None):
         self.buffers = buffers  # allocated at set-up where the ring bounds the rows; else grown on demand
 
-    def copy(self, aux, total: int, dst: torch.Tensor, dst_scales: torch.Tensor | None) -> torch.cuda.Event:
+    def copy(self, aux, total: int, dst: torch.Tensor, dst_scales, segments=(), ranges=None) -> torch.cuda.Event:
         codes, scales = self._buffer(total, aux[0].shape[-1], aux[0].device)
         for j, layer in enumerate(aux):  # compute stream: quantize, then copy codes and scales to the host
             fp8.quantize_into(layer[:total], codes, scales)
-            dst[j].copy_(codes, non_blocking=True)
-            dst_scales[j].copy_(scales, non_blocking=True)
+            for a, b in [(0, total)] if ranges is None else ranges:
+                dst[j, a:b].copy_(codes[a:b], non_blocking=True)
+                dst_scales[j, a:b].copy_(scales[a:b], non_blocking=True)
+            for first, count, to, to_scales in destinations(segments, j):
+                to.copy_(codes[first : first + count], non_blocking=True)
+                to_scales.copy_(scales[first : first + count], non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
         return ready
@@ -226,10 +244,8 @@ class StagedCopy:
     def __init__(self, staging: StagingCopier, fp8_storage: bool):
         self.staging, self.fp8 = staging, fp8_storage
 
-    def copy(
-        self, aux, total: int, dst: torch.Tensor, dst_scales: torch.Tensor | None, proof: torch.Tensor | None = None
-    ) -> Any:
-        return self.staging.copy(aux, total, Fp8Buffers(dst, dst_scales) if self.fp8 else dst, proof)
+    def copy(self, aux, total: int, dst: torch.Tensor, dst_scales, segments=(), ranges=None, proof=None) -> Any:
+        return self.staging.copy(aux, total, Fp8Buffers(dst, dst_scales) if self.fp8 else dst, proof, segments, ranges)
 
     def close(self) -> None:
         self.staging.close()
@@ -369,8 +385,9 @@ class Capture:
             if ring is not None:
                 ring.close()
 
-    def advance(self, runner: Any, step: int, slot: int | None) -> _Pending | None:
-        """Start step ``step``'s capture into ``slot``; return the previous step's (still pending)."""
+    def advance(self, runner: Any, step: int, slot: int | None, placement: dict | None = None) -> _Pending | None:
+        """Start step ``step``'s capture into ``slot`` (and ``placement``: requests' rows straight to their
+        tensors, :class:`~speculators_v016.protocol.RowPlacement`); return the previous step's (still pending)."""
         if self.closed:
             raise RuntimeError(f"step {step}: the capture was closed (speculators_capture_close)")
         if not self.is_output:
@@ -378,7 +395,7 @@ class Capture:
         pending = self.pending
         if pending is not None and slot is not None and pending.capture.slot == slot:
             raise RuntimeError(f"step {step}: slot {slot} still holds step {pending.capture.step}")
-        self.pending = self._take(runner, step, slot)
+        self.pending = self._take(runner, step, slot, placement)
         return pending
 
     def flush(self) -> StepCapture | None:
@@ -400,7 +417,12 @@ class Capture:
             )
         return state.aux_hidden_states
 
-    def _take(self, runner: Any, step: int, slot: int | None) -> _Pending:
+    def _take(self, runner: Any, step: int, slot: int | None, placement: dict | None = None) -> _Pending:
+        if placement and (self.ring is None or slot is None or self.stage is not None or self.held is not None):
+            raise RuntimeError(
+                f"step {step}: rows placed in requests' tensors need a ring slot and no pipeline stages "
+                f"(slot {slot!r}, ring {self.ring is not None}, stage {self.stage is not None})"
+            )
         aux = self._aux(runner, step)
         if len(aux) != self.num_ids:
             raise RuntimeError(f"step {step}: the model returned {len(aux)} aux states, {self.num_ids} were set up")
@@ -430,10 +452,13 @@ class Capture:
         dst, dst_scales = self._destination(step, slot, total, aux[0])
         if slot is None:
             capture.states, capture.scales = dst, dst_scales
+        segments, ranges, placed = split_rows(capture.req_ids, capture.starts, bounds, placement)
+        if placement:
+            capture.placed = placed
         if self.proofs is not None and slot is not None:  # staged: the sum lands in the slot's proof with the rows
             proof = self.proofs[slot]
-            return _Pending(capture, self.copier.copy(aux, total, dst, dst_scales, proof), proof)
-        return _Pending(capture, self.copier.copy(aux, total, dst, dst_scales))
+            return _Pending(capture, self.copier.copy(aux, total, dst, dst_scales, segments, ranges, proof), proof)
+        return _Pending(capture, self.copier.copy(aux, total, dst, dst_scales, segments, ranges))
 
     def _destination(
         self, step: int, slot: int | None, total: int, like: torch.Tensor
@@ -516,12 +541,17 @@ class CaptureWorkerExtension:
         if self._speculators_capture is not None:
             self._speculators_capture.close()
 
-    def speculators_capture_step(self, step: int, slot: int | None = None) -> StepCapture | None:
-        """Capture step ``step`` (just executed) into ``slot``; return the previous step's capture."""
-        pending = self._speculators_capture.advance(self.model_runner, step, slot)
+    def speculators_capture_step(
+        self, step: int, slot: int | None = None, placement: dict | None = None
+    ) -> StepCapture | None:
+        """Capture step ``step`` (just executed) into ``slot`` (and ``placement``, in-process engines only);
+        return the previous step's capture."""
+        pending = self._speculators_capture.advance(self.model_runner, step, slot, placement)
         return pending.result() if pending is not None else None
 
-    def speculators_capture_sample(self, step: int, slot: int | None, grammar_output: Any) -> Any:
+    def speculators_capture_sample(
+        self, step: int, slot: int | None, grammar_output: Any, placement: dict | None = None
+    ) -> Any:
         """:meth:`speculators_capture_step`, then vLLM's ``sample_tokens``, in one RPC.
 
         The reply is ``(model runner output, previous step's capture)``. It is
@@ -529,7 +559,7 @@ class CaptureWorkerExtension:
         thread with async scheduling), so this thread never waits for the
         previous step's copy, and each step costs the engine two RPCs, not three.
         """
-        pending = self._speculators_capture.advance(self.model_runner, step, slot)
+        pending = self._speculators_capture.advance(self.model_runner, step, slot, placement)
         if self.model_runner.device.type == "cpu":  # seeded requests with chunked prompts (worker.cpu_seeds)
             with discarded_generators_aside(self.model_runner):
                 return paired_output(self.sample_tokens(grammar_output), pending)

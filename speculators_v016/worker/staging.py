@@ -63,6 +63,7 @@ from typing import Any, NamedTuple
 import torch
 
 from speculators_v016 import fp8
+from speculators_v016.worker.row_placement import destinations
 
 #: Staging takes at most this share of what vLLM has left for activations and the KV cache.
 MAX_BUDGET_SHARE = 0.25
@@ -194,6 +195,8 @@ class StagingCopier:
         total: int,
         dst: torch.Tensor | Fp8Buffers,
         proof: torch.Tensor | None = None,
+        segments=(),
+        ranges=None,
     ) -> Any:
         """Stage ``aux[j][:total]`` (compute stream) and drain it into ``dst[j]`` (copy stream).
 
@@ -216,7 +219,7 @@ class StagingCopier:
         staged.record(compute)
         self.copy_stream.wait_event(staged)
         with self.streams.use(self.copy_stream):
-            self.drain(stage, total, dst)
+            self.drain(stage, total, dst, segments, ranges)
             if proof is not None:
                 proof.copy_(self.sums[index], non_blocking=True)
         drained = self.streams.new_event()
@@ -240,15 +243,24 @@ class StagingCopier:
         else:
             torch.sum(stage[:, :total], dim=(0, 1, 2), dtype=torch.float32, out=out)
 
-    def drain(self, stage: torch.Tensor | Fp8Buffers, total: int, dst: torch.Tensor | Fp8Buffers) -> None:
-        """Device-to-host, on the copy stream: one contiguous copy per layer into the pinned slot."""
-        if isinstance(stage, Fp8Buffers):
-            for j in range(dst.codes.shape[0]):
-                dst.codes[j].copy_(stage.codes[j, :total], non_blocking=True)
-                dst.scales[j].copy_(stage.scales[j, :total], non_blocking=True)
-            return
-        for j in range(dst.shape[0]):
-            dst[j].copy_(stage[j, :total], non_blocking=True)
+    def drain(
+        self, stage: torch.Tensor | Fp8Buffers, total: int, dst: torch.Tensor | Fp8Buffers, segments=(), ranges=None
+    ) -> None:
+        """Device-to-host, on the copy stream: one contiguous copy per layer and range into the pinned slot
+        (``ranges``: its rows ``[a, b)``; None: all), and per placed request into its pinned tensors
+        (``segments``, :func:`~speculators_v016.worker.row_placement.split_rows`)."""
+        ranges = [(0, total)] if ranges is None else ranges
+        fp8_stage = isinstance(stage, Fp8Buffers)
+        codes = stage.codes if fp8_stage else stage
+        for j in range(codes.shape[0]):
+            for a, b in ranges:
+                (dst.codes if fp8_stage else dst)[j, a:b].copy_(codes[j, a:b], non_blocking=True)
+                if fp8_stage:
+                    dst.scales[j, a:b].copy_(stage.scales[j, a:b], non_blocking=True)
+            for first, count, to, to_scales in destinations(segments, j):
+                to.copy_(codes[j, first : first + count], non_blocking=True)
+                if fp8_stage:
+                    to_scales.copy_(stage.scales[j, first : first + count], non_blocking=True)
 
     def close(self) -> None:
         """Wait for the copies in flight, then let the buffers go."""

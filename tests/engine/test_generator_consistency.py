@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from helpers.layer_rows import same_bits
 from helpers.reference import NUM_LAYERS, TOLERANCE, hf_layer_outputs, max_abs_error, random_prompts
 from speculators_v016.generator import VllmHiddenStatesGenerator
 from speculators_v016.worker.held_states import ReusedStateError
@@ -74,6 +75,21 @@ def test_states_read_by_reference_equal_the_ring_s_bit_for_bit(model_dir, prompt
     assert not engine.by_reference and engine.capture_info[0]["copy_path"] == "host"
     for a, b in zip(chunked_async, ringed):
         assert all(torch.equal(x, y) for x, y in zip(a["hidden_states"], b["hidden_states"]))
+
+
+@pytest.mark.parametrize("storage", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("row_copies", ["inline", "thread"])
+def test_rows_placed_by_the_worker_equal_the_slot_s_bit_for_bit(model_dir, prompts, storage, row_copies, monkeypatch):
+    """Prompts' rows the in-process worker copies straight into their tensors equal those copied out of the slot."""
+    monkeypatch.setattr("speculators_v016.engine.core.by_reference", lambda *args: False)
+    options = dict(enforce_eager=True, max_num_batched_tokens=128, hidden_states_dtype=storage, row_copies=row_copies)
+    slotted, engine, _ = run(model_dir, prompts, **options)  # the default: through the slot
+    assert engine.can_place and engine.stats.placed_rows == 0
+    monkeypatch.setattr("speculators_v016.engine.core.PLACE_ROWS", True)
+    placed, engine, _ = run(model_dir, prompts, **options)
+    assert engine.stats.placed_rows == sum(LENGTHS)
+    for a, b in zip(placed, slotted):
+        assert all(same_bits(x, y) for x, y in zip(a["hidden_states"], b["hidden_states"]))
 
 
 def test_a_model_reusing_its_state_buffers_is_refused_when_read_by_reference(model_dir, prompts):

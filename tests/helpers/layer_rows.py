@@ -1,7 +1,8 @@
 """The GPU tier's judgement of captured rows against a reference (transformers in float32, or a prefill capture),
 one layer at a time: the median row error, the worst, the share past the row bound (routing flips), and how far
 the same rows sit from the reference one position off and one layer off (an off-by-one cannot pass); and a run's
-FP8 storage against its bf16 run. The bounds are bf16's (:data:`speculators_v016.checks.fidelity.ROW_BOUNDS`)."""
+FP8 storage against its bf16 run; two layers alike bit for bit. The bounds are bf16's
+(:data:`speculators_v016.checks.fidelity.ROW_BOUNDS`)."""
 
 from __future__ import annotations
 
@@ -82,3 +83,10 @@ def fp8_worst_error(out: Path, bf16_out: Path) -> float:
             amax = rows.float().abs().amax(dim=-1, keepdim=True)
             worst = max(worst, ((got.dequantize() - rows.float()).abs() / amax).max().item())
     return worst
+
+
+def same_bits(a, b) -> bool:
+    """Two layers' states equal bit for bit (FP8, :class:`~speculators_v016.fp8.Fp8States`: codes and scales)."""
+    if hasattr(a, "codes"):
+        return torch.equal(a.codes.view(torch.uint8), b.codes.view(torch.uint8)) and torch.equal(a.scales, b.scales)
+    return torch.equal(a, b)

@@ -7,7 +7,8 @@ import torch
 
 from speculators_v016.config import DEFAULT_COPY_THREADS
 from speculators_v016.engine.assembly import Assembler, AttributionError, copy_threads
-from speculators_v016.protocol import StepCapture
+from speculators_v016.protocol import RowPlacement, StepCapture
+from speculators_v016.worker.row_placement import split_rows
 
 
 def rows(start, count, layers=2, hidden=3):
@@ -148,3 +149,79 @@ def test_gpu_engines_bound_copy_threads_cpu_engines_keep_vllms():
     """copy_threads: None on a CPU engine (vLLM's bound threads), at most DEFAULT_COPY_THREADS and the usable CPUs."""
     assert copy_threads("cpu") is None
     assert copy_threads("cuda") == min(DEFAULT_COPY_THREADS, len(os.sched_getaffinity(0)))
+
+
+def placed_step(asm, step, parts, placement):
+    """A worker's reply for ``parts``, having copied each placed request's rows into its tensors (no slot rows)."""
+    cap = capture(step, parts)
+    offset = 0
+    for req_id, _, count in parts:
+        where = placement.get(req_id)
+        if where is not None:
+            for j, dst, _ in where.layers:
+                dst.copy_(cap.states[j, offset : offset + where.count])
+        offset += count
+    cap.placed = list(placement)
+    cap.states = torch.full_like(cap.states, float("nan"))  # the slot holds nothing of placed requests
+    asm.add(cap)
+
+
+def test_rows_placed_by_the_worker_are_counted_not_copied():
+    """A placed prompt's chunks land in its tensors from the worker; the assembler counts them, reads no slot row."""
+    asm = Assembler((1, 0), place=(3, torch.float32, None))
+    asm.add_request("a", "A", 5)
+    asm.add_request("b", "B", 3)
+    asm.expect(1, {"a": (0, 2), "b": (0, 3)})
+    first = asm.place(1, {"a": (0, 2), "b": (0, 3)})
+    assert sorted(first) == ["a", "b"] and [j for j, _, _ in first["a"].layers] == [1, 0]
+    placed_step(asm, 1, [("b", 0, 3), ("a", 0, 2)], first)
+    assert [k for k, _ in asm.pop_complete()] == ["B"]
+    asm.expect(2, {"a": (2, 4)})  # one decode row past the prompt: not placed
+    second = asm.place(2, {"a": (2, 4)})
+    assert second["a"].count == 3
+    placed_step(asm, 2, [("a", 2, 4)], second)
+    [(key, states)] = asm.pop_complete()
+    assert key == "A" and asm.placed_rows == 8
+    assert states[0][:, 0].tolist() == [1000, 1001, 1002, 1003, 1004]
+    assert states[1][:, 0].tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("reported", [[], ["a", "b"]])
+def test_a_placed_set_other_than_the_one_asked_for_is_refused(reported):
+    """The worker's reply must name exactly the requests the engine asked it to place."""
+    asm = Assembler((0, 1), place=(3, torch.float32, None))
+    asm.add_request("a", "A", 2)
+    asm.add_request("b", "B", 2)
+    asm.expect(1, {"a": (0, 2)})
+    asm.place(1, {"a": (0, 2)})
+    cap = capture(1, [("a", 0, 2)])
+    cap.placed = reported
+    with pytest.raises(
+        AttributionError, match=r"step 1: the worker placed the rows of .* the engine asked it to place \['a'\]"
+    ):
+        asm.add(cap)
+
+
+def test_generating_requests_and_prompts_begun_in_the_slot_are_not_placed():
+    """Only prompts placed from their first rows are placed; a generating request's rows go through the slot."""
+    asm = Assembler((0, 1), place=(3, torch.float32, None))
+    asm.add_request("g", "G", 2, generating=True)
+    asm.add_request("p", "P", 4)
+    assert asm.place(1, {"g": (0, 2)}) == {}
+    asm.expect(1, {"p": (0, 2)})
+    asm.add(capture(1, [("p", 0, 2)]))  # its first rows through the slot (a step placed nothing)
+    assert asm.place(2, {"p": (2, 2)}) == {}
+
+
+def test_split_rows_places_only_what_the_worker_attributes_alike():
+    """A placement whose start or row count disagrees with the worker's batch leaves those rows to the slot."""
+    dst = torch.empty(4, 3)
+    placement = {
+        "a": RowPlacement(0, 2, [(0, dst[:2], None)]),
+        "b": RowPlacement(5, 2, [(0, dst[:2], None)]),  # the worker has b at 4: not placed
+        "c": RowPlacement(0, 4, [(0, dst, None)]),  # more rows than the worker has of c: not placed
+    }
+    segments, ranges, placed = split_rows(["a", "b", "c", "d"], [0, 4, 0, 7], [0, 3, 5, 8, 9], placement)
+    assert placed == ["a"] and [first for first, _ in segments] == [0]
+    assert ranges == [(3, 9)]  # b, c and d, merged
+    assert split_rows(["a"], [0], [0, 3], None) == ([], [(0, 3)], [])

@@ -114,3 +114,9 @@ def test_assembler_puts_states_in_pool_blocks():
     assert key == "A" and torch.equal(out[0], states[1]) and torch.equal(out[1], states[0])
     pool.give_back(out)
     assert pool.lent == 0
+
+
+def test_a_pinned_pool_hands_out_blocks_only():
+    """Pinned blocks take the worker's copies: a pool that would hand out fresh (unpinned) tensors is refused."""
+    with pytest.raises(ValueError, match="a pinned pool hands out blocks only"):
+        BufferPool(fresh_below=1 << 20, pin=True)

@@ -80,9 +80,9 @@ class LoggingCopier(StagingCopier):
         self.streams.log.append(("fill", self.streams.current, _index(self.buffers, stage)))
         super().fill(stage, aux, total)
 
-    def drain(self, stage, total, dst):
+    def drain(self, stage, total, dst, *placed):
         self.streams.log.append(("drain", self.streams.current, _index(self.buffers, stage)))
-        super().drain(stage, total, dst)
+        super().drain(stage, total, dst, *placed)
 
 
 class NoReuseWaitCopier(LoggingCopier):

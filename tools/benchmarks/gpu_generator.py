@@ -432,6 +432,7 @@ def cli_rate(
     direct: str = "auto",
     consume: bool = False,
     copy: int | None = None,
+    place: bool | None = None,
 ) -> tuple[float, str]:
     """speculators-data-gen writing every sample (default options, the GPU build's engine arguments): its
     tokens/s from the first step to the last file made durable (the writers drained), from the summary, and
@@ -446,7 +447,9 @@ def cli_rate(
     system takes it, buffered on tmpfs and ramfs), ``off`` (its ``--no-direct-io``) or ``always`` (O_DIRECT on tmpfs
     too, as before 2026-12-06: ``direct_io.in_memory`` answers None in its process; a measurement only).
     ``copy``: torch's threads for the copies out of the ring slots (``config.DEFAULT_COPY_THREADS``, 4; a
-    measurement only). ``consume``: a :class:`Consumer` deletes each file once it is listed (its figures end the host line)."""
+    measurement only). ``place``: True, the worker copies each prompt's rows straight into its pinned block
+    (``engine.core.PLACE_ROWS``, off by default; a measurement only), False: through the ring slot (the default). ``consume``: a :class:`Consumer` deletes each file once it is
+    listed (its figures end the host line)."""
     if out.exists():  # removed after the run below: only a folder this call's CLI made
         raise RuntimeError(f"{out} exists already: the benchmark removes only the CLI folder it makes; move it away")
     settings = engine_settings(args)
@@ -460,6 +463,7 @@ def cli_rate(
             if copy is not None
             else []
         )
+        + ([] if place is None else [f"import speculators_v016.engine.core as e; e.PLACE_ROWS = {place!r}"])
         + ([] if finite else ["import speculators_v016.store.writer as w; w._finite_scan = lambda dtype: None"])
         + (
             ["import speculators_v016.store.direct_io as d; d.in_memory = lambda folder: None"]
@@ -565,6 +569,7 @@ VARIANT_KEYS = {
     "chunk": int,
     "workers": int,
     "copy": int,
+    "place": ON_OFF.__getitem__,
     "finite": ON_OFF.__getitem__,
     "direct": {"auto": "auto", "off": "off", "always": "always"}.__getitem__,
 }
@@ -572,7 +577,7 @@ VARIANT_KEYS = {
 
 def cli_variant(text: str) -> dict:
     """``--cli-variants``' SPEC: ``key=value`` pairs, comma-separated, of :data:`VARIANT_KEYS` (e.g.
-    ``switch=0.0002,workers=12``; ``finite=off``: the writers skip the NaN/Inf test, a measurement only;
+    ``switch=0.0002,workers=12``; ``place=on``: rows placed by the worker, a measurement only; ``finite=off``: the writers skip the NaN/Inf test, a measurement only;
     ``direct=off``: the CLI's ``--no-direct-io``; ``direct=always``: O_DIRECT on tmpfs too, a measurement only)."""
     spec = {}
     for pair in text.split(","):
@@ -591,6 +596,9 @@ def variant_label(spec: dict) -> str:
     text = "" if spec.get("switch") is None else f", GIL switch interval {spec['switch'] * 1e3:g} ms"
     text += "" if spec.get("chunk") is None else f", writers hashing {spec['chunk'] / 2**20:g} MiB a call"
     text += "" if spec.get("copy") is None else f", {spec['copy']} torch threads for the row copies (a measurement)"
+    text += {True: ", rows placed by the worker (a measurement)", False: ", rows through the ring slot"}.get(
+        spec.get("place"), ""
+    )
     text += "" if spec.get("finite", True) else ", NaN/Inf test off (a measurement, not a setting)"
     text += {"off": ", --no-direct-io", "always": ", O_DIRECT on tmpfs too (as before 2026-12-06; a measurement)"}.get(
         spec.get("direct", "auto"), ""
@@ -750,7 +758,8 @@ def main() -> None:
                             done = [cli_rate(model, data, parent / "cli-out", args, count, dtype,
                                              switch=spec.get("switch"), chunk=spec.get("chunk"), helpers=helpers,
                                              finite=spec.get("finite", True), direct=spec.get("direct", "auto"),
-                                             consume=opts.cli_consume, copy=spec.get("copy"))
+                                             consume=opts.cli_consume, copy=spec.get("copy"),
+                                             place=spec.get("place"))
                                     for _ in range(opts.cli_runs)]  # fmt: skip
                             cli.append((parent, disk, dtype, count, {**spec, "helpers": helpers},
                                         [r for r, _ in done], done[-1][1]))  # fmt: skip
