@@ -46,9 +46,17 @@ blocks not dropped yet (a helper unmaps the others).
 With ``pin`` (a GPU engine whose worker copies rows straight into a sample's
 tensors, :meth:`~speculators_v016.engine.assembly.Assembler.place`) every block is
 registered with CUDA as pinned memory when it is made, so the device-to-host
-copies land in it asynchronously. A block is unregistered before the pool
-forgets it (dropped, or at :meth:`BufferPool.close`), after a device synchronize:
-no copy can still be landing in memory that goes back to the system.
+copies land in it asynchronously. A pinned pool keeps every block it made until
+:meth:`BufferPool.close` (``keep_bytes`` does not apply): registering and
+unregistering are driver calls that take the device context's lock beside the
+engine's launches and copies, and the first run with rows placed (126 blocks
+registered, those beyond 2 GiB of free blocks dropped, each after a device
+synchronize) spent 6.6 s more in vLLM's steps than the slot path
+(docs/benchmarks/README.md). So a run registers its working set once, and its
+pinned memory is the most its samples ever held at once (plus the blocks too
+large or too small for the samples that came later). Each block is unregistered
+at close, after a device synchronize: no copy can still be landing in memory that
+goes back to the system.
 """
 
 from __future__ import annotations
@@ -201,7 +209,7 @@ class BufferPool:
                 raise RuntimeError("these tensors were not taken from this pool, or were given back twice")
             self._free[ptr] = block
             held = sum(b.numel() for b in self._free.values())
-            while held > self.keep_bytes and self._free:
+            while held > self.keep_bytes and self._free and not self.pin:  # pinned: kept (module docstring)
                 oldest = next(iter(self._free))
                 held -= self._free[oldest].numel()
                 self._drop(oldest)

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from speculators_v016.engine import buffer_pool
 from speculators_v016.engine.assembly import Assembler
 from speculators_v016.engine.buffer_pool import MALLOC_MMAP_CEILING, BufferPool, size_class
 from speculators_v016.protocol import StepCapture
@@ -120,3 +121,19 @@ def test_a_pinned_pool_hands_out_blocks_only():
     """Pinned blocks take the worker's copies: a pool that would hand out fresh (unpinned) tensors is refused."""
     with pytest.raises(ValueError, match="a pinned pool hands out blocks only"):
         BufferPool(fresh_below=1 << 20, pin=True)
+
+
+def test_a_pinned_pool_registers_each_block_once_and_keeps_it_until_close(monkeypatch):
+    """Pinned blocks are registered when made, never dropped by keep_bytes, and unregistered, lent or free, at close."""
+    registered, unregistered = [], []
+    monkeypatch.setattr(buffer_pool, "_register", lambda block: registered.append(block.data_ptr()))
+    monkeypatch.setattr(buffer_pool, "_unregister", lambda block: unregistered.append(block.data_ptr()))
+    pool = BufferPool(keep_bytes=4096, pin=True)
+    samples = [pool.take([((64, 128), torch.float32)]) for _ in range(3)]
+    for sample in samples[:2]:
+        pool.give_back(sample)  # 64 KiB free each, over keep_bytes: a pinned pool keeps them
+    assert len(registered) == 3 and unregistered == [] and pool.free_bytes >= 2 * 64 * 128 * 4
+    again = pool.take([((64, 128), torch.float32)])
+    assert pool.reused == 1 and len(registered) == 3 and again[0].untyped_storage().data_ptr() in registered
+    pool.close()
+    assert sorted(unregistered) == sorted(registered)
