@@ -233,16 +233,16 @@ class Assembler:
         placed = self._placed.pop(capture.step, {})
         if expected is None:
             raise AttributionError(f"capture for step {capture.step}, which was not scheduled or came twice")
-        if sorted(capture.placed or ()) != sorted(placed):
-            raise AttributionError(
-                f"step {capture.step}: the worker placed the rows of {sorted(capture.placed or ())} in their "
-                f"tensors, the engine asked it to place {sorted(placed)}"
-            )
         got = {r: (s, n) for r, s, n in zip(capture.req_ids, capture.starts, capture.counts)}
         if got != expected:
             raise AttributionError(
                 f"step {capture.step}: the runner computed {got} (request: (start, rows)), "
                 f"the scheduler scheduled {expected}"
+            )
+        if sorted(capture.placed or ()) != sorted(placed):
+            raise AttributionError(
+                f"step {capture.step}: the worker placed the rows of {sorted(capture.placed or ())} in their "
+                f"tensors, the engine asked it to place {sorted(placed)}"
             )
         # one [rows, hidden] tensor per captured layer: views of the slot's stack, or the states handed over
         layers = None if capture.states is None else list(capture.states)

@@ -225,3 +225,13 @@ def test_split_rows_places_only_what_the_worker_attributes_alike():
     assert placed == ["a"] and [first for first, _ in segments] == [0]
     assert ranges == [(3, 9)]  # b, c and d, merged
     assert split_rows(["a"], [0], [0, 3], None) == ([], [(0, 3)], [])
+
+
+def test_a_worker_attributing_otherwise_is_named_before_what_it_placed():
+    """Where the worker's batch differs from the scheduler's (so it placed nothing), the error says so first."""
+    asm = Assembler((0, 1), place=(3, torch.float32, None))
+    asm.add_request("a", "A", 4)
+    asm.expect(1, {"a": (0, 2)})
+    asm.place(1, {"a": (0, 2)})
+    with pytest.raises(AttributionError, match=r"step 1: the runner computed \{'a': \(0, 3\)\}"):
+        asm.add(capture(1, [("a", 0, 3)]))
