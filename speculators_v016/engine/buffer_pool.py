@@ -93,8 +93,7 @@ class BufferPool:
     ):
         if pin and fresh_below:
             raise ValueError("a pinned pool hands out blocks only (fresh_below must be 0)")
-        self.pin = pin  # blocks registered as pinned memory (see the module's docstring)
-        self._pinned: set[int] = set()  # data_ptr of the blocks registered
+        self.pin = pin  # every block registered as pinned memory (see the module's docstring); False once closed
         self.keep_bytes = keep_bytes
         self.shared = shared  # blocks in memfd-backed shared memory (see the module's docstring)
         self._descriptors: dict[int, tuple[int, int]] = {}  # shared: data_ptr -> (block id, its memfd)
@@ -164,18 +163,13 @@ class BufferPool:
             self._lent[block.data_ptr()] = block
             if self.shared:
                 self._descriptors[block.data_ptr()] = (next(self._ids), fd)
-            if self.pin:
-                self._pinned.add(block.data_ptr())
             self.allocated += 1
         return block
 
     def _drop(self, ptr: int) -> None:
-        """Forget a free block (``_lock`` held): its memory goes once its tensors do (shared: its memfd closed;
-        pinned: unregistered first)."""
-        block = self._free.pop(ptr)
-        if ptr in self._pinned:
-            self._pinned.discard(ptr)
-            _unregister(block)
+        """Forget a free block (``_lock`` held; never in a pinned pool): its memory goes once its tensors do
+        (shared: its memfd closed)."""
+        self._free.pop(ptr)
         if ptr in self._descriptors:
             os.close(self._descriptors.pop(ptr)[1])
 
@@ -218,10 +212,9 @@ class BufferPool:
         """Drop the free blocks, unregister every pinned block (lent ones too) and close every shared block's
         memfd (the memory goes with the last tensor)."""
         with self._lock:
-            blocks = {**self._free, **self._lent}
-            for ptr in sorted(self._pinned):
-                _unregister(blocks[ptr])
-            self._pinned.clear()
+            if self.pin:
+                self.pin = False  # a second close unregisters nothing
+                _unpin_all([*self._free.values(), *self._lent.values()])
             self._free.clear()
             for _, fd in self._descriptors.values():
                 os.close(fd)
@@ -246,12 +239,13 @@ def _register(block: torch.Tensor) -> None:
         raise RuntimeError(f"cudaHostRegister of a {block.numel()}-byte sample block failed: CUDA error {err}")
 
 
-def _unregister(block: torch.Tensor) -> None:
-    """Undo :func:`_register`, once every copy on the device is done (one may still be landing in it)."""
+def _unpin_all(blocks: Sequence[torch.Tensor]) -> None:
+    """Undo :func:`_register` for every block, once every copy on the device is done (one may still be landing in
+    one); the first failure is raised after every block was tried."""
     torch.cuda.synchronize()
-    err = int(torch.cuda.cudart().cudaHostUnregister(block.data_ptr()))
-    if err != 0:
-        raise RuntimeError(f"cudaHostUnregister of a {block.numel()}-byte sample block failed: CUDA error {err}")
+    failed = [(b.numel(), err) for b in blocks if (err := int(torch.cuda.cudart().cudaHostUnregister(b.data_ptr())))]
+    if failed:
+        raise RuntimeError(f"cudaHostUnregister failed for {len(failed)} sample blocks (size, CUDA error): {failed}")
 
 
 def _shared_block(size: int) -> tuple[torch.Tensor, int]:

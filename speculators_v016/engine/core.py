@@ -663,6 +663,12 @@ class CaptureEngine:
             if drain_began is not None:
                 self.stats.drained += time.perf_counter() - drain_began
 
+    @property
+    def wants_pinned(self) -> bool:
+        """Would :meth:`stream` place rows in memory its caller says is pinned (``pinned=True``)? A GPU engine
+        with :data:`PLACE_ROWS` on that :attr:`can_place`; the caller then registers its memory."""
+        return PLACE_ROWS and self.can_place and self.device_type != "cpu"
+
     def _placed_row(self, pinned: bool) -> tuple | None:
         """(hidden, stored dtype, FP8 scales' dtype) of the rows the worker copies into requests' tensors;
         None where it copies them into the ring slot (see :meth:`stream`'s ``pinned``)."""

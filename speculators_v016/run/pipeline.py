@@ -44,7 +44,6 @@ from speculators_v016.checks.self_check import SelfCheckError as SelfCheckError 
 from speculators_v016.checks.zero_embeddings import zero_embedding_ids
 from speculators_v016.config import RunConfig, last_samples_threads, write_helpers_used, write_workers_for
 from speculators_v016.engine import arg_kinds
-from speculators_v016.engine import core as engine_core
 from speculators_v016.engine.buffer_pool import MALLOC_MMAP_CEILING, BufferPool
 from speculators_v016.engine.engine_args import check_engine_args, vllm_defaults
 from speculators_v016.generator import VllmHiddenStatesGenerator
@@ -484,9 +483,8 @@ def _generate(
     # (with engine.core.PLACE_ROWS, off by default, a GPU engine's worker in this process copies each prompt's rows
     # straight into its block: pinned blocks)
     helpers = write_helpers_used(opts.write_helpers)
-    pin = engine.device_type != "cpu" and engine.can_place and engine_core.PLACE_ROWS
     pool = BufferPool(fresh_below=MALLOC_MMAP_CEILING if engine.device_type == "cpu" else 0, align=DATA_ALIGN,
-                      shared=helpers, pin=pin)  # fmt: skip
+                      shared=helpers, pin=engine.wants_pinned)  # fmt: skip
     stats = engine.stats  # the engine's thread's time, counted from here
     before = (stats.stepped, stats.copied, stats.copy_thread, stats.copy_waited, stats.placed_rows)
 

@@ -77,12 +77,23 @@ def test_states_read_by_reference_equal_the_ring_s_bit_for_bit(model_dir, prompt
         assert all(torch.equal(x, y) for x, y in zip(a["hidden_states"], b["hidden_states"]))
 
 
-@pytest.mark.parametrize("storage", ["auto", "fp8_e4m3"])
-@pytest.mark.parametrize("row_copies", ["inline", "thread"])
-def test_rows_placed_by_the_worker_equal_the_slot_s_bit_for_bit(model_dir, prompts, storage, row_copies, monkeypatch):
+@pytest.mark.parametrize(
+    "dtype, storage, row_copies",
+    [
+        ("bfloat16", "auto", "inline"),
+        ("float32", "auto", "thread"),
+        ("bfloat16", "fp8_e4m3", "inline"),
+        ("float32", "fp8_e4m3", "thread"),
+    ],
+)
+def test_rows_placed_by_the_worker_equal_the_slot_s_bit_for_bit(
+    model_dir, prompts, dtype, storage, row_copies, monkeypatch
+):
     """Prompts' rows the in-process worker copies straight into their tensors equal those copied out of the slot."""
     monkeypatch.setattr("speculators_v016.engine.core.by_reference", lambda *args: False)
-    options = dict(enforce_eager=True, max_num_batched_tokens=128, hidden_states_dtype=storage, row_copies=row_copies)
+    options = dict(
+        enforce_eager=True, max_num_batched_tokens=128, dtype=dtype, hidden_states_dtype=storage, row_copies=row_copies
+    )
     slotted, engine, _ = run(model_dir, prompts, **options)  # the default: through the slot
     assert engine.can_place and engine.stats.placed_rows == 0
     monkeypatch.setattr("speculators_v016.engine.core.PLACE_ROWS", True)

@@ -127,7 +127,7 @@ def test_a_pinned_pool_registers_each_block_once_and_keeps_it_until_close(monkey
     """Pinned blocks are registered when made, never dropped by keep_bytes, and unregistered, lent or free, at close."""
     registered, unregistered = [], []
     monkeypatch.setattr(buffer_pool, "_register", lambda block: registered.append(block.data_ptr()))
-    monkeypatch.setattr(buffer_pool, "_unregister", lambda block: unregistered.append(block.data_ptr()))
+    monkeypatch.setattr(buffer_pool, "_unpin_all", lambda blocks: unregistered.extend(b.data_ptr() for b in blocks))
     pool = BufferPool(keep_bytes=4096, pin=True)
     samples = [pool.take([((64, 128), torch.float32)]) for _ in range(3)]
     for sample in samples[:2]:
@@ -137,3 +137,5 @@ def test_a_pinned_pool_registers_each_block_once_and_keeps_it_until_close(monkey
     assert pool.reused == 1 and len(registered) == 3 and again[0].untyped_storage().data_ptr() in registered
     pool.close()
     assert sorted(unregistered) == sorted(registered)
+    pool.close()
+    assert len(unregistered) == 3  # a second close unregisters nothing
