@@ -263,9 +263,10 @@ class StagingCopier:
                     to_scales.copy_(stage.scales[j, first : first + count], non_blocking=True)
 
     def close(self) -> None:
-        """Wait for the copies in flight, then let the buffers go."""
+        """Wait for the copies in flight, then let the buffers and the proof's sums go."""
         for event in self._drained:
             if event is not None:
                 event.synchronize()
         self._drained = [None] * len(self.buffers)
         self.buffers = []
+        self.sums = self.sums.new_empty(0)  # the NaN/Inf proof's sums go with the buffers (no device memory)
