@@ -46,17 +46,20 @@ blocks not dropped yet (a helper unmaps the others).
 With ``pin`` (a GPU engine whose worker copies rows straight into a sample's
 tensors, :meth:`~speculators_v016.engine.assembly.Assembler.place`) every block is
 registered with CUDA as pinned memory when it is made, so the device-to-host
-copies land in it asynchronously. A pinned pool keeps every block it made until
-:meth:`BufferPool.close` (``keep_bytes`` does not apply): registering and
-unregistering are driver calls that take the device context's lock beside the
-engine's launches and copies, and the first run with rows placed (126 blocks
-registered, those beyond 2 GiB of free blocks dropped, each after a device
-synchronize) spent 6.6 s more in vLLM's steps than the slot path
-(docs/benchmarks/README.md). So a run registers its working set once, and its
-pinned memory is the most its samples ever held at once (plus the blocks too
-large or too small for the samples that came later). Each block is unregistered
-at close, after a device synchronize: no copy can still be landing in memory that
-goes back to the system.
+copies land in it asynchronously. A new block's pages are faulted in first (huge
+pages advised: :func:`~speculators_v016.engine.prefault.touch`): registering a
+fresh block, whose pages the driver then faults and zeroes itself, stalled every
+other thread's CUDA calls for as long (``tools/benchmarks/host_pinning.py`` on an
+H100: a step loop beside it at 1,022 ms a step against 4.86 alone; beside touched
+blocks registered at 25 GiB/s, 4.89 ms), and the first CLI run with rows placed
+spent 6.6 s more in vLLM's steps than the slot path (docs/benchmarks/README.md).
+A pinned pool keeps free blocks up to ``keep_bytes`` or the most bytes it ever had
+lent at once, whichever is more, so a run registers its working set about once
+and holds at most twice it; a block dropped beyond that is unregistered outside
+the pool's lock, after a device synchronize (its copies landed before its sample
+was handed out; the synchronize makes that so whatever the path). Every block
+left is unregistered at :meth:`BufferPool.close`, after a device synchronize: no
+copy can still be landing in memory that goes back to the system.
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ from collections.abc import Sequence
 from math import prod
 
 import torch
+
+from speculators_v016.engine.prefault import touch
 
 TORCH_ALIGN = 64  # bytes: where torch's CPU allocator starts every allocation (a multiple of it)
 #: glibc's largest dynamic mmap threshold on 64-bit hosts (``DEFAULT_MMAP_THRESHOLD_MAX``, mallopt(3)): smaller
@@ -107,6 +112,8 @@ class BufferPool:
         self.allocated = 0  # blocks made (a steady run stops making them)
         self.reused = 0
         self.fresh = 0  # samples given fresh tensors (fresh_below)
+        self.lent_bytes = 0  # in blocks lent now
+        self.peak_lent_bytes = 0  # the most ever lent at once (a pinned pool keeps free blocks up to it)
 
     def take(self, specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> list[torch.Tensor]:
         """Uninitialised contiguous tensors of the given shapes and dtypes, all in one block."""
@@ -148,9 +155,15 @@ class BufferPool:
                 return None
             ptr = min(fits)[1]
             block = self._free.pop(ptr)
-            self._lent[ptr] = block
+            self._lend(ptr, block)
             self.reused += 1
             return block
+
+    def _lend(self, ptr: int, block: torch.Tensor) -> None:
+        """``block`` lent (``_lock`` held)."""
+        self._lent[ptr] = block
+        self.lent_bytes += block.numel()
+        self.peak_lent_bytes = max(self.peak_lent_bytes, self.lent_bytes)
 
     def _allocate(self, total: int) -> torch.Tensor:
         if self.shared:
@@ -158,20 +171,22 @@ class BufferPool:
         else:
             block = torch.empty(size_class(total), dtype=torch.uint8)
         if self.pin:
+            touch(block)  # its pages faulted in here (huge pages advised), so the driver only pins them
             _register(block)
         with self._lock:
-            self._lent[block.data_ptr()] = block
+            self._lend(block.data_ptr(), block)
             if self.shared:
                 self._descriptors[block.data_ptr()] = (next(self._ids), fd)
             self.allocated += 1
         return block
 
-    def _drop(self, ptr: int) -> None:
-        """Forget a free block (``_lock`` held; never in a pinned pool): its memory goes once its tensors do
-        (shared: its memfd closed)."""
-        self._free.pop(ptr)
+    def _drop(self, ptr: int) -> torch.Tensor:
+        """Forget a free block (``_lock`` held) and return it: its memory goes once its tensors do (shared: its
+        memfd closed; pinned: the caller unregisters it first)."""
+        block = self._free.pop(ptr)
         if ptr in self._descriptors:
             os.close(self._descriptors.pop(ptr)[1])
+        return block
 
     def locate(self, address: int, length: int) -> tuple[int, int, int, int] | None:
         """``(block id, memfd, block size, offset)`` of the ``length`` bytes at ``address`` where they lie inside
@@ -194,6 +209,7 @@ class BufferPool:
         if not tensors:
             return
         ptr = tensors[0].untyped_storage().data_ptr()
+        dropped = []
         with self._lock:
             if ptr in self._fresh:
                 self._fresh.discard(ptr)
@@ -201,12 +217,17 @@ class BufferPool:
             block = self._lent.pop(ptr, None)
             if block is None:
                 raise RuntimeError("these tensors were not taken from this pool, or were given back twice")
+            self.lent_bytes -= block.numel()
             self._free[ptr] = block
             held = sum(b.numel() for b in self._free.values())
-            while held > self.keep_bytes and self._free and not self.pin:  # pinned: kept (module docstring)
+            keep = max(self.keep_bytes, self.peak_lent_bytes) if self.pin else self.keep_bytes
+            while held > keep and self._free:
                 oldest = next(iter(self._free))
                 held -= self._free[oldest].numel()
-                self._drop(oldest)
+                dropped.append(self._drop(oldest))
+            unpin = self.pin  # False once closed: close unregistered every block then, these too
+        if dropped and unpin:
+            _unpin_all(dropped)  # outside the lock: the device synchronize waits for the steps in flight
 
     def close(self) -> None:
         """Drop the free blocks, unregister every pinned block (lent ones too) and close every shared block's

@@ -124,14 +124,14 @@ def test_a_pinned_pool_hands_out_blocks_only():
 
 
 def test_a_pinned_pool_registers_each_block_once_and_keeps_it_until_close(monkeypatch):
-    """Pinned blocks are registered when made, never dropped by keep_bytes, and unregistered, lent or free, at close."""
+    """Pinned blocks are registered when made, kept past keep_bytes up to the most lent at once, unregistered at close."""
     registered, unregistered = [], []
     monkeypatch.setattr(buffer_pool, "_register", lambda block: registered.append(block.data_ptr()))
     monkeypatch.setattr(buffer_pool, "_unpin_all", lambda blocks: unregistered.extend(b.data_ptr() for b in blocks))
     pool = BufferPool(keep_bytes=4096, pin=True)
     samples = [pool.take([((64, 128), torch.float32)]) for _ in range(3)]
     for sample in samples[:2]:
-        pool.give_back(sample)  # 64 KiB free each, over keep_bytes: a pinned pool keeps them
+        pool.give_back(sample)  # 64 KiB free, over keep_bytes, under the 96 KiB once lent: a pinned pool keeps them
     assert len(registered) == 3 and unregistered == [] and pool.free_bytes >= 2 * 64 * 128 * 4
     again = pool.take([((64, 128), torch.float32)])
     assert pool.reused == 1 and len(registered) == 3 and again[0].untyped_storage().data_ptr() in registered
@@ -139,3 +139,42 @@ def test_a_pinned_pool_registers_each_block_once_and_keeps_it_until_close(monkey
     assert sorted(unregistered) == sorted(registered)
     pool.close()
     assert len(unregistered) == 3  # a second close unregisters nothing
+
+
+def test_a_pinned_pool_unregisters_a_block_it_drops_outside_its_lock(monkeypatch):
+    """Free pinned blocks beyond the most ever lent at once are dropped: unregistered, with the pool's lock free."""
+    registered, unregistered, locked = [], [], []
+    monkeypatch.setattr(buffer_pool, "_register", lambda block: registered.append(block.data_ptr()))
+
+    def unpin(blocks):
+        locked.append(pool._lock.locked())
+        unregistered.extend(b.data_ptr() for b in blocks)
+
+    monkeypatch.setattr(buffer_pool, "_unpin_all", unpin)
+    pool = BufferPool(keep_bytes=4096, pin=True)
+    small = pool.take([((64, 128), torch.float32)])  # 32 KiB
+    pool.give_back(small)  # free 32 KiB, the most lent: kept
+    assert unregistered == [] and pool.peak_lent_bytes == size_class(64 * 128 * 4)
+    large = pool.take([((256, 128), torch.float32)])  # 128 KiB: the small block does not fit it, a new one
+    pool.give_back(large)  # free 160 KiB, over the 128 KiB once lent: the oldest (small) goes
+    assert unregistered == [small[0].untyped_storage().data_ptr()] and len(registered) == 2
+    assert locked == [False]  # its device synchronize does not hold up the pool's other users
+    assert pool.free_bytes == size_class(256 * 128 * 4) and pool.lent_bytes == 0
+    pool.close()
+    assert sorted(unregistered) == sorted(registered)  # the rest at close, none twice
+
+
+def test_a_pinned_pool_faults_a_new_block_in_before_registering_it(monkeypatch):
+    """A new pinned block is touched, then registered (the driver pins present pages); a reused one neither."""
+    events = []
+    monkeypatch.setattr(buffer_pool, "touch", lambda block: events.append(("touch", block.data_ptr(), block.numel())))
+    monkeypatch.setattr(buffer_pool, "_register", lambda block: events.append(("register", block.data_ptr())))
+    monkeypatch.setattr(buffer_pool, "_unpin_all", lambda blocks: None)
+    pool = BufferPool(pin=True)
+    sample = pool.take([((64, 128), torch.float32)])
+    ptr = sample[0].untyped_storage().data_ptr()
+    assert events == [("touch", ptr, size_class(64 * 128 * 4)), ("register", ptr)]  # the whole block, then pinned
+    pool.give_back(sample)
+    pool.take([((64, 128), torch.float32)])
+    assert len(events) == 2  # reused: already present and pinned
+    pool.close()
