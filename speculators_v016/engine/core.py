@@ -10,7 +10,7 @@ steps are in flight, as in vLLM's own
 gets a slot of the engine's :class:`~speculators_v016.shared.slot_ring.SlotRing`,
 which the worker fills and the capture reply names; the slot comes back once
 its rows are copied into the requests' tensors (no free slot: the oldest step
-is retired first). With :data:`PLACE_ROWS` (off by default) an in-process
+is retired first). With :data:`PLACE_ROWS` (on by default) an in-process
 worker (the uniprocess executor) copies a prompt's rows straight into its
 tensors instead, where the engine hands it their places with the step
 (:meth:`~speculators_v016.engine.assembly.Assembler.place`; on GPUs only into
@@ -65,10 +65,10 @@ __all__ = ["CaptureEngine", "EngineConfig", "EngineDeadError", "PromptError"]
 
 _IN_PROCESS_ENGINES = 0  # live engines whose worker runs in this process (uniprocess executor)
 #: Whether an in-process worker copies prompts' rows straight into their tensors where it can (off: every row goes
-#: through the ring slot and the copy out of it, as with other executors). Off until it is faster: on an H100 at
-#: hidden 7168 in bf16 the CLI so placed ran at 0.762x of the generator against 0.908x through the slot, vLLM's
-#: steps 19.0 s against 12.4 s (126 pool blocks registered as pinned during the run; docs/benchmarks/README.md)
-PLACE_ROWS = False
+#: through the ring slot and the copy out of it, as with other executors). On an H100 at hidden 7168 the CLI so
+#: placed ran at 0.963x of the generator in bf16 against 0.826x through the slot (FP8: 0.992x against 0.998x), once
+#: its pinned blocks were faulted in before being registered (docs/benchmarks/README.md, 2026-12-06, night)
+PLACE_ROWS = True
 
 
 class EngineDeadError(RuntimeError):

@@ -480,7 +480,7 @@ def _generate(
     # each sample's states: one block, back to the pool once its file is written; on a CPU engine, whose forward
     # shares this process's heap, samples under glibc's mmap ceiling come fresh (speculators_v016.engine.buffer_pool)
     # (shared memory with write helpers: their processes read the states where they lie, speculators_v016.store.write_helper)
-    # (with engine.core.PLACE_ROWS, off by default, a GPU engine's worker in this process copies each prompt's rows
+    # (with engine.core.PLACE_ROWS, on by default, a GPU engine's worker in this process copies each prompt's rows
     # straight into its block: pinned blocks)
     helpers = write_helpers_used(opts.write_helpers)
     pool = BufferPool(fresh_below=MALLOC_MMAP_CEILING if engine.device_type == "cpu" else 0, align=DATA_ALIGN,

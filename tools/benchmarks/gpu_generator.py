@@ -448,7 +448,7 @@ def cli_rate(
     too, as before 2026-12-06: ``direct_io.in_memory`` answers None in its process; a measurement only).
     ``copy``: torch's threads for the copies out of the ring slots (``config.DEFAULT_COPY_THREADS``, 4; a
     measurement only). ``place``: True, the worker copies each prompt's rows straight into its pinned block
-    (``engine.core.PLACE_ROWS``, off by default; a measurement only), False: through the ring slot (the default). ``consume``: a :class:`Consumer` deletes each file once it is
+    (``engine.core.PLACE_ROWS``, the default), False: through the ring slot (a measurement only). ``consume``: a :class:`Consumer` deletes each file once it is
     listed (its figures end the host line)."""
     if out.exists():  # removed after the run below: only a folder this call's CLI made
         raise RuntimeError(f"{out} exists already: the benchmark removes only the CLI folder it makes; move it away")
@@ -577,7 +577,7 @@ VARIANT_KEYS = {
 
 def cli_variant(text: str) -> dict:
     """``--cli-variants``' SPEC: ``key=value`` pairs, comma-separated, of :data:`VARIANT_KEYS` (e.g.
-    ``switch=0.0002,workers=12``; ``place=on``: rows placed by the worker, a measurement only; ``finite=off``: the writers skip the NaN/Inf test, a measurement only;
+    ``switch=0.0002,workers=12``; ``place=off``: rows through the ring slot, a measurement only; ``finite=off``: the writers skip the NaN/Inf test, a measurement only;
     ``direct=off``: the CLI's ``--no-direct-io``; ``direct=always``: O_DIRECT on tmpfs too, a measurement only)."""
     spec = {}
     for pair in text.split(","):
@@ -596,7 +596,7 @@ def variant_label(spec: dict) -> str:
     text = "" if spec.get("switch") is None else f", GIL switch interval {spec['switch'] * 1e3:g} ms"
     text += "" if spec.get("chunk") is None else f", writers hashing {spec['chunk'] / 2**20:g} MiB a call"
     text += "" if spec.get("copy") is None else f", {spec['copy']} torch threads for the row copies (a measurement)"
-    text += {True: ", rows placed by the worker (a measurement)", False: ", rows through the ring slot"}.get(
+    text += {True: ", rows placed by the worker", False: ", rows through the ring slot (a measurement)"}.get(
         spec.get("place"), ""
     )
     text += "" if spec.get("finite", True) else ", NaN/Inf test off (a measurement, not a setting)"
