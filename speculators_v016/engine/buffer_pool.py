@@ -55,7 +55,8 @@ blocks registered at 25 GiB/s, 4.89 ms), and the first CLI run with rows placed
 spent 6.6 s more in vLLM's steps than the slot path (docs/benchmarks/README.md).
 A pinned pool keeps free blocks up to ``keep_bytes`` or the most bytes it ever had
 lent at once, whichever is more, so a run registers its working set about once
-and holds at most twice it; a block dropped beyond that is unregistered outside
+and holds that peak plus as much again (or ``keep_bytes``) at most; a block
+dropped beyond that is unregistered outside
 the pool's lock, after a device synchronize (its copies landed before its sample
 was handed out; the synchronize makes that so whatever the path). Every block
 left is unregistered at :meth:`BufferPool.close`, after a device synchronize: no
@@ -170,7 +171,8 @@ class BufferPool:
             block, fd = _shared_block(size_class(total))
         else:
             block = torch.empty(size_class(total), dtype=torch.uint8)
-        if self.pin:
+        registered = self.pin
+        if registered:
             touch(block)  # its pages faulted in here (huge pages advised), so the driver only pins them
             _register(block)
         with self._lock:
@@ -178,6 +180,9 @@ class BufferPool:
             if self.shared:
                 self._descriptors[block.data_ptr()] = (next(self._ids), fd)
             self.allocated += 1
+            closed_meanwhile = registered and not self.pin  # close unregistered the blocks it knew, not this one
+        if closed_meanwhile:
+            _unpin_all([block])
         return block
 
     def _drop(self, ptr: int) -> torch.Tensor:
