@@ -50,8 +50,8 @@ copies land in it asynchronously. A new block's pages are faulted in first (huge
 pages advised: :func:`~speculators_v016.engine.prefault.touch`): registering a
 fresh block, whose pages the driver then faults and zeroes itself, stalled every
 other thread's CUDA calls for as long (``tools/benchmarks/host_pinning.py`` on an
-H100: a step loop beside it at 1,022 ms a step against 4.86 alone; beside touched
-blocks registered at 25 GiB/s, 4.89 ms), and the first CLI run with rows placed
+H100: a step loop beside it at 1,048 ms a step against 4.85 alone; beside touched
+blocks registered at 38 GiB/s, 4.85 ms), and the first CLI run with rows placed
 spent 6.6 s more in vLLM's steps than the slot path (docs/benchmarks/README.md).
 A pinned pool keeps free blocks up to ``keep_bytes`` or the most bytes it ever had
 lent at once, whichever is more, so a run registers its working set about once
