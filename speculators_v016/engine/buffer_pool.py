@@ -265,13 +265,31 @@ def _register(block: torch.Tensor) -> None:
         raise RuntimeError(f"cudaHostRegister of a {block.numel()}-byte sample block failed: CUDA error {err}")
 
 
+#: Pinned blocks whose unregistering failed (or whose device synchronize did): kept for the process's life, so
+#: that their memory is never handed to anything else while the driver still holds it, or a copy may still land.
+STRANDED: list[torch.Tensor] = []
+
+
 def _unpin_all(blocks: Sequence[torch.Tensor]) -> None:
     """Undo :func:`_register` for every block, once every copy on the device is done (one may still be landing in
-    one); the first failure is raised after every block was tried."""
-    torch.cuda.synchronize()
-    failed = [(b.numel(), err) for b in blocks if (err := int(torch.cuda.cudart().cudaHostUnregister(b.data_ptr())))]
+    one); the first failure is raised after every block was tried. A block not unregistered (the synchronize
+    failed, or its unregistering did) stays allocated, in :data:`STRANDED`."""
+    try:
+        torch.cuda.synchronize()
+    except BaseException:
+        STRANDED.extend(blocks)
+        raise
+    failed = []
+    for block in blocks:
+        err = int(torch.cuda.cudart().cudaHostUnregister(block.data_ptr()))
+        if err:
+            failed.append((block.numel(), err))
+            STRANDED.append(block)
     if failed:
-        raise RuntimeError(f"cudaHostUnregister failed for {len(failed)} sample blocks (size, CUDA error): {failed}")
+        raise RuntimeError(
+            f"cudaHostUnregister failed for {len(failed)} sample blocks (size, CUDA error): {failed}; "
+            "their memory stays allocated"
+        )
 
 
 def _shared_block(size: int) -> tuple[torch.Tensor, int]:

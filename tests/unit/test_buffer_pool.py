@@ -190,3 +190,40 @@ def test_a_pinned_pool_faults_a_new_block_in_before_registering_it(monkeypatch):
     pool.take([((64, 128), torch.float32)])
     assert len(events) == 2  # reused: already present and pinned
     pool.close()
+
+
+class _Cudart:
+    """The CUDA runtime's unregister, failing for the pointers in ``refuse`` (error 713: not registered)."""
+
+    def __init__(self, refuse=()):
+        self.refuse, self.unregistered = set(refuse), []
+
+    def cudaHostUnregister(self, ptr):
+        if ptr in self.refuse:
+            return 713
+        self.unregistered.append(ptr)
+        return 0
+
+
+def test_a_pinned_block_not_unregistered_is_never_freed(monkeypatch):
+    """A block whose device synchronize or unregistering fails stays allocated (STRANDED), never back to malloc."""
+    monkeypatch.setattr(buffer_pool, "STRANDED", [])
+    blocks = [torch.empty(4096, dtype=torch.uint8) for _ in range(3)]
+    ptrs = [b.data_ptr() for b in blocks]
+
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        buffer_pool._unpin_all(blocks[:2])
+    assert [b.data_ptr() for b in buffer_pool.STRANDED] == ptrs[:2]  # a copy may still land in them: kept
+
+    cudart = _Cudart(refuse={ptrs[2]})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    buffer_pool.STRANDED.clear()
+    with pytest.raises(RuntimeError, match=r"cudaHostUnregister failed for 1 sample blocks .*stays allocated"):
+        buffer_pool._unpin_all(blocks[1:])
+    assert cudart.unregistered == [ptrs[1]]  # every block tried, the first failure raised after
+    assert [b.data_ptr() for b in buffer_pool.STRANDED] == [ptrs[2]]  # the driver still holds it: kept
