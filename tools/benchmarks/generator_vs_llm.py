@@ -43,12 +43,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from common import bench_model, child, engine_env, pages_text, peak_rss_mib, prompts  # noqa: E402
+from kept_side import Side  # noqa: E402
 from report import recording  # noqa: E402
 
 LAYERS = [2, 4, 5, 7]
@@ -164,11 +166,12 @@ def cli_rate(args: dict, batch: list[list[int]]) -> dict:
     }
 
 
-def measure(args: dict) -> dict:
-    """In the child: start the engine, warm up, then time one pass over the prompts."""
+def start(args: dict) -> tuple[Callable[[], dict], Callable[[], None]]:
+    """In the child: the mode's engine started and warmed up; returns (time one pass over the prompts, shut the
+    engine down). The CLI's mode starts nothing: each of its passes is the command, start to end."""
     batch = prompts(args["prompts"], args["length"])
     if args["mode"] == "cli":
-        return cli_rate(args, batch)
+        return (lambda: cli_rate(args, batch)), (lambda: None)
     warm = prompts(4, args["length"], seed=1)
     engine = dict(
         max_model_len=args["length"] + 8,
@@ -190,8 +193,6 @@ def measure(args: dict) -> dict:
         params = SamplingParams(max_tokens=1, temperature=0.0)
         as_prompts = [{"prompt_token_ids": p} for p in batch]
         llm.generate([{"prompt_token_ids": p} for p in warm], params, use_tqdm=False)
-        cpu, start = cpu_seconds(), time.perf_counter()
-        llm.generate(as_prompts, params, use_tqdm=False)
     else:
         from speculators_v016.generator import (  # noqa: PLC0415 - each mode's child imports what it measures
             VllmHiddenStatesGenerator,
@@ -216,22 +217,52 @@ def measure(args: dict) -> dict:
         if mode.startswith("pp2"):
             ring = ring_per_stage(gen.engine)
         gen.generate(warm)
-        cpu, start = cpu_seconds(), time.perf_counter()
-        if mode == "generate":
+
+    def one_pass() -> dict:
+        cpu, began = cpu_seconds(), time.perf_counter()
+        if mode in ("llm", "llm-pp2"):
+            llm.generate(as_prompts, params, use_tqdm=False)
+        elif mode == "generate":
             gen.generate(batch)
         else:
             for _ in gen.stream(batch):  # dropped, as a writer would after saving
                 pass
-    seconds = time.perf_counter() - start
-    cpu = cpu_seconds() - cpu
-    rss = peak_rss_mib()
-    # shut the engine down: workers killed at exit leave vLLM's CPU shared memory (PP/TP groups) in /dev/shm
-    if mode in ("llm", "llm-pp2"):
-        llm.llm_engine.engine_core.shutdown()
-    else:
-        gen.shutdown()
-    tokens = len(batch) * args["length"]
-    return {"tokens_per_s": tokens / seconds, "peak_rss_mib": rss, "ring": ring, "cpu_per_k": cpu / tokens * 1000}
+        seconds = time.perf_counter() - began
+        cpu = cpu_seconds() - cpu
+        tokens = len(batch) * args["length"]
+        return {"tokens_per_s": tokens / seconds, "peak_rss_mib": peak_rss_mib(), "ring": ring,
+                "cpu_per_k": cpu / tokens * 1000}  # fmt: skip
+
+    def shut_down() -> None:
+        # workers killed at exit leave vLLM's CPU shared memory (PP/TP groups) in /dev/shm
+        if mode in ("llm", "llm-pp2"):
+            llm.llm_engine.engine_core.shutdown()
+        else:
+            gen.shutdown()
+
+    return one_pass, shut_down
+
+
+def measure(args: dict) -> dict:
+    """In the child: start the engine, warm up, then time one pass over the prompts."""
+    one_pass, shut_down = start(args)
+    try:
+        return one_pass()
+    finally:
+        shut_down()
+
+
+def serve(args: dict) -> None:
+    """In a kept child (``--kept``): start the engine and warm up, say so, then time one pass for each ``run`` line
+    read, until stdin closes."""
+    one_pass, shut_down = start(args)
+    try:
+        print(json.dumps({"ready": args["mode"]}), flush=True)
+        for line in sys.stdin:
+            if line.strip() == "run":
+                print(json.dumps(one_pass()), flush=True)
+    finally:
+        shut_down()
 
 
 def main() -> None:
@@ -250,6 +281,9 @@ def main() -> None:
     ap.add_argument("--batched-tokens", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--rss", action="store_true", help="also peak RSS at N and 4N prompts")
+    ap.add_argument("--kept", action="store_true", help="each mode's engine started once and kept, its passes "
+                    "asked in turn (the order reversed every other round), so the passes compared run seconds "
+                    "apart, not an engine start; the CLI still runs whole each round")  # fmt: skip
     ap.add_argument("--model-dir", default=None, help="default: /tmp/speculators-v016-bench/<shape>")
     ap.add_argument(
         "--before",
@@ -277,10 +311,16 @@ def main() -> None:
     rates: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
     ring = None
-    for _ in range(opts.rounds):
-        for mode, code in runs:
+    kept = {
+        (mode, code): Side(__file__, {**base, "mode": mode, "prompts": opts.prompts, "kept": True}, engine_env(code))
+        for mode, code in runs
+        if opts.kept and mode != "cli"
+    }
+    for round_no in range(opts.rounds):
+        for mode, code in runs if round_no % 2 == 0 or not opts.kept else runs[::-1]:
             key = mode if code is None else f"{mode} (before)"
-            got = child(__file__, {**base, "mode": mode, "prompts": opts.prompts}, code_from=code)
+            side = kept.get((mode, code))
+            got = side.ask() if side else child(__file__, {**base, "mode": mode, "prompts": opts.prompts}, code)
             rates.setdefault(key, []).append(got["tokens_per_s"])
             if got.get("steady_tokens_per_s") is not None:
                 steady = f"{mode}-steady" + ("" if code is None else " (before)")  # each code's own figure
@@ -288,6 +328,8 @@ def main() -> None:
             if got.get("cpu_per_k") is not None:
                 cpu.setdefault(key, []).append(got["cpu_per_k"])
             ring = got.get("ring") or ring
+    for side in kept.values():
+        side.close()
     med = {k: statistics.median(v) for k, v in rates.items()}
     shape_text = {k: v for k, v in SHAPES[opts.shape].items() if k != "capture"}
     if opts.pipeline:
@@ -317,6 +359,12 @@ def main() -> None:
             f"{'eager' if opts.eager else 'compiled'} engines, max_num_batched_tokens {opts.batched_tokens}, "
             f"max_num_seqs {opts.max_num_seqs}, layers {base['layer_ids']}, {opts.rounds} round(s), medians; "
             f"every process: {pages_text()}"
+            + (
+                "; engines kept: each mode's one process timed a pass a round, the order reversed every other "
+                "round (the CLI whole each round)"
+                if opts.kept
+                else ""
+            )
         )
         for key in rates:
             label = LABELS[key.split(" ")[0]] + (" [before]" if key.endswith("(before)") else "")
@@ -366,6 +414,10 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) == 2 and sys.argv[1].startswith("{"):
-        print(json.dumps(measure(json.loads(sys.argv[1]))))
+        child_args = json.loads(sys.argv[1])
+        if child_args.get("kept"):
+            serve(child_args)
+        else:
+            print(json.dumps(measure(child_args)))
     else:
         main()

@@ -51,6 +51,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from kept_side import Side  # noqa: E402
 from report import recording  # noqa: E402
 
 #: shape -> the bench model: by hidden size, a few layers of a Llama, the vocabulary of the targets of that width;
@@ -287,30 +288,12 @@ def side_py_spy(running: Side, path: Path) -> None:
     print(f"py-spy of side {running.name}: {path}.gz ({rate:,.0f} tokens/s while sampled)", file=sys.stderr, flush=True)
 
 
-class Side:
-    """A running side: start it, ask it for passes."""
-
-    def __init__(self, args: dict):
-        self.name = args["side"]
-        env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", **({STAND_INS: "1"} if args.get("kimi") else {})}
-        self.proc = subprocess.Popen([sys.executable, __file__, json.dumps(args)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
-        self.memory = self._reply().get("memory")
-
-    def _reply(self) -> dict:
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                return json.loads(line)
-        raise RuntimeError(f"side {self.name} ended (exit {self.proc.wait()})")
-
-    def ask(self, what: str = "run") -> dict:
-        self.proc.stdin.write(what + "\n")
-        self.proc.stdin.flush()
-        return self._reply()
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=120)
+def start_side(args: dict) -> Side:
+    """A running side, started: ask it for passes."""
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", **({STAND_INS: "1"} if args.get("kimi") else {})}
+    side = Side(__file__, args, env)
+    side.memory = side.ready.get("memory")
+    return side
 
 
 def write_rate(folder: Path, gib: int = 4) -> float:
@@ -694,7 +677,7 @@ def main() -> None:
                     eager=opts.eager, kimi=s.get("kimi", False))  # fmt: skip
         if opts.cli and opts.cli_prompts and opts.cli_prompts != opts.prompts:  # uni passes over the CLI's own too
             args["cli_count"] = opts.cli_prompts
-        sides = [Side({**args, "side": name}) for name in opts.sides]
+        sides = [start_side({**args, "side": name}) for name in opts.sides]
         memory_lines = {x.name: x.memory for x in sides if x.memory}
         rates: dict[str, list[float]] = {name: [] for name in opts.sides}
         streams: dict[str, list[dict]] = {name: [] for name in opts.sides}  # each timed pass's engine stats
