@@ -109,8 +109,13 @@ def cpu_seconds() -> float:
     """CPU seconds (user + system) of this process and of its live descendants (vLLM's engine core process
     under ``LLM``, the workers of a multiprocess executor, the CLI): read before and after the timed pass, the
     difference is the CPU the pass cost, which another tenant of the machine moves far less than the rate."""
+    return tree_usage()[0]
+
+
+def tree_usage() -> tuple[float, int]:
+    """(CPU seconds, minor page faults) of this process and of its live descendants (see :func:`cpu_seconds`)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    total = usage.ru_utime + usage.ru_stime
+    total, faults = usage.ru_utime + usage.ru_stime, usage.ru_minflt
     parents: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -127,9 +132,10 @@ def cpu_seconds() -> float:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+            faults += int(fields[7])  # minflt
         except (OSError, IndexError, ValueError):
             continue  # ended meanwhile
-    return total
+    return total, faults
 
 
 def cli_rate(args: dict, batch: list[list[int]]) -> dict:
@@ -219,7 +225,7 @@ def start(args: dict) -> tuple[Callable[[], dict], Callable[[], None]]:
         gen.generate(warm)
 
     def one_pass() -> dict:
-        cpu, began = cpu_seconds(), time.perf_counter()
+        (cpu, faults), began = tree_usage(), time.perf_counter()
         if mode in ("llm", "llm-pp2"):
             llm.generate(as_prompts, params, use_tqdm=False)
         elif mode == "generate":
@@ -228,10 +234,11 @@ def start(args: dict) -> tuple[Callable[[], dict], Callable[[], None]]:
             for _ in gen.stream(batch):  # dropped, as a writer would after saving
                 pass
         seconds = time.perf_counter() - began
-        cpu = cpu_seconds() - cpu
+        cpu_after, faults_after = tree_usage()
         tokens = len(batch) * args["length"]
         return {"tokens_per_s": tokens / seconds, "peak_rss_mib": peak_rss_mib(), "ring": ring,
-                "cpu_per_k": cpu / tokens * 1000}  # fmt: skip
+                "cpu_per_k": (cpu_after - cpu) / tokens * 1000,
+                "faults_per_k": (faults_after - faults) / tokens * 1000}  # fmt: skip
 
     def shut_down() -> None:
         # workers killed at exit leave vLLM's CPU shared memory (PP/TP groups) in /dev/shm
@@ -310,6 +317,7 @@ def main() -> None:
         runs += [(mode, opts.before) for mode in opts.modes if mode != "llm"]
     rates: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
+    faults: dict[str, list[float]] = {}  # minor page faults of the timed pass (not the CLI's: its own process)
     ring = None
     kept = {
         (mode, code): Side(__file__, {**base, "mode": mode, "prompts": opts.prompts, "kept": True}, engine_env(code))
@@ -327,6 +335,8 @@ def main() -> None:
                 rates.setdefault(steady, []).append(got["steady_tokens_per_s"])
             if got.get("cpu_per_k") is not None:
                 cpu.setdefault(key, []).append(got["cpu_per_k"])
+            if got.get("faults_per_k") is not None:
+                faults.setdefault(key, []).append(got["faults_per_k"])
             ring = got.get("ring") or ring
     for side in kept.values():
         side.close()
@@ -403,6 +413,13 @@ def main() -> None:
                         f"round {', '.join(f'{r:.2f}' for r in rounds)}: median {statistics.median(rounds):.2f}x"
                     )
                 print(line)
+        if faults:
+            print("  minor page faults of the timed pass (the engine's processes included), per 1,000 tokens:")
+            for key, values in faults.items():
+                label = LABELS[key.split(" ")[0]] + (" [before]" if key.endswith("(before)") else "")
+                print(
+                    f"    {label:39} {statistics.median(values):9,.0f} (runs: {', '.join(f'{v:,.0f}' for v in values)})"
+                )
         if opts.rss:
             n, n4 = opts.prompts, 4 * opts.prompts
             rss = {k: child(__file__, {**base, "mode": "async", "prompts": k})["peak_rss_mib"] for k in (n, n4)}
