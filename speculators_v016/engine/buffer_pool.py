@@ -69,6 +69,7 @@ import itertools
 import mmap
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from math import prod
@@ -115,6 +116,8 @@ class BufferPool:
         self.fresh = 0  # samples given fresh tensors (fresh_below)
         self.lent_bytes = 0  # in blocks lent now
         self.peak_lent_bytes = 0  # the most ever lent at once (a pinned pool keeps free blocks up to it)
+        # a pinned pool dropped without close(): its blocks are kept (STRANDED), never freed while registered
+        self._unclosed = weakref.finalize(self, _strand, self._free, self._lent) if pin else None
 
     def take(self, specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> list[torch.Tensor]:
         """Uninitialised contiguous tensors of the given shapes and dtypes, all in one block."""
@@ -238,13 +241,16 @@ class BufferPool:
         """Drop the free blocks, unregister every pinned block (lent ones too) and close every shared block's
         memfd (the memory goes with the last tensor)."""
         with self._lock:
-            if self.pin:
-                self.pin = False  # a second close unregisters nothing
-                _unpin_all([*self._free.values(), *self._lent.values()])
-            self._free.clear()
-            for _, fd in self._descriptors.values():
-                os.close(fd)
-            self._descriptors.clear()
+            try:
+                if self.pin:
+                    self.pin = False  # a second close unregisters nothing
+                    self._unclosed.detach()
+                    _unpin_all([*self._free.values(), *self._lent.values()])  # a failure strands them
+            finally:
+                self._free.clear()
+                for _, fd in self._descriptors.values():
+                    os.close(fd)
+                self._descriptors.clear()
 
     @property
     def free_bytes(self) -> int:
@@ -280,8 +286,12 @@ def _unpin_all(blocks: Sequence[torch.Tensor]) -> None:
         STRANDED.extend(blocks)
         raise
     failed = []
-    for block in blocks:
-        err = int(torch.cuda.cudart().cudaHostUnregister(block.data_ptr()))
+    for i, block in enumerate(blocks):
+        try:
+            err = int(torch.cuda.cudart().cudaHostUnregister(block.data_ptr()))
+        except BaseException:
+            STRANDED.extend(blocks[i:])  # this one and those not tried: still registered
+            raise
         if err:
             failed.append((block.numel(), err))
             STRANDED.append(block)
@@ -290,6 +300,11 @@ def _unpin_all(blocks: Sequence[torch.Tensor]) -> None:
             f"cudaHostUnregister failed for {len(failed)} sample blocks (size, CUDA error): {failed}; "
             "their memory stays allocated"
         )
+
+
+def _strand(free: dict, lent: dict) -> None:
+    """A pinned pool dropped without :meth:`BufferPool.close`: keep its blocks (still registered) for good."""
+    STRANDED.extend([*free.values(), *lent.values()])
 
 
 def _shared_block(size: int) -> tuple[torch.Tensor, int]:

@@ -587,19 +587,21 @@ def _generate(
                 summary.conversations = work.shapes
                 summary.stopped = work.stops
         finally:
-            summary.generation_seconds = summary.generation_seconds or time.monotonic() - started
-            summary.written, summary.bytes = writer.written, writer.bytes
-            host = {**writer.load(), "engine_stepped": stats.stepped - before[0], "engine_copied": stats.copied - before[1],
-                    "copy_thread": stats.copy_thread - before[2], "copy_waited": stats.copy_waited - before[3],
-                    "rows_placed": stats.placed_rows - before[4],
-                    "blocks_made": pool.allocated, "blocks_reused": pool.reused,
-                    "samples_fresh": pool.fresh, "cpu_seconds": _cpu_since(cpu_before),
-                    "huge_pages": huge_pages.asked() if engine.device_type == "cpu" else None,
-                    "drain_seconds": summary.generation_seconds - streamed if streamed is not None else None}  # fmt: skip
-            summary.host = {k: round(v, 3) if isinstance(v, float) else v for k, v in host.items()}
-            pool.close()
-            bar.set_description(f"{writer.written}/{len(pending)} samples")
-            bar.close()
+            try:
+                pool.close()  # first: nothing below may leave its pinned blocks registered past the run
+            finally:
+                summary.generation_seconds = summary.generation_seconds or time.monotonic() - started
+                summary.written, summary.bytes = writer.written, writer.bytes
+                host = {**writer.load(), "engine_stepped": stats.stepped - before[0], "engine_copied": stats.copied - before[1],
+                        "copy_thread": stats.copy_thread - before[2], "copy_waited": stats.copy_waited - before[3],
+                        "rows_placed": stats.placed_rows - before[4],
+                        "blocks_made": pool.allocated, "blocks_reused": pool.reused,
+                        "samples_fresh": pool.fresh, "cpu_seconds": _cpu_since(cpu_before),
+                        "huge_pages": huge_pages.asked() if engine.device_type == "cpu" else None,
+                        "drain_seconds": summary.generation_seconds - streamed if streamed is not None else None}  # fmt: skip
+                summary.host = {k: round(v, 3) if isinstance(v, float) else v for k, v in host.items()}
+                bar.set_description(f"{writer.written}/{len(pending)} samples")
+                bar.close()
     _note_rejected(writer.take_rejected(), summary, opts)
     if summary.non_finite:
         summary.skipped["NaN/Inf hidden states"] = len(summary.non_finite)

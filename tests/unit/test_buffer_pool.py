@@ -1,5 +1,8 @@
 """The buffer pool: one block per sample, reused once given back, bounded when idle."""
 
+import gc
+import os
+
 import pytest
 import torch
 
@@ -227,3 +230,67 @@ def test_a_pinned_block_not_unregistered_is_never_freed(monkeypatch):
         buffer_pool._unpin_all(blocks[1:])
     assert cudart.unregistered == [ptrs[1]]  # every block tried, the first failure raised after
     assert [b.data_ptr() for b in buffer_pool.STRANDED] == [ptrs[2]]  # the driver still holds it: kept
+
+
+def test_a_failed_unregister_at_close_still_closes_and_strands_the_blocks(monkeypatch):
+    """close() whose unregistering fails still drops its free blocks and closes every memfd; the blocks are kept."""
+    monkeypatch.setattr(buffer_pool, "STRANDED", [])
+    monkeypatch.setattr(buffer_pool, "_register", lambda block: None)
+    monkeypatch.setattr(buffer_pool, "touch", lambda block: None)
+
+    def broken():
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", broken)
+    pool = BufferPool(keep_bytes=1 << 20, shared=True, pin=True)
+    kept, given = pool.take([((64, 128), torch.float32)]), pool.take([((64, 128), torch.float32)])
+    pool.give_back(given)
+    fds = [fd for _, fd in pool._descriptors.values()]
+    with pytest.raises(RuntimeError, match="unspecified launch failure"):
+        pool.close()
+    assert pool.free_bytes == 0 and pool._descriptors == {}
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)  # closed
+    stranded = {b.data_ptr() for b in buffer_pool.STRANDED}
+    assert {kept[0].untyped_storage().data_ptr(), given[0].untyped_storage().data_ptr()} == stranded
+
+
+def test_an_unregister_that_raises_strands_the_blocks_not_tried(monkeypatch):
+    """A CUDA runtime call that raises mid-way (not an error code) keeps that block and the rest, all registered."""
+    monkeypatch.setattr(buffer_pool, "STRANDED", [])
+    blocks = [torch.empty(4096, dtype=torch.uint8) for _ in range(3)]
+    cudart = _Cudart()
+
+    def unregister(ptr):
+        if ptr == blocks[1].data_ptr():
+            raise KeyboardInterrupt
+        return cudart.cudaHostUnregister(ptr)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: type("Rt", (), {"cudaHostUnregister": staticmethod(unregister)}))
+    with pytest.raises(KeyboardInterrupt):
+        buffer_pool._unpin_all(blocks)
+    assert cudart.unregistered == [blocks[0].data_ptr()]
+    assert [b.data_ptr() for b in buffer_pool.STRANDED] == [b.data_ptr() for b in blocks[1:]]
+
+
+def test_a_pinned_pool_dropped_without_close_strands_its_blocks(monkeypatch):
+    """A pinned pool garbage-collected unclosed keeps its blocks (never freed while registered); a closed one not."""
+    monkeypatch.setattr(buffer_pool, "STRANDED", [])
+    monkeypatch.setattr(buffer_pool, "_register", lambda block: None)
+    monkeypatch.setattr(buffer_pool, "touch", lambda block: None)
+    monkeypatch.setattr(buffer_pool, "_unpin_all", lambda blocks: None)
+    pool = BufferPool(keep_bytes=1 << 20, pin=True)
+    lent, given = pool.take([((64, 128), torch.float32)]), pool.take([((64, 128), torch.float32)])
+    pool.give_back(given)
+    ptrs = {lent[0].untyped_storage().data_ptr(), given[0].untyped_storage().data_ptr()}
+    del pool
+    gc.collect()
+    assert {b.data_ptr() for b in buffer_pool.STRANDED} == ptrs
+    closed = BufferPool(pin=True)
+    closed.take([((64, 128), torch.float32)])
+    closed.close()
+    del closed
+    gc.collect()
+    assert len(buffer_pool.STRANDED) == 2  # close unregistered its block: nothing more kept

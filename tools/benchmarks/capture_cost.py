@@ -10,7 +10,8 @@ mostly such whole-width passes over memory, so this work weighs far more than on
 Timed here at the wide row's settings, in one process per page kind (glibc asked for transparent huge
 pages, as the command and the benchmarks' engines are, then not), interleaved over --rounds, medians of
 --reps calls each: one aux add, the copies of one layer's step rows into --length-row tensors (made fresh, as
-the generator's samples are, and kept ones, as the CLI's pool blocks are), and
+the generator's samples are, and the CLI's on a CPU engine too while a layer is under glibc's mmap ceiling; and
+kept ones, as a pool's reused blocks are), and
 vLLM's own RMSNorm with its residual add (`RMSNorm.forward_static`, the op a Llama layer runs twice) as
 the unit of the forward's own work. Then the capture's ms per step (--aux adds, one tap, --aux + 1 layers
 copied), and, given --step-tokens-per-s (the generator's rate in the wide row), its share of a step (huge pages: the engines' setting).
@@ -33,6 +34,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from report import recording  # noqa: E402
+
+from speculators_v016.run import huge_pages  # noqa: E402
 
 
 def timed(fn, reps: int) -> float:
@@ -80,9 +83,18 @@ def measure(args: dict) -> dict:
 
 
 def child(args: dict, huge: bool) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    if huge:
-        env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
+    """The ops timed in a child whose glibc was asked for huge pages as the command asks for them, or not."""
+    env = {**os.environ, huge_pages.OPT_OUT: "1" if huge else "0"}
+    others = [t for t in env.pop("GLIBC_TUNABLES", "").split(":") if t and not t.startswith(huge_pages.TUNABLE)]
+    if others:  # the user's other tunables kept
+        env["GLIBC_TUNABLES"] = ":".join(others)
+    tunables = huge_pages.wanted(env)
+    if huge and not tunables:
+        raise SystemExit(
+            "this host's glibc or transparent huge pages setting gives no huge pages (docs/commands/run.md)"
+        )
+    if tunables:
+        env["GLIBC_TUNABLES"] = tunables
     proc = subprocess.run([sys.executable, __file__, json.dumps(args)], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{__file__} failed:\n{proc.stderr[-3000:]}")

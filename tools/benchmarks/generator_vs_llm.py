@@ -20,7 +20,10 @@ prints the ring's bytes per stage (each stage writes its layers' rows of a slot)
 ``--pipeline`` measures pp2 against mp and llm-pp2 (its page: pipeline_parallel.md). vLLM 0.16's own
 ``LLM`` at PP 2 on CPU leaves its CPU communicator's shared memory (``<port>-pp:0-[0-1]-cpushm_*``,
 4 MiB each) in /dev/shm even after its engine core is shut down; our engine's shutdown leaves nothing.
-``--shape wide`` is a wide, thin Llama (hidden 7168, 4 layers, 2 heads of 64,
+``--kept`` starts each mode's engine once and asks it for a pass a round (the order reversed every other round:
+give an even ``--rounds``), so the passes compared run seconds apart instead of an engine start apart; the kept
+engines stay loaded beside each other (2 GiB of KV cache each) and their later passes run on a warm heap, while the
+CLI starts fresh each round. ``--shape wide`` is a wide, thin Llama (hidden 7168, 4 layers, 2 heads of 64,
 MLP 64) on which moving the states weighs more than computing them.
 
     python tools/benchmarks/generator_vs_llm.py [--prompts 64] [--length 256] [--rounds 2] [--eager]
@@ -34,6 +37,7 @@ MLP 64) on which moving the states weighs more than computing them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -290,7 +294,7 @@ def main() -> None:
     ap.add_argument("--rss", action="store_true", help="also peak RSS at N and 4N prompts")
     ap.add_argument("--kept", action="store_true", help="each mode's engine started once and kept, its passes "
                     "asked in turn (the order reversed every other round), so the passes compared run seconds "
-                    "apart, not an engine start; the CLI still runs whole each round")  # fmt: skip
+                    "apart, not an engine start; the CLI still runs whole each round; give an even --rounds")  # fmt: skip
     ap.add_argument("--model-dir", default=None, help="default: /tmp/speculators-v016-bench/<shape>")
     ap.add_argument(
         "--before",
@@ -319,27 +323,27 @@ def main() -> None:
     cpu: dict[str, list[float]] = {}
     faults: dict[str, list[float]] = {}  # minor page faults of the timed pass (not the CLI's: its own process)
     ring = None
-    kept = {
-        (mode, code): Side(__file__, {**base, "mode": mode, "prompts": opts.prompts, "kept": True}, engine_env(code))
-        for mode, code in runs
-        if opts.kept and mode != "cli"
-    }
-    for round_no in range(opts.rounds):
-        for mode, code in runs if round_no % 2 == 0 or not opts.kept else runs[::-1]:
-            key = mode if code is None else f"{mode} (before)"
-            side = kept.get((mode, code))
-            got = side.ask() if side else child(__file__, {**base, "mode": mode, "prompts": opts.prompts}, code)
-            rates.setdefault(key, []).append(got["tokens_per_s"])
-            if got.get("steady_tokens_per_s") is not None:
-                steady = f"{mode}-steady" + ("" if code is None else " (before)")  # each code's own figure
-                rates.setdefault(steady, []).append(got["steady_tokens_per_s"])
-            if got.get("cpu_per_k") is not None:
-                cpu.setdefault(key, []).append(got["cpu_per_k"])
-            if got.get("faults_per_k") is not None:
-                faults.setdefault(key, []).append(got["faults_per_k"])
-            ring = got.get("ring") or ring
-    for side in kept.values():
-        side.close()
+    with contextlib.ExitStack() as stack:  # kept sides closed (killed if they hang) however the rounds end
+        kept = {}
+        for mode, code in runs if opts.kept else []:
+            if mode != "cli":
+                kept[mode, code] = Side(__file__, {**base, "mode": mode, "prompts": opts.prompts, "kept": True},
+                                        engine_env(code))  # fmt: skip
+                stack.callback(kept[mode, code].close)
+        for round_no in range(opts.rounds):
+            for mode, code in runs if round_no % 2 == 0 or not opts.kept else runs[::-1]:
+                key = mode if code is None else f"{mode} (before)"
+                side = kept.get((mode, code))
+                got = side.ask() if side else child(__file__, {**base, "mode": mode, "prompts": opts.prompts}, code)
+                rates.setdefault(key, []).append(got["tokens_per_s"])
+                if got.get("steady_tokens_per_s") is not None:
+                    steady = f"{mode}-steady" + ("" if code is None else " (before)")  # each code's own figure
+                    rates.setdefault(steady, []).append(got["steady_tokens_per_s"])
+                if got.get("cpu_per_k") is not None:
+                    cpu.setdefault(key, []).append(got["cpu_per_k"])
+                if got.get("faults_per_k") is not None:
+                    faults.setdefault(key, []).append(got["faults_per_k"])
+                ring = got.get("ring") or ring
     med = {k: statistics.median(v) for k, v in rates.items()}
     shape_text = {k: v for k, v in SHAPES[opts.shape].items() if k != "capture"}
     if opts.pipeline:

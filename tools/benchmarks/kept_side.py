@@ -32,5 +32,10 @@ class Side:
         return self._reply()
 
     def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=120)
+        """Close its stdin (it shuts its engine down and exits); killed if it has not within 120 s."""
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
