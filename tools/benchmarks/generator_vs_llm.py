@@ -109,15 +109,10 @@ def ring_per_stage(engine) -> dict:
     }
 
 
-def cpu_seconds() -> float:
-    """CPU seconds (user + system) of this process and of its live descendants (vLLM's engine core process
-    under ``LLM``, the workers of a multiprocess executor, the CLI): read before and after the timed pass, the
-    difference is the CPU the pass cost, which another tenant of the machine moves far less than the rate."""
-    return tree_usage()[0]
-
-
 def tree_usage() -> tuple[float, int]:
-    """(CPU seconds, minor page faults) of this process and of its live descendants (see :func:`cpu_seconds`)."""
+    """(CPU seconds: user + system, minor page faults) of this process and of its live descendants (vLLM's engine
+    core process under ``LLM``, the workers of a multiprocess executor, the CLI): read before and after the timed
+    pass, the difference is what the pass cost; CPU time is moved far less than the rate by another tenant."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     total, faults = usage.ru_utime + usage.ru_stime, usage.ru_minflt
     parents: dict[int, int] = {}

@@ -289,11 +289,9 @@ def side_py_spy(running: Side, path: Path) -> None:
 
 
 def start_side(args: dict) -> Side:
-    """A running side, started: ask it for passes."""
+    """A running side, started: ask it for passes (its ready line says its memory)."""
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", **({STAND_INS: "1"} if args.get("kimi") else {})}
-    side = Side(__file__, args, env)
-    side.memory = side.ready.get("memory")
-    return side
+    return Side(__file__, args, env)
 
 
 def write_rate(folder: Path, gib: int = 4) -> float:
@@ -678,7 +676,7 @@ def main() -> None:
         if opts.cli and opts.cli_prompts and opts.cli_prompts != opts.prompts:  # uni passes over the CLI's own too
             args["cli_count"] = opts.cli_prompts
         sides = [start_side({**args, "side": name}) for name in opts.sides]
-        memory_lines = {x.name: x.memory for x in sides if x.memory}
+        memory_lines = {x.name: x.ready["memory"] for x in sides if x.ready.get("memory")}
         rates: dict[str, list[float]] = {name: [] for name in opts.sides}
         streams: dict[str, list[dict]] = {name: [] for name in opts.sides}  # each timed pass's engine stats
         own: list[dict] = []  # uni's timed passes (tokens_per_s, stream)
