@@ -1,20 +1,28 @@
-"""The command's process on a CPU build of vLLM, with glibc asked for transparent huge pages.
+"""The command's process on a CPU build of vLLM, with glibc asked for transparent huge pages and a kept heap.
 
 A CPU engine runs its forward in the command's process, and at a wide model's sizes most of its fresh
-tensors are past glibc's 32 MiB mmap ceiling: each is a new mapping whose 4 KiB pages the kernel faults in,
-one by one, on every step (half of a wide step's CPU time on a 2-core AVX2 EPYC; docs/benchmarks/README.md).
-glibc's ``glibc.malloc.hugetlb=1`` tunable (glibc 2.35 and later) advises the kernel to back the allocator's
-mappings with 2 MiB pages where the kernel's transparent huge pages are in ``madvise`` mode: 512 times fewer
-faults, memory still given back when it is freed. On that EPYC the wide benchmark's command wrote 1.75x as fast
-(1,295 against 738 tokens/s, medians of 3 interleaved pairs) at the same peak memory.
+tensors are past glibc's 32 MiB mmap ceiling: each is a new mapping whose pages the kernel faults in and
+zeroes, on every step (half of a wide step's CPU time on a 2-core AVX2 EPYC with 4 KiB pages;
+docs/benchmarks/README.md). Two sets of glibc tunables take that away:
+
+* ``glibc.malloc.hugetlb=1`` (glibc 2.35 and later) advises the kernel to back the allocator's memory with
+  2 MiB pages where its transparent huge pages are in ``madvise`` mode: 512 times fewer faults. On that EPYC
+  the wide benchmark's command wrote 1.75x as fast (1,295 against 738 tokens/s) at the same peak memory.
+* :data:`HEAP` (glibc 2.26 and later) keeps such tensors in glibc's heap: allocations below 1 GiB come from it
+  instead of mappings of their own, and up to 2 GiB freed at its top stays there, so the next step reuses
+  memory already faulted in and zeroed once. A 2 MiB page is still zeroed on each fresh fault, and with the
+  capture's own fresh tensors (vLLM's aux sums, the samples) that zeroing was what the generator paid beyond
+  ``LLM.generate`` (issue 53: ``clear_page_erms`` +863 of +1,863 perf samples). The cost: the process keeps
+  the heap its busiest step needed, and a run's samples interleaved with the forward's tensors fragment it
+  (docs/benchmarks/README.md gives the peak memory beside the rates).
 
 A tunable is read when the process starts, so :func:`reexec` starts the command again in the same process
-(``execve``: the same pid, arguments, descriptors and environment, plus the tunable), before anything else
-happens. It does so only where it is known to help and known to be read: Linux, glibc 2.35 or later, the
-kernel's huge pages in ``madvise`` mode (``always`` gives them already, ``never`` ignores the advice), and a
-CPU build of vLLM (its version ends in ``+cpu``; a GPU host's process has not been measured with it). A user's
-own ``GLIBC_TUNABLES`` are kept; one that names ``glibc.malloc.hugetlb`` already is the user's choice and left
-as it is. :data:`OPT_OUT` set to ``0`` leaves the process as it was started.
+(``execve``: the same pid, arguments, descriptors and environment, plus the tunables), before anything else
+happens. It does so only on Linux with glibc and a CPU build of vLLM (its version ends in ``+cpu``; a GPU
+host's process has not been measured with them); huge pages only where the kernel's are in ``madvise`` mode
+(``always`` gives them already, ``never`` ignores the advice). A user's own ``GLIBC_TUNABLES`` are kept, and a
+tunable they name is their choice, left as it is. :data:`OPT_OUT` set to ``0`` leaves the process as it was
+started.
 """
 
 from __future__ import annotations
@@ -29,6 +37,9 @@ TUNABLE = "glibc.malloc.hugetlb"
 #: so that it never starts again a second time, whatever becomes of ``GLIBC_TUNABLES`` on the way.
 OPT_OUT = "SPECULATORS_V016_HUGE_PAGES"
 STARTED = "started"
+#: glibc's heap kept between steps: allocations below 1 GiB from the heap, up to 2 GiB freed at its top kept there.
+HEAP = {"glibc.malloc.mmap_threshold": str(1 << 30), "glibc.malloc.trim_threshold": str(2 << 30)}
+MIN_GLIBC_HEAP = (2, 26)  # glibc's tunables
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 MIN_GLIBC = (2, 35)
 
@@ -57,13 +68,21 @@ def glibc_version(text: str | None) -> tuple[int, int] | None:
 def plan(env: dict, *, vllm_version: str | None, thp: str | None, glibc: tuple[int, int] | None) -> str | None:
     """The ``GLIBC_TUNABLES`` value to start again with, or None (with nothing to change)."""
     tunables = env.get("GLIBC_TUNABLES", "")
-    if env.get(OPT_OUT, "1") != "1" or TUNABLE in tunables:  # off (0), or started again already
+    if env.get(OPT_OUT, "1") != "1":  # off (0), or started again already
         return None
-    if not vllm_version or not vllm_version.endswith("+cpu") or thp != "madvise":
+    if not vllm_version or not vllm_version.endswith("+cpu") or glibc is None:
         return None
-    if glibc is None or glibc < MIN_GLIBC:
-        return None
-    return f"{tunables}:{TUNABLE}=1" if tunables else f"{TUNABLE}=1"
+    wanted = {TUNABLE: "1"} if thp == "madvise" and glibc >= MIN_GLIBC else {}
+    wanted |= HEAP if glibc >= MIN_GLIBC_HEAP else {}
+    named = set(given(tunables))
+    added = [f"{name}={value}" for name, value in wanted.items() if name not in named]
+    return ":".join([tunables, *added] if tunables else added) if added else None
+
+
+def given(tunables: str) -> dict[str, str]:
+    """``GLIBC_TUNABLES``' names and values (``a=1:b=2``)."""
+    pairs = (item.partition("=") for item in tunables.split(":") if item)
+    return {name: value for name, _, value in pairs}
 
 
 def _vllm_version() -> str | None:
@@ -101,7 +120,7 @@ def same_invocation(orig_argv: list[str], argv: list[str]) -> bool:
 
 
 def reexec() -> None:
-    """Start this process again with :data:`TUNABLE` set where :func:`wanted` says so; return where it does not.
+    """Start this process again with the tunables :func:`wanted` names; return where it names none.
 
     Call first thing in the command's entry point, before any thread or file is made."""
     orig_argv = getattr(sys, "orig_argv", None)
@@ -122,15 +141,18 @@ def reexec() -> None:
         return
 
 
-def asked(env: dict | None = None) -> bool:
-    """Whether this process's glibc was asked for transparent huge pages (``GLIBC_TUNABLES`` holds :data:`TUNABLE`
-    set to 1), by :func:`reexec` or by the user."""
-    tunables = (os.environ if env is None else env).get("GLIBC_TUNABLES", "")
-    return f"{TUNABLE}=1" in tunables.split(":")
+def heap_kept(tunables: str) -> bool:
+    """Whether ``GLIBC_TUNABLES`` keep glibc's heap as :data:`HEAP` does (fresh tensors below 1 GiB then reuse it)."""
+    have = given(tunables)
+    return all(have.get(name) == value for name, value in HEAP.items())
 
 
-def describe(huge: bool) -> str:
-    """The run summary's words for :func:`asked`."""
-    if huge:
-        return f"glibc asked for transparent huge pages ({TUNABLE}=1; {OPT_OUT}=0 to not)"
-    return f"glibc not asked for huge pages ({TUNABLE} not 1; see docs/commands/run.md)"
+def describe(tunables: str) -> str:
+    """The run summary's words for what of :func:`plan`'s the process's ``GLIBC_TUNABLES`` hold."""
+    have = given(tunables)
+    parts = ["transparent huge pages"] if have.get(TUNABLE) == "1" else []
+    if heap_kept(tunables):
+        parts.append("a kept heap")
+    if parts:
+        return f"glibc asked for {' and '.join(parts)} ({OPT_OUT}=0 to not)"
+    return "glibc not asked for huge pages nor a kept heap (see docs/commands/run.md)"

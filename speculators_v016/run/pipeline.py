@@ -403,7 +403,7 @@ def host_line(host: dict) -> str:
         + f"; buffer pool: {host['blocks_made']} "
         f"blocks made, {host['blocks_reused']} reused"
         + (f", {host['samples_fresh']} samples in fresh memory (CPU engine)" if host.get("samples_fresh") else "")
-        + (f"; {huge_pages.describe(host['huge_pages'])}" if host.get("huge_pages") is not None else "")
+        + (f"; {huge_pages.describe(host['glibc_tunables'])}" if host.get("glibc_tunables") is not None else "")
         + (
             f"; this process{' and its write helpers' if host.get('helped') else ''} used "
             f"{host['cpu_seconds']:.1f} CPU-s (user + system)"
@@ -446,6 +446,16 @@ def _paths(host: dict) -> str:
     )
 
 
+def _fresh_below(device_type: str) -> int:
+    """The pool's ``fresh_below`` for this process: on a CPU engine whose heap glibc keeps (run/huge_pages.py) none,
+    every sample in a reused block (fresh samples among the forward's tensors fragmented the kept heap: its peak
+    crept from 5.3 to 5.9 GB over a 256-prompt wide run, against 5.27 flat in blocks); with glibc's own
+    thresholds, samples under its mmap ceiling come from (and go back to) the heap; a GPU engine's samples: blocks."""
+    if device_type != "cpu" or huge_pages.heap_kept(os.environ.get("GLIBC_TUNABLES", "")):
+        return 0
+    return MALLOC_MMAP_CEILING
+
+
 def _cpu_since(before: os.times_result) -> float:
     """CPU seconds (user + system, every thread) used since ``before`` (``os.times()``) by this process and by its
     children that ended meanwhile (the write helpers, reaped when the writer closes)."""
@@ -478,12 +488,12 @@ def _generate(
     if checked:
         engine.warm_prompt_logprobs()  # vLLM compiles its prompt-logprobs kernel here, not in the first step
     # each sample's states: one block, back to the pool once its file is written; on a CPU engine, whose forward
-    # shares this process's heap, samples under glibc's mmap ceiling come fresh (speculators_v016.engine.buffer_pool)
+    # shares this process's heap, samples under glibc's mmap ceiling come fresh unless the heap is kept (_fresh_below)
     # (shared memory with write helpers: their processes read the states where they lie, speculators_v016.store.write_helper)
     # (with engine.core.PLACE_ROWS, on by default, a GPU engine's worker in this process copies each prompt's rows
     # straight into its block: pinned blocks)
     helpers = write_helpers_used(opts.write_helpers)
-    pool = BufferPool(fresh_below=MALLOC_MMAP_CEILING if engine.device_type == "cpu" else 0, align=DATA_ALIGN,
+    pool = BufferPool(fresh_below=_fresh_below(engine.device_type), align=DATA_ALIGN,
                       shared=helpers, pin=engine.wants_pinned)  # fmt: skip
     stats = engine.stats  # the engine's thread's time, counted from here
     before = (stats.stepped, stats.copied, stats.copy_thread, stats.copy_waited, stats.placed_rows)
@@ -597,7 +607,7 @@ def _generate(
                         "rows_placed": stats.placed_rows - before[4],
                         "blocks_made": pool.allocated, "blocks_reused": pool.reused,
                         "samples_fresh": pool.fresh, "cpu_seconds": _cpu_since(cpu_before),
-                        "huge_pages": huge_pages.asked() if engine.device_type == "cpu" else None,
+                        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "") if engine.device_type == "cpu" else None,
                         "drain_seconds": summary.generation_seconds - streamed if streamed is not None else None}  # fmt: skip
                 summary.host = {k: round(v, 3) if isinstance(v, float) else v for k, v in host.items()}
                 bar.set_description(f"{writer.written}/{len(pending)} samples")

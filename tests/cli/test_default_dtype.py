@@ -79,9 +79,12 @@ def test_a_default_run_is_bf16_checked_and_verified(arch, tiny_model, bf16_check
     assert code == 0, output[-3000:]
     assert ", bfloat16, TP 1," in output  # the start line names the engine's dtype
     assert "logit check: ok (4 samples" in output and f"verify:     ok ({COUNT} samples" in output
-    # started without GLIBC_TUNABLES, the command started itself again with huge pages where this host takes them
+    # started without GLIBC_TUNABLES, the command started itself again with huge pages and a kept heap where this host
+    # takes them; with the heap kept, every sample lies in a reused block of the pool, none in fresh memory
     users_env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    assert huge_pages.describe(huge_pages.wanted(users_env) is not None) in output, output[-3000:]
+    tunables = huge_pages.wanted(users_env) or ""
+    assert huge_pages.describe(tunables) in output, output[-3000:]
+    assert ("samples in fresh memory" in output) is not huge_pages.heap_kept(tunables), output[-3000:]
     assert_close_to_transformers(model, tmp_path / "out")
     code, output = run("verify", tmp_path / "out")
     assert code == 0, output

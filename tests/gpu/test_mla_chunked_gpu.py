@@ -123,8 +123,8 @@ def watched_assembly(pieces: Pieces, plant: bool = False):
                              if r in requests and start < requests[r].prompt_len])  # prompt rows only  # fmt: skip
         real_add(self, capture, release)
 
-    def repeat_previous_row(self, req_id, start, rows, scales, pairs):
-        real_rows(self, req_id, start, rows, scales, pairs)
+    def repeat_previous_row(self, req_id, start, rows, scales, pairs, finite=False):
+        real_rows(self, req_id, start, rows, scales, pairs, finite)
         req = self._requests.get(req_id)
         if req is not None and req.pieces is None and 0 < start < req.prompt_len:
             pairs += [(out[start], out[start - 1]) for out in req.out]  # copied after the real rows, in order

@@ -11,14 +11,36 @@ from speculators_v016.run import huge_pages
 from speculators_v016.run.huge_pages import OPT_OUT, plan, same_invocation
 
 HOST = dict(vllm_version="0.16.0+cpu", thp="madvise", glibc=(2, 36))
+HEAP = "glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=2147483648"
+BOTH = f"glibc.malloc.hugetlb=1:{HEAP}"
 
 
 def test_plan_asks_on_a_cpu_build_with_madvise_huge_pages():
-    """A CPU build, THP in madvise mode, glibc 2.35+: the tunable is added, a user's other tunables kept."""
-    assert plan({}, **HOST) == "glibc.malloc.hugetlb=1"
-    assert plan({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, **HOST) == (
-        "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
-    )
+    """A CPU build, THP in madvise mode, glibc 2.35+: huge pages and the kept heap are added, a user's other
+    tunables kept first."""
+    assert plan({}, **HOST) == BOTH
+    assert plan({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, **HOST) == f"glibc.malloc.arena_max=2:{BOTH}"
+
+
+@pytest.mark.parametrize(
+    ("env", "host", "expected"),
+    [
+        ({}, {"thp": "always"}, HEAP),  # the kernel gives huge pages already: the heap kept all the same
+        ({}, {"thp": "never"}, HEAP),  # the kernel ignores the advice
+        ({}, {"thp": None}, HEAP),
+        ({}, {"glibc": (2, 31)}, HEAP),  # no hugetlb tunable before 2.35
+        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, {}, f"glibc.malloc.hugetlb=0:{HEAP}"),  # the user's choice
+        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, {}, f"glibc.malloc.hugetlb=1:{HEAP}"),
+        (  # a threshold the user set is theirs: only the others are added
+            {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"},
+            {},
+            "glibc.malloc.trim_threshold=0:glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=1073741824",
+        ),
+    ],
+)
+def test_plan_adds_only_what_this_host_reads_and_the_user_did_not_name(env, host, expected):
+    """Huge pages only where THP is in madvise mode and glibc has the tunable; every tunable the user named kept."""
+    assert plan(env, **{**HOST, **host}) == expected
 
 
 @pytest.mark.parametrize(
@@ -26,20 +48,25 @@ def test_plan_asks_on_a_cpu_build_with_madvise_huge_pages():
     [
         ({OPT_OUT: "0"}, {}),  # the user's opt-out
         ({OPT_OUT: "started"}, {}),  # started again already: never a second time, whatever the tunables became
-        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, {}),  # the user's own choice of the tunable
-        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, {}),  # already started with it: no second start
-        ({}, {"vllm_version": "0.16.0"}),  # a GPU build: not measured with it
+        ({"GLIBC_TUNABLES": BOTH}, {}),  # every tunable named already
+        ({}, {"vllm_version": "0.16.0"}),  # a GPU build: not measured with them
         ({}, {"vllm_version": None}),
-        ({}, {"thp": "always"}),  # the kernel gives huge pages already
-        ({}, {"thp": "never"}),  # the kernel ignores the advice
-        ({}, {"thp": None}),
-        ({}, {"glibc": (2, 31)}),  # no such tunable before 2.35
+        ({}, {"glibc": (2, 25)}),  # no tunables before 2.26
         ({}, {"glibc": None}),  # another libc
     ],
 )
 def test_plan_leaves_the_process_as_it_is(env, host):
-    """Where the tunable is not known to be read and to help, or the user chose, nothing changes."""
+    """Where the tunables are not known to be read and to help, or the user chose, nothing changes."""
     assert plan(env, **{**HOST, **host}) is None
+
+
+def test_the_summary_names_what_the_process_was_given():
+    """The run summary's words follow the process's GLIBC_TUNABLES: huge pages, the kept heap, both or neither."""
+    assert huge_pages.describe(BOTH).startswith("glibc asked for transparent huge pages and a kept heap")
+    assert huge_pages.describe(HEAP).startswith("glibc asked for a kept heap")
+    assert huge_pages.describe("glibc.malloc.hugetlb=1").startswith("glibc asked for transparent huge pages (")
+    assert huge_pages.describe("glibc.malloc.mmap_threshold=1073741824").startswith("glibc not asked")
+    assert huge_pages.heap_kept(BOTH) and not huge_pages.heap_kept("glibc.malloc.trim_threshold=2147483648")
 
 
 def test_the_hosts_facts_are_read():
@@ -61,14 +88,21 @@ def test_only_the_command_s_own_invocation_starts_again():
 
 
 PROBE = """
-import json, os, sys
+import json, os, resource, sys
 from speculators_v016.run import huge_pages
 huge_pages.reexec()
 import torch
 states = torch.ones(64 << 20, dtype=torch.uint8)  # torch's allocator: glibc's malloc, past its mmap ceiling
 huge = [int(line.split()[1]) for line in open("/proc/self/smaps_rollup") if line.startswith("AnonHugePages:")]
+del states
+refaults = 0
+for step in range(16):  # steps of four 56 MiB tensors alive together (a wide CPU step's aux sums), each made and freed
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    states = [torch.ones(56 << 20, dtype=torch.uint8) for _ in range(4)]
+    refaults += (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) if step >= 8 else 0  # once warm
+    del states
 print(json.dumps({"pid": os.getpid(), "tunables": os.environ.get("GLIBC_TUNABLES"), "huge_kib": huge[0],
-                  "mark": os.environ.get(huge_pages.OPT_OUT)}))
+                  "mark": os.environ.get(huge_pages.OPT_OUT), "refaults": refaults}))
 """
 
 
@@ -82,9 +116,10 @@ def probe(**env) -> dict:
     return {**json.loads(out.strip().splitlines()[-1]), "started_as": proc.pid}
 
 
-def test_the_process_started_again_gets_huge_pages():
-    """Where this host takes them: the same pid starts again with the tunable and a fresh tensor lies in huge pages;
-    opted out, it lies in 4 KiB pages. Where it does not: the process is left as it was started."""
+def test_the_process_started_again_gets_huge_pages_and_keeps_its_heap():
+    """Where this host takes them: the same pid starts again with the tunables, a fresh tensor lies in huge pages and
+    steps of freed and remade tensors, once warm, take no page fault; opted out, it lies in 4 KiB pages and every
+    step faults its tensors in again. Where the host takes none: the process is left as it was started."""
     users_env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     asked, plain = probe(), probe(**{OPT_OUT: "0"})
     assert plain["tunables"] is None and plain["pid"] == plain["started_as"]
@@ -92,9 +127,12 @@ def test_the_process_started_again_gets_huge_pages():
     if huge_pages.wanted(users_env) is None:
         assert asked["tunables"] is None
         return
-    assert asked["tunables"] == "glibc.malloc.hugetlb=1" and asked["mark"] == "started"
-    assert asked["huge_kib"] >= 32 << 10, asked  # most of the 64 MiB tensor in 2 MiB pages
-    assert plain["huge_kib"] < 2 << 10, plain  # the same tensor without the tunable: none
+    assert asked["tunables"] == huge_pages.wanted(users_env) and asked["mark"] == "started"
+    if huge_pages.TUNABLE in asked["tunables"]:
+        assert asked["huge_kib"] >= 32 << 10, asked  # most of the 64 MiB tensor in 2 MiB pages
+        assert plain["huge_kib"] < 2 << 10, plain  # the same tensor without the tunable: none
+    assert asked["refaults"] < 16, asked  # the kept heap: once warm, a step's tensors lie where the last step's did
+    assert plain["refaults"] >= 8 * 4 * 28, plain  # glibc's own thresholds: new mappings each step, faulted in again
 
 
 STRIPPING_PROBE = """

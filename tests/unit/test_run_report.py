@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from speculators_v016.run import run_report
+from speculators_v016.run import huge_pages, run_report
 from speculators_v016.run.console import Console
 from speculators_v016.run.pipeline import RunSummary, SelfCheckError
 from speculators_v016.run.run_report import exit_code, run_and_report
@@ -89,12 +89,18 @@ def test_the_summary_says_where_the_host_time_went(tmp_path):
         "buffer pool: 0 blocks made, 0 reused, 64 samples in fresh memory (CPU engine); this process used 43.1 CPU-s "
         "(user + system); the last files were made durable 0.44 s after the engine's last sample"
     )
-    summary.host.update(huge_pages=True)  # a CPU engine's process, glibc asked for huge pages
+    summary.host.update(glibc_tunables="glibc.malloc.hugetlb=1")  # a CPU engine's process, glibc asked for huge pages
     (line,) = [line for line in summary.lines() if line.startswith("host path:")]
-    assert "(CPU engine); glibc asked for transparent huge pages (glibc.malloc.hugetlb=1; " in line
-    summary.host.update(huge_pages=False)
+    assert "(CPU engine); glibc asked for transparent huge pages (SPECULATORS_V016_HUGE_PAGES=0 to not); " in line
+    summary.host.update(glibc_tunables=huge_pages.plan({}, vllm_version="0.16.0+cpu", thp="madvise", glibc=(2, 36)))
     (line,) = [line for line in summary.lines() if line.startswith("host path:")]
-    assert "(CPU engine); glibc not asked for huge pages (glibc.malloc.hugetlb not 1; " in line
+    assert (
+        "(CPU engine); glibc asked for transparent huge pages and a kept heap (SPECULATORS_V016_HUGE_PAGES=0 to not); "
+        in line
+    )
+    summary.host.update(glibc_tunables="")
+    (line,) = [line for line in summary.lines() if line.startswith("host path:")]
+    assert "(CPU engine); glibc not asked for huge pages nor a kept heap (see docs/commands/run.md); " in line
     summary.host.update(on_cpu=0.5, cpu_per_gib=1.234)  # the writers' own CPU time
     (line,) = [line for line in summary.lines() if line.startswith("host path:")]
     assert "8 write workers busy 62% of the time (on a CPU 50% of it, 1.23 CPU-s per GiB written); buffer" in line

@@ -49,7 +49,7 @@ def engine_env(code_from: str | None = None) -> dict:
 
 def pages_text() -> str:
     """How the measured processes' glibc pages memory (:func:`engine_env`), for a benchmark's header."""
-    return huge_pages.describe(huge_pages.asked(engine_env())).split(" (")[0]
+    return huge_pages.describe(engine_env().get("GLIBC_TUNABLES", "")).split(" (")[0]
 
 
 def child(script: str, args: dict, code_from: str | None = None) -> dict:
