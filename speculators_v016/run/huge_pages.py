@@ -8,7 +8,7 @@ docs/benchmarks/README.md). Two sets of glibc tunables take that away:
 * ``glibc.malloc.hugetlb=1`` (glibc 2.35 and later) advises the kernel to back the allocator's memory with
   2 MiB pages where its transparent huge pages are in ``madvise`` mode: 512 times fewer faults. On that EPYC
   the wide benchmark's command wrote 1.75x as fast (1,295 against 738 tokens/s) at the same peak memory.
-* :data:`HEAP` (glibc 2.26 and later) keeps such tensors in glibc's heap: allocations below 1 GiB come from it
+* :data:`HEAP` (glibc 2.36 and later: the one measured) keeps such tensors in glibc's heap: allocations below 1 GiB come from it
   instead of mappings of their own, and up to 2 GiB freed at its top stays there, so the next step reuses
   memory already faulted in and zeroed once. A 2 MiB page is still zeroed on each fresh fault, and with the
   capture's own fresh tensors (vLLM's aux sums, the samples) that zeroing was what the generator paid beyond
@@ -18,10 +18,11 @@ docs/benchmarks/README.md). Two sets of glibc tunables take that away:
 
 A tunable is read when the process starts, so :func:`reexec` starts the command again in the same process
 (``execve``: the same pid, arguments, descriptors and environment, plus the tunables), before anything else
-happens. It does so only on Linux with glibc and a CPU build of vLLM (its version ends in ``+cpu``; a GPU
-host's process has not been measured with them); huge pages only where the kernel's are in ``madvise`` mode
+happens; every process the command starts (a multiprocess executor's workers, write helpers) inherits them. It
+does so only on Linux with glibc and a CPU build of vLLM (its version ends in ``+cpu``; a GPU host's process has
+not been measured with them); huge pages only where the kernel's are in ``madvise`` mode
 (``always`` gives them already, ``never`` ignores the advice). A user's own ``GLIBC_TUNABLES`` are kept, and a
-tunable they name is their choice, left as it is. :data:`OPT_OUT` set to ``0`` leaves the process as it was
+tunable they name (or its ``MALLOC_*_`` variable, :data:`ALIASES`) is their choice, left as it is. :data:`OPT_OUT` set to ``0`` leaves the process as it was
 started.
 """
 
@@ -39,7 +40,14 @@ OPT_OUT = "SPECULATORS_V016_HUGE_PAGES"
 STARTED = "started"
 #: glibc's heap kept between steps: allocations below 1 GiB from the heap, up to 2 GiB freed at its top kept there.
 HEAP = {"glibc.malloc.mmap_threshold": str(1 << 30), "glibc.malloc.trim_threshold": str(2 << 30)}
-MIN_GLIBC_HEAP = (2, 26)  # glibc's tunables
+#: The glibc measured with :data:`HEAP`: older ones (2.33 and 2.34 at least) refuse an mmap threshold above 32 MiB,
+#: and the trim threshold alone would then fix theirs at 128 KiB, more fresh mappings than glibc's own choice.
+MIN_GLIBC_HEAP = (2, 36)
+#: The environment variables glibc reads for the same settings (``MALLOC_MMAP_THRESHOLD_``): a user's is their choice.
+ALIASES = {
+    "MALLOC_MMAP_THRESHOLD_": "glibc.malloc.mmap_threshold",
+    "MALLOC_TRIM_THRESHOLD_": "glibc.malloc.trim_threshold",
+}
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 MIN_GLIBC = (2, 35)
 
@@ -74,7 +82,7 @@ def plan(env: dict, *, vllm_version: str | None, thp: str | None, glibc: tuple[i
         return None
     wanted = {TUNABLE: "1"} if thp == "madvise" and glibc >= MIN_GLIBC else {}
     wanted |= HEAP if glibc >= MIN_GLIBC_HEAP else {}
-    named = set(given(tunables))
+    named = set(given(tunables)) | {name for alias, name in ALIASES.items() if alias in env}
     added = [f"{name}={value}" for name, value in wanted.items() if name not in named]
     return ":".join([tunables, *added] if tunables else added) if added else None
 

@@ -28,9 +28,14 @@ def test_plan_asks_on_a_cpu_build_with_madvise_huge_pages():
         ({}, {"thp": "always"}, HEAP),  # the kernel gives huge pages already: the heap kept all the same
         ({}, {"thp": "never"}, HEAP),  # the kernel ignores the advice
         ({}, {"thp": None}, HEAP),
-        ({}, {"glibc": (2, 31)}, HEAP),  # no hugetlb tunable before 2.35
+        ({}, {"glibc": (2, 35)}, "glibc.malloc.hugetlb=1"),  # the kept heap measured from 2.36 only
         ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, {}, f"glibc.malloc.hugetlb=0:{HEAP}"),  # the user's choice
         ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, {}, f"glibc.malloc.hugetlb=1:{HEAP}"),
+        (  # a threshold set through glibc's own variable is the user's too
+            {"MALLOC_MMAP_THRESHOLD_": "65536"},
+            {},
+            "glibc.malloc.hugetlb=1:glibc.malloc.trim_threshold=2147483648",
+        ),
         (  # a threshold the user set is theirs: only the others are added
             {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"},
             {},
@@ -51,7 +56,7 @@ def test_plan_adds_only_what_this_host_reads_and_the_user_did_not_name(env, host
         ({"GLIBC_TUNABLES": BOTH}, {}),  # every tunable named already
         ({}, {"vllm_version": "0.16.0"}),  # a GPU build: not measured with them
         ({}, {"vllm_version": None}),
-        ({}, {"glibc": (2, 25)}),  # no tunables before 2.26
+        ({}, {"glibc": (2, 31)}),  # neither: hugetlb from 2.35, the kept heap measured from 2.36
         ({}, {"glibc": None}),  # another libc
     ],
 )

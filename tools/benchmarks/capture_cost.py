@@ -83,13 +83,16 @@ def measure(args: dict) -> dict:
 
 
 def child(args: dict, huge: bool) -> dict:
-    """The ops timed in a child whose glibc was asked for huge pages as the command asks for them, or not."""
+    """The ops timed in a child whose glibc was asked for huge pages as the command asks for them, or not (its heap
+    as glibc keeps it by itself either way: the fresh tensors' cost is what this measures)."""
     env = {**os.environ, huge_pages.OPT_OUT: "1" if huge else "0"}
-    others = [t for t in env.pop("GLIBC_TUNABLES", "").split(":") if t and not t.startswith(huge_pages.TUNABLE)]
+    ours = {huge_pages.TUNABLE, *huge_pages.HEAP}
+    others = [t for t in env.pop("GLIBC_TUNABLES", "").split(":") if t and t.partition("=")[0] not in ours]
     if others:  # the user's other tunables kept
         env["GLIBC_TUNABLES"] = ":".join(others)
-    tunables = huge_pages.wanted(env)
-    if huge and not tunables:
+    wanted = huge_pages.wanted(env) or ""
+    tunables = ":".join(t for t in wanted.split(":") if t and t.partition("=")[0] not in huge_pages.HEAP)
+    if huge and huge_pages.TUNABLE not in tunables:
         raise SystemExit(
             "this host's glibc or transparent huge pages setting gives no huge pages (docs/commands/run.md)"
         )
