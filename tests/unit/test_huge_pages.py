@@ -136,7 +136,8 @@ def test_the_process_started_again_gets_huge_pages_and_keeps_its_heap():
     if huge_pages.TUNABLE in asked["tunables"]:
         assert asked["huge_kib"] >= 32 << 10, asked  # most of the 64 MiB tensor in 2 MiB pages
         assert plain["huge_kib"] < 2 << 10, plain  # the same tensor without the tunable: none
-    assert asked["refaults"] < 16, asked  # the kept heap: once warm, a step's tensors lie where the last step's did
+    if huge_pages.heap_kept(asked["tunables"]):  # the kept heap: once warm, a step's tensors lie where the last did
+        assert asked["refaults"] < 16, asked
     assert plain["refaults"] >= 8 * 4 * 28, plain  # glibc's own thresholds: new mappings each step, faulted in again
 
 
