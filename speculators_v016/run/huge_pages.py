@@ -8,10 +8,10 @@ docs/benchmarks/README.md). Two sets of glibc tunables take that away:
 * ``glibc.malloc.hugetlb=1`` (glibc 2.35 and later) advises the kernel to back the allocator's memory with
   2 MiB pages where its transparent huge pages are in ``madvise`` mode: 512 times fewer faults. On that EPYC
   the wide benchmark's command wrote 1.75x as fast (1,295 against 738 tokens/s) at the same peak memory.
-* :data:`HEAP` (glibc 2.36 and later: the one measured) keeps such tensors in glibc's heap: allocations below 1 GiB come from it
-  instead of mappings of their own, and up to 2 GiB freed at its top stays there, so the next step reuses
-  memory already faulted in and zeroed once. A 2 MiB page is still zeroed on each fresh fault, and with the
-  capture's own fresh tensors (vLLM's aux sums, the samples) that zeroing was what the generator paid beyond
+* :data:`HEAP` (glibc 2.36 and later: the one measured) keeps such tensors in glibc's heap: allocations below
+  1 GiB come from it instead of mappings of their own, and up to 2 GiB freed at its top stays there, so the next
+  step reuses memory already faulted in and zeroed once. A 2 MiB page is still zeroed on each fresh fault, and the
+  capture's own fresh tensors (vLLM's aux sums, the samples) made that zeroing what the generator paid beyond
   ``LLM.generate`` (issue 53: ``clear_page_erms`` +863 of +1,863 perf samples). The cost: the process keeps
   the heap its busiest step needed, and a run's samples interleaved with the forward's tensors fragment it
   (docs/benchmarks/README.md gives the peak memory beside the rates).
@@ -22,8 +22,8 @@ happens; every process the command starts (a multiprocess executor's workers, wr
 does so only on Linux with glibc and a CPU build of vLLM (its version ends in ``+cpu``; a GPU host's process has
 not been measured with them); huge pages only where the kernel's are in ``madvise`` mode
 (``always`` gives them already, ``never`` ignores the advice). A user's own ``GLIBC_TUNABLES`` are kept, and a
-tunable they name (or its ``MALLOC_*_`` variable, :data:`ALIASES`) is their choice, left as it is. :data:`OPT_OUT` set to ``0`` leaves the process as it was
-started.
+tunable they name (or its ``MALLOC_*_`` variable, :data:`ALIASES`) is their choice, left as it is.
+:data:`OPT_OUT` set to ``0`` leaves the process as it was started.
 """
 
 from __future__ import annotations

@@ -87,17 +87,14 @@ def child(args: dict, huge: bool) -> dict:
     as glibc keeps it by itself either way: the fresh tensors' cost is what this measures)."""
     env = {**os.environ, huge_pages.OPT_OUT: "1" if huge else "0"}
     ours = {huge_pages.TUNABLE, *huge_pages.HEAP}
-    others = [t for t in env.pop("GLIBC_TUNABLES", "").split(":") if t and t.partition("=")[0] not in ours]
-    if others:  # the user's other tunables kept
-        env["GLIBC_TUNABLES"] = ":".join(others)
-    wanted = huge_pages.wanted(env) or ""
-    tunables = ":".join(t for t in wanted.split(":") if t and t.partition("=")[0] not in huge_pages.HEAP)
-    if huge and huge_pages.TUNABLE not in tunables:
+    users = {k: v for k, v in huge_pages.given(env.pop("GLIBC_TUNABLES", "")).items() if k not in ours}
+    if huge and huge_pages.TUNABLE not in huge_pages.given(huge_pages.wanted(env) or ""):
         raise SystemExit(
             "this host's glibc or transparent huge pages setting gives no huge pages (docs/commands/run.md)"
         )
+    tunables = {**users, **({huge_pages.TUNABLE: "1"} if huge else {})}  # the user's other tunables kept
     if tunables:
-        env["GLIBC_TUNABLES"] = tunables
+        env["GLIBC_TUNABLES"] = ":".join(f"{k}={v}" for k, v in tunables.items())
     proc = subprocess.run([sys.executable, __file__, json.dumps(args)], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{__file__} failed:\n{proc.stderr[-3000:]}")
