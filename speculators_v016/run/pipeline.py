@@ -50,6 +50,7 @@ from speculators_v016.generator import VllmHiddenStatesGenerator
 from speculators_v016.layers import LayerPlan
 from speculators_v016.redact import redact
 from speculators_v016.run import chat_samples, huge_pages, prefill
+from speculators_v016.run.mid_run import MidRun
 from speculators_v016.run.prefill import PrefillWork
 from speculators_v016.run.regenerate import RegenerationWork
 from speculators_v016.shared.shm_records import reclaim_and_log
@@ -415,6 +416,11 @@ def host_line(host: dict) -> str:
             if host.get("drain_seconds") is not None
             else ""
         )
+        + (
+            f"; from half to nine tenths of the tokens at {host['mid_run_rate']:,.0f} tokens/s"
+            if host.get("mid_run_rate")
+            else ""
+        )
     )
 
 
@@ -534,6 +540,7 @@ def _generate(
     total_tokens = work.tokens(pending)  # None: a regenerating run's, not known before the target writes them
     started, cpu_before = time.monotonic(), os.times()
     streamed = None  # s from the clock's start to the engine's last sample (the rest: the last files' writes)
+    marks = MidRun(total_tokens, started)  # when the engine's samples passed half and nine tenths of the tokens
     by_samples = total_tokens is None  # then the bar counts samples (its ETA), the tokens go in its postfix
     bar = tqdm(
         total=len(pending) if by_samples else total_tokens,
@@ -571,6 +578,7 @@ def _generate(
                 proven_names.add(name)
             hold.admit(index, name, sample, record)
             summary.tokens += len(ids)
+            marks.passed(summary.tokens)
             bar.update((1 + (take_dropped() if take_dropped else 0)) if by_samples else len(ids))
             if by_samples:
                 bar.set_postfix_str(f"{summary.tokens / max(time.monotonic() - started, 1e-9):,.0f} tok/s", False)
@@ -608,7 +616,8 @@ def _generate(
                         "blocks_made": pool.allocated, "blocks_reused": pool.reused,
                         "samples_fresh": pool.fresh, "cpu_seconds": _cpu_since(cpu_before),
                         "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "") if engine.device_type == "cpu" else None,
-                        "drain_seconds": summary.generation_seconds - streamed if streamed is not None else None}  # fmt: skip
+                        "drain_seconds": summary.generation_seconds - streamed if streamed is not None else None,
+                        "mid_run_rate": marks.rate()}  # fmt: skip
                 summary.host = {k: round(v, 3) if isinstance(v, float) else v for k, v in host.items()}
                 bar.set_description(f"{writer.written}/{len(pending)} samples")
                 bar.close()

@@ -9,6 +9,7 @@ import pytest
 
 from speculators_v016.run import huge_pages, run_report
 from speculators_v016.run.console import Console
+from speculators_v016.run.mid_run import MidRun
 from speculators_v016.run.pipeline import RunSummary, SelfCheckError
 from speculators_v016.run.run_report import exit_code, run_and_report
 from speculators_v016.store.manifest import ManifestError
@@ -113,3 +114,32 @@ def test_the_summary_says_where_the_host_time_went(tmp_path):
         "spent 3.2 s in vLLM's steps, handed rows to the copy thread for 0.2 s (it copied for 2.6 s; the engine's "
         "thread waited 0.1 s for it) and waited 0.4 s for the writers" in line
     )
+
+
+def test_the_mid_run_rate_is_timed_between_half_and_nine_tenths_of_the_tokens():
+    """MidRun times the tokens between the samples passing half and nine tenths of the run's; None without both."""
+    now = [0.0]
+    marks = MidRun(1000, started=0.0, clock=lambda: now[0])
+    for tokens, at in ((300, 5.0), (520, 9.0), (700, 10.0), (910, 11.0), (1000, 30.0)):  # a slow start and drain
+        now[0] = at
+        marks.passed(tokens)
+    assert marks.at == [(520, 9.0), (910, 11.0)]
+    assert marks.rate() == (910 - 520) / (11.0 - 9.0)
+    one = MidRun(1000, started=0.0, clock=lambda: 4.0)
+    one.passed(1000)  # one sample past both marks: no interval to time
+    assert one.rate() is None
+    unknown = MidRun(None, started=0.0)  # --regenerate: the tokens are not known before the run
+    unknown.passed(10**6)
+    assert unknown.rate() is None
+
+
+def test_the_summary_says_the_mid_run_rate(tmp_path):
+    """The host line ends with the rate from half to nine tenths of the tokens, where the run timed it."""
+    summary = RunSummary(str(tmp_path))
+    summary.host = {"engine_stepped": 3.25, "engine_copied": 1.5, "waited": 0.4, "workers": 8, "busy": 0.625,
+                    "blocks_made": 20, "blocks_reused": 236, "drain_seconds": 0.44, "mid_run_rate": 3212.4}  # fmt: skip
+    (line,) = [line for line in summary.lines() if line.startswith("host path:")]
+    assert line.endswith("after the engine's last sample; from half to nine tenths of the tokens at 3,212 tokens/s")
+    summary.host["mid_run_rate"] = None
+    (line,) = [line for line in summary.lines() if line.startswith("host path:")]
+    assert "nine tenths" not in line

@@ -87,6 +87,8 @@ LABELS = {
     "llm-pp2": "LLM.generate(max_tokens=1), PP=2",
     "cli": "speculators-data-gen (files written)",
     "cli-steady": "the same, to the engine's last sample",
+    "cli-mid": "the same, from half to 9/10 of the tokens",
+    "async-mid": "generator, from half to 9/10 of the tokens",
 }
 PIPELINE_MODES = ["mp", "pp2", "pp2-async", "llm-pp2"]
 
@@ -137,6 +139,16 @@ def tree_usage() -> tuple[float, int]:
     return total, faults
 
 
+def mid_run(tokens: int, began: float):
+    """The marks of a pass (speculators_v016.run.mid_run, timed as the CLI times its own); None with a --before
+    checkout older than them."""
+    try:
+        from speculators_v016.run.mid_run import MidRun  # noqa: PLC0415 - the child's checkout
+    except ImportError:
+        return None
+    return MidRun(tokens, began, clock=time.perf_counter)
+
+
 def cli_rate(args: dict, batch: list[list[int]]) -> dict:
     """The real command on ``batch`` (pre-tokenized rows, every token in the loss mask), this process's
     environment and code; its summary's generation rate (from its engine's first step to its last file
@@ -159,12 +171,15 @@ def cli_rate(args: dict, batch: list[list[int]]) -> dict:
     if int(tokens) != len(batch) * args["length"]:
         raise RuntimeError(f"the CLI wrote {tokens} tokens of {len(batch) * args['length']}:\n{proc.stdout}")
     host = re.search(r"used ([\d.]+) CPU-s .* made durable ([\d.]+) s after the engine's last sample", proc.stdout)
+    mid = re.search(r"from half to nine tenths of the tokens at ([\d,]+) tokens/s", proc.stdout)
     tokens, seconds = int(tokens), float(seconds)
     cpu, drain = (float(host[1]), float(host[2])) if host else (None, None)
     return {
         "tokens_per_s": tokens / seconds,
         # to the engine's last sample, as the generator's pass is timed: without the last files' writes
         "steady_tokens_per_s": tokens / (seconds - drain) if host else None,
+        # from half to nine tenths of the tokens (speculators_v016.run.mid_run): what a long run goes at
+        "mid_tokens_per_s": float(mid[1].replace(",", "")) if mid else None,
         "peak_rss_mib": None,
         "ring": None,
         "cpu_per_k": cpu / tokens * 1000 if host else None,
@@ -176,7 +191,8 @@ def start(args: dict) -> tuple[Callable[[], dict], Callable[[], None]]:
     engine down). The CLI's mode starts nothing: each of its passes is the command, start to end."""
     batch = prompts(args["prompts"], args["length"])
     if args["mode"] == "cli":
-        return (lambda: cli_rate(args, batch)), (lambda: None)
+        rows = prompts(args.get("cli_prompts") or args["prompts"], args["length"])
+        return (lambda: cli_rate(args, rows)), (lambda: None)
     warm = prompts(4, args["length"], seed=1)
     engine = dict(
         max_model_len=args["length"] + 8,
@@ -225,19 +241,24 @@ def start(args: dict) -> tuple[Callable[[], dict], Callable[[], None]]:
 
     def one_pass() -> dict:
         (cpu, faults), began = tree_usage(), time.perf_counter()
+        marks = mid_run(len(batch) * args["length"], began)
         if mode in ("llm", "llm-pp2"):
             llm.generate(as_prompts, params, use_tqdm=False)
         elif mode == "generate":
             gen.generate(batch)
         else:
-            for _ in gen.stream(batch):  # dropped, as a writer would after saving
-                pass
+            handed = 0
+            for item in gen.stream(batch):  # dropped, as a writer would after saving
+                handed += len(item["input_ids"])
+                if marks is not None:
+                    marks.passed(handed)
         seconds = time.perf_counter() - began
         cpu_after, faults_after = tree_usage()
         tokens = len(batch) * args["length"]
         return {"tokens_per_s": tokens / seconds, "peak_rss_mib": peak_rss_mib(), "ring": ring,
                 "cpu_per_k": (cpu_after - cpu) / tokens * 1000,
-                "faults_per_k": (faults_after - faults) / tokens * 1000}  # fmt: skip
+                "faults_per_k": (faults_after - faults) / tokens * 1000,
+                "mid_tokens_per_s": marks.rate() if marks is not None and mode == "async" else None}  # fmt: skip
 
     def shut_down() -> None:
         # workers killed at exit leave vLLM's CPU shared memory (PP/TP groups) in /dev/shm
@@ -279,10 +300,20 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="eager engines (default: compiled)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="base")
     ap.add_argument(
-        "--modes", nargs="+", choices=sorted(set(LABELS) - {"cli-steady"}), default=["async", "generate", "sync", "llm"]
+        "--modes",
+        nargs="+",
+        choices=sorted(set(LABELS) - {"cli-steady", "cli-mid", "async-mid"}),
+        default=["async", "generate", "sync", "llm"],
     )
     ap.add_argument(
         "--pipeline", action="store_true", help=f"modes {' '.join(PIPELINE_MODES)}; page pipeline_parallel.md"
+    )
+    ap.add_argument(
+        "--cli-prompts",
+        type=int,
+        default=None,
+        help="the CLI's rows (default: --prompts); its second "
+        "half's rate is what a long run goes at once the process has touched the memory it keeps",
     )
     ap.add_argument("--batched-tokens", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--max-num-seqs", type=int, default=32)
@@ -309,6 +340,7 @@ def main() -> None:
         max_num_seqs=opts.max_num_seqs,
         batched_tokens=opts.batched_tokens,
         layer_ids=capture,
+        cli_prompts=opts.cli_prompts,
     )
     modes = PIPELINE_MODES if opts.pipeline else opts.modes
     runs = [(mode, None) for mode in modes]
@@ -331,9 +363,11 @@ def main() -> None:
                 side = kept.get((mode, code))
                 got = side.ask() if side else child(__file__, {**base, "mode": mode, "prompts": opts.prompts}, code)
                 rates.setdefault(key, []).append(got["tokens_per_s"])
-                if got.get("steady_tokens_per_s") is not None:
-                    steady = f"{mode}-steady" + ("" if code is None else " (before)")  # each code's own figure
-                    rates.setdefault(steady, []).append(got["steady_tokens_per_s"])
+                for figure, suffix in (("steady_tokens_per_s", "-steady"), ("mid_tokens_per_s", "-mid")):
+                    if got.get(figure) is not None:  # each code's own figure
+                        rates.setdefault(f"{mode}{suffix}" + ("" if code is None else " (before)"), []).append(
+                            got[figure]
+                        )
                 if got.get("cpu_per_k") is not None:
                     cpu.setdefault(key, []).append(got["cpu_per_k"])
                 if got.get("faults_per_k") is not None:
@@ -367,7 +401,8 @@ def main() -> None:
             f"{opts.shape} model ({shape_text}), {opts.prompts} prompts x {opts.length} tokens, "
             f"{'eager' if opts.eager else 'compiled'} engines, max_num_batched_tokens {opts.batched_tokens}, "
             f"max_num_seqs {opts.max_num_seqs}, layers {base['layer_ids']}, {opts.rounds} round(s), medians; "
-            f"every process: {pages_text()}"
+            + (f"the CLI: {opts.cli_prompts} prompts a pass; " if opts.cli_prompts else "")
+            + f"every process: {pages_text()}"
             + (
                 "; engines kept: each mode's one process timed a pass a round, the order reversed every other "
                 "round (the CLI whole each round)"
@@ -379,7 +414,9 @@ def main() -> None:
             label = LABELS[key.split(" ")[0]] + (" [before]" if key.endswith("(before)") else "")
             print(f"  {label:39} {med[key]:10,.0f} tokens/s   (runs: {', '.join(f'{r:,.0f}' for r in rates[key])})")
         for key in rates:
-            for ref in ("llm", "async", "async (before)"):
+            for ref in ("llm", "async", "async (before)", "async-mid"):
+                if (key == "cli-mid") != (ref == "async-mid") or key == "async-mid":
+                    continue  # mid-run rates against each other only
                 if key.startswith("cli") and ref == "llm":
                     continue  # the CLI against the generator: what writing the files costs
                 if key.startswith("cli") and ref.endswith("(before)") != key.endswith("(before)"):
