@@ -88,7 +88,6 @@ LABELS = {
     "cli": "speculators-data-gen (files written)",
     "cli-steady": "the same, to the engine's last sample",
     "cli-mid": "the same, from half to 9/10 of the tokens",
-    "async-mid": "generator, from half to 9/10 of the tokens",
 }
 PIPELINE_MODES = ["mp", "pp2", "pp2-async", "llm-pp2"]
 
@@ -137,16 +136,6 @@ def tree_usage() -> tuple[float, int]:
         except (OSError, IndexError, ValueError):
             continue  # ended meanwhile
     return total, faults
-
-
-def mid_run(tokens: int, began: float):
-    """The marks of a pass (speculators_v016.run.mid_run, timed as the CLI times its own); None with a --before
-    checkout older than them."""
-    try:
-        from speculators_v016.run.mid_run import MidRun  # noqa: PLC0415 - the child's checkout
-    except ImportError:
-        return None
-    return MidRun(tokens, began, clock=time.perf_counter)
 
 
 def cli_rate(args: dict, batch: list[list[int]]) -> dict:
@@ -241,24 +230,22 @@ def start(args: dict) -> tuple[Callable[[], dict], Callable[[], None]]:
 
     def one_pass() -> dict:
         (cpu, faults), began = tree_usage(), time.perf_counter()
-        marks = mid_run(len(batch) * args["length"], began)
         if mode in ("llm", "llm-pp2"):
             llm.generate(as_prompts, params, use_tqdm=False)
         elif mode == "generate":
             gen.generate(batch)
         else:
-            handed = 0
-            for item in gen.stream(batch):  # dropped, as a writer would after saving
-                handed += len(item["input_ids"])
-                if marks is not None:
-                    marks.passed(handed)
+            # dropped, as a writer would after saving; a kept engine's pass is warm: its whole pass is its steady
+            # rate (its samples come about four steps late and its last sixteen at once, so marks inside a pass
+            # of 64 prompts would time its final burst: the CLI's mid-run marks need --cli-prompts 256)
+            for _ in gen.stream(batch):
+                pass
         seconds = time.perf_counter() - began
         cpu_after, faults_after = tree_usage()
         tokens = len(batch) * args["length"]
         return {"tokens_per_s": tokens / seconds, "peak_rss_mib": peak_rss_mib(), "ring": ring,
                 "cpu_per_k": (cpu_after - cpu) / tokens * 1000,
-                "faults_per_k": (faults_after - faults) / tokens * 1000,
-                "mid_tokens_per_s": marks.rate() if marks is not None and mode == "async" else None}  # fmt: skip
+                "faults_per_k": (faults_after - faults) / tokens * 1000}  # fmt: skip
 
     def shut_down() -> None:
         # workers killed at exit leave vLLM's CPU shared memory (PP/TP groups) in /dev/shm
@@ -302,7 +289,7 @@ def main() -> None:
     ap.add_argument(
         "--modes",
         nargs="+",
-        choices=sorted(set(LABELS) - {"cli-steady", "cli-mid", "async-mid"}),
+        choices=sorted(set(LABELS) - {"cli-steady", "cli-mid"}),
         default=["async", "generate", "sync", "llm"],
     )
     ap.add_argument(
@@ -414,9 +401,7 @@ def main() -> None:
             label = LABELS[key.split(" ")[0]] + (" [before]" if key.endswith("(before)") else "")
             print(f"  {label:39} {med[key]:10,.0f} tokens/s   (runs: {', '.join(f'{r:,.0f}' for r in rates[key])})")
         for key in rates:
-            for ref in ("llm", "async", "async (before)", "async-mid"):
-                if (key == "cli-mid") != (ref == "async-mid") or key == "async-mid":
-                    continue  # mid-run rates against each other only
+            for ref in ("llm", "async", "async (before)"):
                 if key.startswith("cli") and ref == "llm":
                     continue  # the CLI against the generator: what writing the files costs
                 if key.startswith("cli") and ref.endswith("(before)") != key.endswith("(before)"):
