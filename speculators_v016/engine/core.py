@@ -95,6 +95,7 @@ class EngineStats:
     tokens: int = 0
     truncated: int = 0
     steps: int = 0
+    computed: int = 0  # tokens of the steps waited for (their scheduled tokens): the forward's progress
     max_in_flight: int = 0
     stepped: float = 0.0  # s the caller's thread spent in vLLM's steps: scheduling and running or launching them,
     # then waiting for their output (where the GPU, the workers or a CPU forward set the pace)
@@ -485,6 +486,7 @@ class CaptureEngine:
             raise
         output, capture = output if step.captured else (output, None)
         self.stats.stepped += time.perf_counter() - began
+        self.stats.computed += step.scheduler_output.total_num_scheduled_tokens
         try:
             if output is None:  # execute_model failed: raise its error
                 self._raise_execute_model_failure(step)

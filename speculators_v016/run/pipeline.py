@@ -540,7 +540,8 @@ def _generate(
     total_tokens = work.tokens(pending)  # None: a regenerating run's, not known before the target writes them
     started, cpu_before = time.monotonic(), os.times()
     streamed = None  # s from the clock's start to the engine's last sample (the rest: the last files' writes)
-    marks = MidRun(total_tokens, started)  # when the engine's samples passed half and nine tenths of the tokens
+    marks = MidRun(total_tokens, started)  # when the forward passed half and nine tenths of the tokens
+    computed = stats.computed  # the forward's tokens before the clock (none: warm-ups reset the stats)
     by_samples = total_tokens is None  # then the bar counts samples (its ETA), the tokens go in its postfix
     bar = tqdm(
         total=len(pending) if by_samples else total_tokens,
@@ -578,7 +579,7 @@ def _generate(
                 proven_names.add(name)
             hold.admit(index, name, sample, record)
             summary.tokens += len(ids)
-            marks.passed(summary.tokens)
+            marks.passed(stats.computed - computed)  # the steps' progress, not the samples' (which come in bursts)
             bar.update((1 + (take_dropped() if take_dropped else 0)) if by_samples else len(ids))
             if by_samples:
                 bar.set_postfix_str(f"{summary.tokens / max(time.monotonic() - started, 1e-9):,.0f} tok/s", False)

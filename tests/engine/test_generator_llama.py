@@ -140,6 +140,13 @@ def test_chunked_prefill_was_exercised(generator, results):
     assert generator.engine.stats.steps >= 700 // 256 + 1
 
 
+def test_the_stats_count_the_tokens_the_steps_computed(generator, prompts):
+    """EngineStats.computed grows by each step's scheduled tokens: every token of a prompt, once (the mid-run rate's)."""
+    before = generator.engine.stats.computed
+    generator.generate([prompts[2]])
+    assert generator.engine.stats.computed - before == len(prompts[2])
+
+
 def test_one_by_one_equals_batched(generator, prompts, results):
     """Prompts run alone (repeated generate() calls) give the batched states within 1e-5."""
     for i in (0, 3, 6):
