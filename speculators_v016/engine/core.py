@@ -95,7 +95,8 @@ class EngineStats:
     tokens: int = 0
     truncated: int = 0
     steps: int = 0
-    computed: int = 0  # tokens of the steps waited for (their scheduled tokens): the forward's progress
+    computed: int = 0  # tokens of the steps waited for (their scheduled tokens): the forward's progress (a request
+    # vLLM preempts and computes again counts twice: rare in prefill runs)
     max_in_flight: int = 0
     stepped: float = 0.0  # s the caller's thread spent in vLLM's steps: scheduling and running or launching them,
     # then waiting for their output (where the GPU, the workers or a CPU forward set the pace)

@@ -540,8 +540,11 @@ def _generate(
     total_tokens = work.tokens(pending)  # None: a regenerating run's, not known before the target writes them
     started, cpu_before = time.monotonic(), os.times()
     streamed = None  # s from the clock's start to the engine's last sample (the rest: the last files' writes)
-    marks = MidRun(total_tokens, started)  # when the forward passed half and nine tenths of the tokens
-    computed = stats.computed  # the forward's tokens before the clock (none: warm-ups reset the stats)
+    # the forward's progress when the samples handed over pass half and nine tenths (prefill runs: their samples
+    # are the pending rows; a regenerating run's turns are not known before the target writes them)
+    marks = MidRun(None if opts.regenerate else len(pending), started)
+    before_marks = stats.computed, stats.steps  # the engine's count before the clock (a warm-up's, where none reset)
+    handed = 0
     by_samples = total_tokens is None  # then the bar counts samples (its ETA), the tokens go in its postfix
     bar = tqdm(
         total=len(pending) if by_samples else total_tokens,
@@ -579,7 +582,8 @@ def _generate(
                 proven_names.add(name)
             hold.admit(index, name, sample, record)
             summary.tokens += len(ids)
-            marks.passed(stats.computed - computed)  # the steps' progress, not the samples' (which come in bursts)
+            handed += 1
+            marks.passed(handed, stats.computed - before_marks[0], stats.steps - before_marks[1])
             bar.update((1 + (take_dropped() if take_dropped else 0)) if by_samples else len(ids))
             if by_samples:
                 bar.set_postfix_str(f"{summary.tokens / max(time.monotonic() - started, 1e-9):,.0f} tok/s", False)

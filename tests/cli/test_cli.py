@@ -77,6 +77,23 @@ def test_demo_runs_and_verifies(tmp_path):
         assert float(paths[3]) == 0 and float(paths[1]) > 50, paths.group(0)
 
 
+def test_a_run_of_many_steps_says_its_mid_run_rate(model_dir, data_file, tmp_path):
+    """A run of many small steps ends its host line with the forward's rate from half to nine tenths of the samples."""
+    result = invoke(
+        "--target-model-path", model_dir, "--train-data-path", data_file, "--output-dir", tmp_path / "out",
+        "--seq-length", 256, "--max-num-batched-tokens", 64, "--max-num-seqs", 4, "--logit-check-samples", 0,
+        "--token-freq-path", "",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output[-3000:]
+    whole = re.search(r"of generation to the last file made durable \(([\d,]+) tokens/s", result.output)
+    mid = re.search(r"; from half to nine tenths of the tokens at ([\d,]+) tokens/s\n", result.output)
+    assert whole and mid, result.output[-3000:]
+    rates = [float(found[1].replace(",", "")) for found in (whole, mid)]
+    assert rates[0] / 5 < rates[1] < rates[0] * 5, rates  # the same forward, timed over its middle
+    config = json.loads((tmp_path / "out" / "data_config.json").read_text())
+    assert config["speculators_v016"]["last_run"]["host"]["mid_run_rate"] == pytest.approx(rates[1], abs=1)
+
+
 def test_reference_run_is_complete_and_exact(reference_run, model_dir):
     """Every sample is written, verified, and equals transformers within 1e-5."""
     config = json.loads((reference_run / "data_config.json").read_text())

@@ -9,7 +9,7 @@ import pytest
 
 from speculators_v016.run import huge_pages, run_report
 from speculators_v016.run.console import Console
-from speculators_v016.run.mid_run import MidRun
+from speculators_v016.run.mid_run import MIN_STEPS, MidRun
 from speculators_v016.run.pipeline import RunSummary, SelfCheckError
 from speculators_v016.run.run_report import exit_code, run_and_report
 from speculators_v016.store.manifest import ManifestError
@@ -116,20 +116,27 @@ def test_the_summary_says_where_the_host_time_went(tmp_path):
     )
 
 
-def test_the_mid_run_rate_is_timed_between_half_and_nine_tenths_of_the_tokens():
-    """MidRun times the tokens between the samples passing half and nine tenths of the run's; None without both."""
+def test_the_mid_run_rate_is_the_forwards_between_half_and_nine_tenths_of_the_samples():
+    """MidRun times the tokens computed between the samples passing half and nine tenths of the run's; None without
+    both marks, with both at one reading, or with fewer than MIN_STEPS steps between them."""
     now = [0.0]
-    marks = MidRun(1000, started=0.0, clock=lambda: now[0])
-    for tokens, at in ((300, 5.0), (520, 9.0), (700, 10.0), (910, 11.0), (1000, 30.0)):  # a slow start and drain
+    marks = MidRun(10, started=0.0, clock=lambda: now[0])
+    # (samples handed, tokens computed, steps, s): samples come late and the last ones at once, the forward ahead
+    for handed, computed, steps, at in ((1, 3000, 6, 5.0), (5, 5000, 10, 9.0), (7, 7000, 14, 10.0),
+                                        (9, 9000, 18, 11.0), (10, 10000, 20, 11.0)):  # fmt: skip
         now[0] = at
-        marks.passed(tokens)
-    assert marks.at == [(520, 9.0), (910, 11.0)]
-    assert marks.rate() == (910 - 520) / (11.0 - 9.0)
-    one = MidRun(1000, started=0.0, clock=lambda: 4.0)
-    one.passed(1000)  # one sample past both marks: no interval to time
+        marks.passed(handed, computed, steps)
+    assert marks.at == [(5000, 10, 9.0), (9000, 18, 11.0)]
+    assert marks.rate() == (9000 - 5000) / (11.0 - 9.0)
+    few = MidRun(10, started=0.0, clock=lambda: now[0])
+    few.passed(5, 5000, 10)
+    few.passed(9, 9000, 10 + MIN_STEPS - 1)  # a step's granularity would make most of the figure
+    assert few.rate() is None
+    one = MidRun(10, started=0.0, clock=lambda: 4.0)
+    one.passed(10, 10000, 20)  # both marks at one reading: no interval to time
     assert one.rate() is None
-    unknown = MidRun(None, started=0.0)  # --regenerate: the tokens are not known before the run
-    unknown.passed(10**6)
+    unknown = MidRun(None, started=0.0)  # --regenerate: the samples are not known before the run
+    unknown.passed(10**6, 10**9, 10**4)
     assert unknown.rate() is None
 
 

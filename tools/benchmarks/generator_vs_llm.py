@@ -412,6 +412,10 @@ def main() -> None:
                     continue  # each code's CLI against its own generator
                 if key != ref and ref in med and key != "llm" and (ref != "async" or not key.endswith("(before)")):
                     # each round's runs side by side (one machine state): the ratio noise moves least
+                    if len(rates[key]) != len(rates[ref]):  # a round without the figure (a CLI too short for it)
+                        print(f"  ratio {key:>16} / {ref:<15} {med[key] / med[ref]:.2f}x of the medians (not every "
+                              "round had both)")  # fmt: skip
+                        continue
                     rounds = [mine / theirs for mine, theirs in zip(rates[key], rates[ref])]
                     print(
                         f"  ratio {key:>16} / {ref:<15} {med[key] / med[ref]:.2f}x of the medians; per round "
