@@ -303,8 +303,9 @@ def main() -> None:
         "--cli-prompts",
         type=int,
         default=None,
-        help="the CLI's rows (default: --prompts); its second "
-        "half's rate is what a long run goes at once the process has touched the memory it keeps",
+        help="the CLI's rows (default: --prompts): enough that its mid-run rate (from half to nine tenths of its "
+        "samples) is past its process's first touch of memory; the cli and cli-steady ratios then compare runs of "
+        "different sizes",
     )
     ap.add_argument("--batched-tokens", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--max-num-seqs", type=int, default=32)
