@@ -32,7 +32,9 @@ a finite sum proves every value of the step's rows finite and the writers
 need not read the bytes to test them (``StepCapture.finite``). The converse
 does not hold: finite values whose sum overflows float32 leave the step
 unproven, and the writers test its bytes, as they test every step of a CPU
-engine and the direct path. The sum reads the staging buffer once more on
+engine and the direct path. On CUDA with Triton the fill and the sum are one
+pass (:mod:`~speculators_v016.worker.staged_sum`: each row read once,
+copied and summed); elsewhere the sum reads the staging buffer once more on
 the device (~0.15 ms for 448 MiB on an H100; a step of that size runs
 ~50 ms). With FP8 storage the sum is of the step's scales (4 bytes a row):
 a row holding NaN or Inf gets a NaN or Inf scale (:mod:`speculators_v016.fp8`),
@@ -69,6 +71,8 @@ from speculators_v016.worker.row_placement import destinations
 MAX_BUDGET_SHARE = 0.25
 #: Device memory left free after the staging buffers (allocator slack, the profile run's first blocks).
 FREE_HEADROOM_BYTES = 512 * 2**20
+#: Partial float32 sums the one-pass fill and proof adds rows into (spread over addresses), before their total.
+PROOF_PARTIALS = 64
 
 
 @dataclass(frozen=True)
@@ -176,8 +180,12 @@ class StagingCopier:
         self.fp8 = fp8
         self.buffers = [self._buffer(shape, dtype, device) for _ in range(plan.buffers)]
         self.copy_stream = self.streams.new_stream()
-        #: each buffer's float32 sum (FP8: of its scales), the NaN/Inf proof
-        self.sums = torch.zeros(plan.buffers, dtype=torch.float32, device=device)
+        #: each buffer's float32 sum (FP8: of its scales), the NaN/Inf proof; then the one-pass fill's partial sums
+        sums = torch.zeros(plan.buffers + PROOF_PARTIALS, dtype=torch.float32, device=device)
+        self.sums, self.partials = sums[: plan.buffers], sums[plan.buffers :]
+        self._one_pass = device.type == "cuda" and not fp8 and _one_pass_kernel() is not None
+        if self._one_pass:  # the kernel compiled now, at the engine's start, not in a run's first step
+            self.fill_and_prove(self.buffers[0], [torch.zeros_like(self.buffers[0][0, :1])], 1, self.sums[0])
         self._drained: list[Any] = [None] * plan.buffers  # event after each buffer's last device-to-host copy
         self._next = 0
 
@@ -212,9 +220,10 @@ class StagingCopier:
         compute = self.streams.compute()
         if self._drained[index] is not None:
             compute.wait_event(self._drained[index])  # on the device: the buffer's previous copy-out is done
-        self.fill(stage, aux, total)
-        if proof is not None:  # on the compute stream, after the fill: what the slot will hold
-            self.prove(stage, total, self.sums[index])
+        if proof is None or not self.fill_and_prove(stage, aux, total, self.sums[index]):
+            self.fill(stage, aux, total)
+            if proof is not None:  # on the compute stream, after the fill: what the slot will hold
+                self.prove(stage, total, self.sums[index])
         staged = self.streams.new_event()
         staged.record(compute)
         self.copy_stream.wait_event(staged)
@@ -234,6 +243,20 @@ class StagingCopier:
                 fp8.quantize_into(layer[:total], stage.codes[j, :total], stage.scales[j, :total])
             else:
                 stage[j, :total].copy_(layer[:total])
+
+    def fill_and_prove(self, stage: Any, aux: Sequence[torch.Tensor], total: int, out: torch.Tensor) -> bool:
+        """:meth:`fill` and :meth:`prove` in one pass over the rows (CUDA, Triton, rows not FP8); False, having
+        done nothing, where the kernel does not apply (then the two passes)."""
+        kernel = _one_pass_kernel() if self._one_pass else None
+        if kernel is None or isinstance(stage, Fp8Buffers):
+            return False
+        if not all(kernel.usable(layer[:total], stage[j, :total], self.partials) for j, layer in enumerate(aux)):
+            return False
+        self.partials.zero_()
+        for j, layer in enumerate(aux):
+            kernel.copy_and_add(layer[:total], stage[j, :total], self.partials)
+        torch.sum(self.partials, dim=0, out=out)
+        return True
 
     @staticmethod
     def prove(stage: torch.Tensor | Fp8Buffers, total: int, out: torch.Tensor) -> None:
@@ -270,3 +293,13 @@ class StagingCopier:
         self._drained = [None] * len(self.buffers)
         self.buffers = []
         self.sums = self.sums.new_empty(0)  # the NaN/Inf proof's sums go with the buffers (no device memory)
+        self.partials = self.sums
+
+
+def _one_pass_kernel() -> Any:
+    """:mod:`~speculators_v016.worker.staged_sum` where Triton is installed (vLLM's GPU installs), else None."""
+    try:
+        from speculators_v016.worker import staged_sum  # noqa: PLC0415 - Triton, CUDA only
+    except ImportError:
+        return None
+    return staged_sum
