@@ -334,6 +334,7 @@ class Capture:
         self.copy_info = {
             "copy_path": self.copier.name,
             "staging": plan.describe(),
+            **({"staging_fill": staging.fill_path} if staging is not None else {}),
             "staging_in_model_memory": self._account(runner, plan, quant_bytes),
         }
 

@@ -71,8 +71,10 @@ from speculators_v016.worker.row_placement import destinations
 MAX_BUDGET_SHARE = 0.25
 #: Device memory left free after the staging buffers (allocator slack, the profile run's first blocks).
 FREE_HEADROOM_BYTES = 512 * 2**20
-#: Partial float32 sums the one-pass fill and proof adds rows into (spread over addresses), before their total.
-PROOF_PARTIALS = 64
+#: Partial float32 sums a buffer's one-pass fill and proof adds its rows into (spread over addresses), before
+#: their total: each buffer has its own, so a step's partials are ordered after that buffer's last drain, as its
+#: rows are, whatever stream a step runs on.
+PROOF_PARTIALS = 32
 
 
 @dataclass(frozen=True)
@@ -180,12 +182,13 @@ class StagingCopier:
         self.fp8 = fp8
         self.buffers = [self._buffer(shape, dtype, device) for _ in range(plan.buffers)]
         self.copy_stream = self.streams.new_stream()
-        #: each buffer's float32 sum (FP8: of its scales), the NaN/Inf proof; then the one-pass fill's partial sums
-        sums = torch.zeros(plan.buffers + PROOF_PARTIALS, dtype=torch.float32, device=device)
-        self.sums, self.partials = sums[: plan.buffers], sums[plan.buffers :]
-        self._one_pass = device.type == "cuda" and not fp8 and _one_pass_kernel() is not None
-        if self._one_pass:  # the kernel compiled now, at the engine's start, not in a run's first step
-            self.fill_and_prove(self.buffers[0], [torch.zeros_like(self.buffers[0][0, :1])], 1, self.sums[0])
+        #: each buffer's float32 sum (FP8: of its scales), the NaN/Inf proof; then each buffer's partial sums
+        sums = torch.zeros(plan.buffers * (1 + PROOF_PARTIALS), dtype=torch.float32, device=device)
+        self.sums = sums[: plan.buffers]
+        self.partials = sums[plan.buffers :].view(plan.buffers, PROOF_PARTIALS)
+        self._one_pass = False
+        #: how the staged rows are filled and proven (set-up info: ``copy_info["staging_fill"]``)
+        self.fill_path = self._start_one_pass(device)
         self._drained: list[Any] = [None] * plan.buffers  # event after each buffer's last device-to-host copy
         self._next = 0
 
@@ -220,7 +223,7 @@ class StagingCopier:
         compute = self.streams.compute()
         if self._drained[index] is not None:
             compute.wait_event(self._drained[index])  # on the device: the buffer's previous copy-out is done
-        if proof is None or not self.fill_and_prove(stage, aux, total, self.sums[index]):
+        if proof is None or not self.fill_and_prove(index, aux, total):
             self.fill(stage, aux, total)
             if proof is not None:  # on the compute stream, after the fill: what the slot will hold
                 self.prove(stage, total, self.sums[index])
@@ -244,18 +247,41 @@ class StagingCopier:
             else:
                 stage[j, :total].copy_(layer[:total])
 
-    def fill_and_prove(self, stage: Any, aux: Sequence[torch.Tensor], total: int, out: torch.Tensor) -> bool:
-        """:meth:`fill` and :meth:`prove` in one pass over the rows (CUDA, Triton, rows not FP8); False, having
-        done nothing, where the kernel does not apply (then the two passes)."""
+    def _start_one_pass(self, device: torch.device) -> str:
+        """Whether :meth:`fill_and_prove` is used, its kernel compiled now (at the engine's start, not in a run's
+        first step) on one row of buffer 0; any failure leaves the two passes, and the reason says so."""
+        if self.fp8:
+            return "FP8: quantized on the device, its scales summed"
+        if device.type != "cuda":
+            return f"copy, then sum (a {device.type} device)"
+        if _one_pass_kernel() is None:
+            return "copy, then sum (Triton is not installed)"
+        self._one_pass = True
+        try:
+            taken = self.fill_and_prove(0, [torch.zeros_like(self.buffers[0][0, :1])], 1)
+        except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here: the torch passes, said why
+            taken, why = False, f"{type(exc).__name__}: {exc}"
+        else:
+            why = "the kernel does not take the staging buffers' layout"
+        if not taken:
+            self._one_pass = False
+            return f"copy, then sum (the one-pass kernel failed at set-up: {why})"
+        return "copy and sum in one pass (Triton)"
+
+    def fill_and_prove(self, index: int, aux: Sequence[torch.Tensor], total: int) -> bool:
+        """:meth:`fill` and :meth:`prove` of buffer ``index`` in one pass over the rows (CUDA, Triton, rows not
+        FP8), its proof into ``sums[index]``; False, having done nothing, where the kernel does not apply (then
+        the two passes)."""
         kernel = _one_pass_kernel() if self._one_pass else None
+        stage, partials = self.buffers[index], self.partials[index]
         if kernel is None or isinstance(stage, Fp8Buffers):
             return False
-        if not all(kernel.usable(layer[:total], stage[j, :total], self.partials) for j, layer in enumerate(aux)):
+        if not all(kernel.usable(layer[:total], stage[j, :total], partials) for j, layer in enumerate(aux)):
             return False
-        self.partials.zero_()
+        partials.zero_()
         for j, layer in enumerate(aux):
-            kernel.copy_and_add(layer[:total], stage[j, :total], self.partials)
-        torch.sum(self.partials, dim=0, out=out)
+            kernel.copy_and_add(layer[:total], stage[j, :total], partials)
+        torch.sum(partials, dim=0, out=self.sums[index])
         return True
 
     @staticmethod

@@ -49,8 +49,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 TOKENS, LAYERS, HIDDEN, DTYPE = 8192, 4, 7168, torch.bfloat16
 STEP_BYTES = TOKENS * LAYERS * HIDDEN * 2
-#: the staged copies' NaN/Inf proof beside their 2 buffers: a float32 sum each, in the caching allocator's smallest
-#: block (512 bytes)
+#: the staged copies' NaN/Inf proof beside their 2 buffers: a float32 sum each and 32 partial sums each for the
+#: one-pass fill (66 floats), in the caching allocator's smallest block (512 bytes)
 PROOF_SUMS_BYTES = 512
 STEP_ROWS = [8192, 5000, 8192, 37, 8192, 6144, 8192, 8192, 1, 8192, 8192, 8192]
 GIB = 2**30
@@ -282,6 +282,7 @@ def test_staging_is_accounted_and_falls_back_when_it_does_not_fit(runner):
         worker = attach(runner, ring, "auto")
         info = worker._speculators_capture.copy_info
         assert info["staging"]["bytes"] == 2 * STEP_BYTES and info["staging_in_model_memory"]
+        assert info["staging_fill"] == "copy and sum in one pass (Triton)", info
         assert runner.model_memory_usage == 2 * STEP_BYTES
         worker.speculators_capture_close()
         small = attach(runner, ring, "off", budget=None)  # re-attach on the same ring: direct, un-accounted

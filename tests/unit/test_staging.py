@@ -249,3 +249,72 @@ def test_the_fp8_proof_is_finite_exactly_for_finite_rows():
         proof, dst = prove_fp8(faulty)
         assert not torch.isfinite(torch.tensor(proof)), bad
         assert not torch.isfinite(dst.scales[2, 17]), bad  # what the writers' test would have found
+
+
+class TorchOnePass:
+    """Stands in for worker/staged_sum.py on CPU (its Triton kernel runs on CUDA only): the same contract in torch,
+    each call logged on the stream it is issued on; ``refuse`` names layers whose rows it does not take."""
+
+    def __init__(self, streams: FakeStreams, refuse: int | None = None):
+        self.streams, self.refuse, self.calls = streams, refuse, 0
+
+    def usable(self, rows, staged, partials):
+        return rows.shape[1] != self.refuse
+
+    def copy_and_add(self, rows, staged, partials):
+        self.calls += 1
+        staged.copy_(rows)
+        partials[self.calls % partials.numel()] += rows.float().sum()
+        self.streams.log.append(("one-pass", self.streams.current))
+
+
+def one_pass_copier(monkeypatch, refuse: int | None = None):
+    from speculators_v016.worker import staging  # noqa: PLC0415 - its kernel lookup replaced for this test
+
+    streams = FakeStreams()
+    kernel = TorchOnePass(streams, refuse)
+    monkeypatch.setattr(staging, "_one_pass_kernel", lambda: kernel)
+    copier = LoggingCopier(StagingPlan(True, 2, 0, "test"), (3, 16, 8), torch.float32, torch.device("cpu"), streams)
+    assert copier.fill_path == "copy, then sum (a cpu device)"  # CPU: never the kernel of its own accord
+    copier._one_pass = True
+    return copier, streams, kernel
+
+
+def test_the_one_pass_fill_runs_on_the_compute_stream_before_the_staged_event(monkeypatch):
+    """With the one-pass kernel a step's rows are copied and summed on the compute stream after the buffer's last
+    drain and before its staged event; each buffer's partials start from zero, so a NaN step leaves the next
+    step on that buffer proven."""
+    copier, streams, kernel = one_pass_copier(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    proofs = []
+    for step in range(4):
+        aux = [torch.randn(16, 8, generator=gen) for _ in range(3)]
+        if step == 1:
+            aux[2][4, 3] = float("nan")
+        dst, proof = torch.empty((3, 10, 8)), torch.full((), -1.0)
+        copier.copy(aux, 10, dst, proof)
+        assert torch.equal(dst.view(torch.int32), torch.stack([a[:10] for a in aux]).view(torch.int32))
+        proofs.append(float(proof))
+        if step == 0:
+            assert abs(proofs[0] - float(torch.stack([a[:10] for a in aux]).double().sum())) < 1e-4
+    assert kernel.calls == 12 and not any(entry[0] == "fill" for entry in streams.log)
+    assert [torch.isfinite(torch.tensor(p)).item() for p in proofs] == [True, False, True, True]
+    i = 0
+    for step in range(4):  # per step: [wait on the buffer's drain,] three one-pass calls on compute, then staged
+        if step >= 2:
+            assert streams.log[i][:2] == ("wait", "compute"), streams.log[i]
+            i += 1
+        assert streams.log[i : i + 3] == [("one-pass", "compute")] * 3, streams.log[i : i + 4]
+        assert streams.log[i + 3][:2] == ("record", "compute")
+        i += 7  # staged, the copy stream's wait, drain, drained
+
+
+def test_a_layer_the_kernel_does_not_take_sends_the_whole_step_to_two_passes(monkeypatch):
+    """Where one layer's rows do not suit the kernel, nothing is one-pass: the step is filled and summed by torch."""
+    copier, streams, kernel = one_pass_copier(monkeypatch, refuse=8)
+    aux = [torch.randn(16, 8) for _ in range(3)]
+    aux[1][2, 2] = float("inf")
+    dst, proof = torch.empty((3, 5, 8)), torch.full((), -1.0)
+    copier.copy(aux, 5, dst, proof)
+    assert kernel.calls == 0 and ("fill", "compute", 0) in streams.log
+    assert torch.equal(dst, torch.stack([a[:5] for a in aux])) and not torch.isfinite(torch.tensor(float(proof)))
