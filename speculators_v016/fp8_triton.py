@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from speculators_v016.triton_rows import row_launch
+
 
 @triton.jit
 def _quantize_rows(rows, row_stride, codes, code_stride, scales, hidden, e4m3_max, min_scale, BLOCK: tl.constexpr):
@@ -46,8 +48,7 @@ def quantize_into(
     count, hidden = rows.shape
     if count == 0:
         return
-    block = triton.next_power_of_2(hidden)
-    warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
+    block, warps = row_launch(hidden)
     _quantize_rows[(count,)](
         rows, rows.stride(0), codes, codes.stride(0), scales, hidden, e4m3_max, min_scale, BLOCK=block, num_warps=warps
     )

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from speculators_v016.triton_rows import row_launch
+
 #: Widest row one program holds (elements); wider rows take the torch path.
 MAX_BLOCK = 32768
 
@@ -64,8 +66,7 @@ def copy_and_add(rows: torch.Tensor, staged: torch.Tensor, partials: torch.Tenso
     count, hidden = rows.shape
     if count == 0:
         return
-    block = triton.next_power_of_2(hidden)
-    warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
+    block, warps = row_launch(hidden)
     _copy_rows_and_sum[(count,)](
         rows,
         rows.stride(0),
