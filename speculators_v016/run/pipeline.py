@@ -58,7 +58,7 @@ from speculators_v016.store import checksum as checksums
 from speculators_v016.store import disk_forecast, run_config
 from speculators_v016.store.atomic_files import WriteError
 from speculators_v016.store.manifest import Manifest
-from speculators_v016.store.outdir import OutputDir, ShardedRoot, shard_dir
+from speculators_v016.store.outdir import OutputDir, ShardedRoot, shard_dir, shard_siblings
 from speculators_v016.store.regenerated import NOT_GENERATED, STOPPED, not_generated
 from speculators_v016.store.sample_format import DATA_ALIGN, MODEL_ARGS_KEY, parse_sample_name
 from speculators_v016.store.writer import SampleWriter
@@ -210,6 +210,7 @@ def _run_work(opts, work, target, model_config, directory, plan, summary, starte
     if not work.count:
         raise PromptError(f"no usable sample in {list(opts.train_data_path)} (skipped: {dict(work.skipped)})")
     fp = fingerprint(opts, work, list(plan.layer_ids))
+    _check_shards(opts, directory, fp)
     has_samples = any(parse_sample_name(p.name) for p in directory.iterdir())
     existing = run_config.check_resume(directory, fp, has_samples)
     if existing is not None and not opts.regenerate:
@@ -295,7 +296,15 @@ def _run_work(opts, work, target, model_config, directory, plan, summary, starte
     summary.seconds = time.monotonic() - started
     config["speculators_v016"]["last_run"] = asdict(summary)
     run_config.save(directory, config)
+    _check_shards(opts, directory, fp)  # again: a shard started beside this one, before either had its config
     return summary
+
+
+def _check_shards(opts: RunConfig, directory: Path, fp: dict) -> None:
+    """A shard's settings against its sibling shards' (:func:`~speculators_v016.store.run_config.check_shards_agree`)."""
+    if opts.num_shards > 1:
+        siblings = shard_siblings(Path(opts.output_dir), opts.shard_index, opts.num_shards)
+        run_config.check_shards_agree(directory, fp, siblings)
 
 
 def pending_positions(mine: np.ndarray, start_idx: int, done, settled) -> np.ndarray:

@@ -156,6 +156,13 @@ def shard_dir(root: Path, index: int, count: int) -> Path:
     return root if count == 1 else root / shard_name(index, count)
 
 
+def shard_siblings(root: Path, index: int, count: int) -> list[Path]:
+    """The other shard folders of a run split ``count`` ways in ``root`` (a link among them is refused by
+    :class:`ShardedRoot`'s check, and :func:`speculators_v016.store.run_config.load` never reads through one)."""
+    names = (SHARD_DIR.match(n) for n in os.listdir(root))
+    return sorted(Path(root) / m.group(0) for m in names if m and int(m.group(2)) == count and int(m.group(1)) != index)
+
+
 class OutputDir:
     """The folder one unsharded run or one shard writes. ``inside``: a folder of ours inside the user's
     ``--output-dir`` (a shard's), which must not itself be a link."""

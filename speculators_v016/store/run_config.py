@@ -236,6 +236,54 @@ def _refuse_sizes_only(directory: Path, ours, fingerprint: dict) -> None:
         )
 
 
+class ShardMismatchError(ResumeMismatchError):
+    """Another shard folder of the same ``--output-dir`` was made with other settings."""
+
+
+def shared_settings(fingerprint) -> dict:
+    """What every shard of one run must share: the fingerprint less the shard's own index and less the places
+    files were read from (``path``: a model or a dataset mounted elsewhere on another host), their contents'
+    digests kept; secrets left out as the resume check leaves them."""
+
+    def strip(value):
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k != "path"}
+        if isinstance(value, list):
+            return [strip(v) for v in value]
+        return value
+
+    out = strip(without_secrets(_with_defaults(fingerprint)))
+    if isinstance(out, dict) and isinstance(out.get("generation"), dict):
+        out["generation"].pop("shard_index", None)
+    return out
+
+
+def check_shards_agree(directory: Path, fingerprint: dict, siblings: list[Path]) -> None:
+    """Raise ShardMismatchError where a sibling shard folder's ``data_config.json`` holds other shared settings
+    (:func:`shared_settings`) than ``fingerprint``: their samples would be one dataset to a trainer, its rows
+    drawn in another order, other layers or another target mixed in. A sibling without the file yet (a shard
+    starting) is passed over; one whose file is not ours is refused."""
+    mine = shared_settings(fingerprint)
+    for other in siblings:
+        config = load(other)
+        if config is None:
+            continue
+        theirs = config.get("speculators_v016", {}).get("fingerprint") if isinstance(config, dict) else None
+        if not isinstance(theirs, dict):
+            raise ShardMismatchError(
+                f"{other}/{CONFIG} was not written by speculators-data-gen (no fingerprint): {directory} cannot be "
+                "proven to belong to the same run; use another --output-dir"
+            )
+        diff = differences(shared_settings(theirs), mine)
+        if diff:
+            raise ShardMismatchError(
+                f"{directory} would be a shard of the same run as {other}, which was made with other settings: "
+                "a trainer reading the folder would mix the two. Differs:\n  "
+                + "\n  ".join(redact(diff))
+                + f"\nGive every shard of {directory.parent} the same settings, or use another --output-dir."
+            )
+
+
 def save(directory: Path, config: dict) -> None:
     """Write ``data_config.json``, secrets redacted (a folder of an earlier release may hold them)."""
     text = json.dumps(redact(config), indent=2, sort_keys=False) + "\n"

@@ -36,7 +36,8 @@ import torch
 
 from speculators_v016 import fp8
 from speculators_v016.checks.degenerate import degenerate_layers
-from speculators_v016.store import checksum, no_links, regenerated
+from speculators_v016.redact import redact
+from speculators_v016.store import checksum, no_links, regenerated, run_config
 from speculators_v016.store.atomic_files import TMP_PREFIX
 from speculators_v016.store.manifest import Manifest, ManifestError
 from speculators_v016.store.outdir import CONFIG, SHARD_DIR, is_ours, unsharded_run_files
@@ -181,6 +182,32 @@ def _tokenizer_of(folder: Path, settings: FolderSettings, report: Report):
     except Exception as exc:  # noqa: BLE001 - a tokenizer that does not load is a note, not a crash
         report.notes.append(f"{unchecked}: the tokenizer at {where} does not load ({type(exc).__name__})")
         return None
+
+
+def _shards_agree(folders: list[Path], report: Report) -> None:
+    """Shard folders made with other shared settings (another seed, layers, sequence length, target, dataset: a
+    trainer would mix them as one dataset) are a finding, naming the first folder and what differs."""
+    made = []
+    for folder in folders:
+        try:
+            config = run_config.load(folder)
+        except run_config.ResumeMismatchError:
+            continue  # the folder's own check names it
+        fingerprint = config.get("speculators_v016", {}).get("fingerprint") if isinstance(config, dict) else None
+        if isinstance(fingerprint, dict):
+            made.append((folder, fingerprint))
+    for folder, fingerprint in made[1:]:
+        try:
+            run_config.check_shards_agree(folder, fingerprint, [made[0][0]])
+        except run_config.ShardMismatchError:
+            diff = run_config.differences(
+                run_config.shared_settings(made[0][1]), run_config.shared_settings(fingerprint)
+            )
+            report.problems.append(
+                f"{folder}: made with other settings than {made[0][0]}, yet in one folder: "
+                + "; ".join(redact(diff[:6]))
+                + (f"; and {len(diff) - 6} more" if len(diff) > 6 else "")
+            )
 
 
 def _skipped(last_run) -> int:
@@ -430,6 +457,7 @@ def verify(root: str | Path, partial: bool = False, deep: bool = True) -> Report
         report.problems.append(f"{root}: cannot be listed ({exc.strerror or exc})")
         return report
     ours = [s for s in (verify_folder(f, report, seen, partial, deep) for f in folders) if s]
+    _shards_agree(folders, report)
     if ours and not partial:
         counts = {o.shard_count for o in ours}
         totals = {o.dataset_samples for o in ours}

@@ -19,6 +19,7 @@ from helpers.cli import CPU, assert_one_voice, conversations, invoke, load_all, 
 from helpers.direct import writer_goes_direct
 from helpers.reference import TOLERANCE, hf_layer_outputs
 from speculators_v016.config import ConfigError, RunConfig, launcher_shards
+from speculators_v016.exit_codes import ExitCode
 from speculators_v016.run import huge_pages
 from speculators_v016.run.cli import _join_multi_value
 from speculators_v016.store.manifest import Manifest
@@ -209,6 +210,23 @@ def test_two_shards_verify_as_one(tmp_path, model_dir, data_file, reference_run)
         for i, sample in load_all(out / f"shard-{shard:05d}-of-00002").items():
             assert i % 2 == shard
             assert torch.equal(sample["input_ids"], reference[i]["input_ids"])
+
+
+def test_a_shard_with_another_seed_than_its_sibling_is_refused(tmp_path, model_dir, data_file):
+    """Shard 1 of 2 with --seed 1 beside shard 0 made with the default seed: refused before its engine starts,
+    naming the seed and shard 0's folder; shard 0's samples are kept and shard 1 writes none."""
+    out = tmp_path / "sharded"
+    common = ("--target-model-path", model_dir, "--train-data-path", data_file, "--output-dir", out,
+              "--seq-length", 256, "--token-freq-path", "", "--num-shards", 2)  # fmt: skip
+    assert invoke(*common, "--shard-index", 0).exit_code == 0
+    first = out / "shard-00000-of-00002"
+    kept = sorted(p.name for p in first.iterdir())
+    result = invoke(*common, "--shard-index", 1, "--seed", 1)
+    assert result.exit_code == ExitCode.OUTPUT_REFUSED, result.output
+    assert "made with other settings" in result.output and "preprocessing.seed: 0 -> 1" in result.output
+    assert str(first) in result.output
+    assert sorted(p.name for p in first.iterdir()) == kept
+    assert not [p for p in (out / "shard-00001-of-00002").iterdir() if p.name.endswith(".safetensors")]
 
 
 def test_one_shard_alone_does_not_verify_as_complete(tmp_path, model_dir, data_file):
