@@ -53,7 +53,7 @@ from speculators_v016.run.turns import BadRowError, ChatRow, messages
 READING = (
     "roles read in any case, tool turns rendered (tools=), loss mask on each assistant turn's text found by "
     "rendering turn by turn, special tokens in a turn's text refused, rows far past seq_length skipped unread, "
-    "turn dropout drawn in the run's order"
+    "turn dropout drawn in the run's order, a row's 'system' prompt its first turn, turn fields not read refused"
 )
 
 #: a turn's probe text: letters and digits only, which no template trims, splits or escapes

@@ -1,7 +1,7 @@
 """The plain conversation row, as a type: what the row index reads in bulk, and its content as a hashable key.
 
 Most conversation rows are plain: ``messages`` of ``{"role", "content"}`` (or ``conversations`` of ``{"from",
-"value"}``), every role one of :data:`PLAIN_ROLES`, every content a string, no ``tools``, no ``input_ids``. Such a
+"value"}``), every role one of :data:`PLAIN_ROLES`, every content a string, no ``tools``, ``system`` or media fields, no ``input_ids``. Such a
 row is decoded by ``msgspec`` straight into :class:`PlainRow` (no dict per turn, no Python per turn), and
 :func:`speculators_v016.run.turns.read_chat` would read it as it stands (no tool turns, no call to parse: a turn
 is ``{"from": role, "value": content}``), so its only facts for the index are its turns' count and its content.
@@ -51,7 +51,14 @@ class PlainRow(msgspec.Struct, frozen=True, gc=False):
     messages: tuple[ChatTurn, ...] | UnsetType = UNSET
     tools: _Absent | UnsetType = UNSET
     input_ids: _Absent | UnsetType = UNSET
+    system: _Absent | UnsetType = UNSET  # read as the first turn (run/turns.py): not plain
+    images: _Absent | UnsetType = UNSET  # media: refused (run/turns.py)
+    videos: _Absent | UnsetType = UNSET
+    audios: _Absent | UnsetType = UNSET
 
+
+#: top-level keys whose presence makes a row not plain (read as before, one json.loads and read_chat)
+PLAIN_ABSENT = ("tools", "system", "images", "videos", "audios")
 
 #: a JSON text -> PlainRow (msgspec.ValidationError / DecodeError where it is not one)
 DECODER = msgspec.json.Decoder(PlainRow)
@@ -69,7 +76,7 @@ def turns_of(row: PlainRow):
 def key_of(row) -> int | None:
     """The duplicate check's first key of a row already parsed (a dict, as ``json.loads`` gives it), where it is
     plain: the hash of its PlainRow, equal to a plain line's (:data:`DECODER`); None where it is not plain."""
-    content = {k: row[k] for k in ("conversations", "messages", "tools", "input_ids") if k in row}
+    content = {k: row[k] for k in ("conversations", "messages", "input_ids", *PLAIN_ABSENT) if k in row}
     try:
         plain = msgspec.convert(content, PlainRow)
     except msgspec.ValidationError:

@@ -79,7 +79,7 @@ from speculators_v016.run.turns import BadRowError
 from speculators_v016.store.run_config import file_sha256
 
 #: the fields of a conversation row that are read (speculators_v016.run.turns): its content, for duplicates
-CONVERSATION_FIELDS = ("conversations", "messages", "tools")
+CONVERSATION_FIELDS = ("conversations", "messages", "tools", "system", "images", "videos", "audios")
 #: the fields of a pre-tokenized row
 PRETOKENIZED_FIELDS = ("input_ids", "loss_mask")
 #: what ``--skip-bad-rows``' summary calls a row dropped as a duplicate

@@ -54,6 +54,63 @@ REFUSED_ROLES = {
 
 #: what --skip-bad-rows counts a row with a role that is not read as
 UNKNOWN_ROLE = "unknown turn role"
+#: what --skip-bad-rows counts a row holding a field that would change the sample and is not read as
+UNREAD_FIELD = "a field that is not read"
+
+#: a turn's keys that are read (:func:`read_chat`); any other with a value is refused, never dropped
+TURN_KEYS = frozenset({"from", "value", "role", "content", "tool_calls", "tool_call_id", "name"})
+#: a turn key read as its default only: ``weight`` 1 (FastChat's and axolotl's "train on this turn", which every
+#: assistant turn here is); another weight (0: a turn not to train on) is refused
+DEFAULT_ONLY = {"weight": 1}
+#: row keys holding media (LLaMA-Factory's and others' columns): the sample would hold the text alone
+MEDIA_KEYS = ("images", "videos", "audios")
+#: the row key of a system prompt beside the turns (LLaMA-Factory's ShareGPT format): read as the first turn
+SYSTEM_KEY = "system"
+
+
+def _empty(value) -> bool:
+    return value is None or value in ("", [], {})
+
+
+def _unread(where: str, i: int, turn: dict, role: str) -> None:
+    """BadRowError naming turn ``i``'s keys with a value that :func:`read_chat` does not read (``name`` is read on a
+    tool's result only); a key left empty (null, "", [], {}, as exporters write them) is nothing to lose."""
+    read = TURN_KEYS if role in RESULT_ROLES else TURN_KEYS - {"name"}
+    unread = sorted(
+        k
+        for k, v in turn.items()
+        if k not in read and not _empty(v) and not (k in DEFAULT_ONLY and v == DEFAULT_ONLY[k])
+    )
+    if unread:
+        raise BadRowError(
+            f"{where}: turn {i} holds {', '.join(repr(k) for k in unread)}, which is not read: the sample would be "
+            "made without it (a turn's fields read: from/role, value/content, tool_calls, and on a tool's result "
+            "tool_call_id and name; weight only as 1); fold it into the content as the chat template would render "
+            "it, or drop the field",
+            UNREAD_FIELD,
+        )
+
+
+def _system(where: str, row: dict, turns: list) -> dict | None:
+    """The row's ``system`` prompt as its first turn, where given and not empty; BadRowError where it is not a
+    string or the turns open with a system turn of their own (which of the two is meant cannot be told)."""
+    for key in MEDIA_KEYS:
+        if not _empty(row.get(key)):
+            raise BadRowError(
+                f"{where}: the row holds {key!r}, which is not read: the sample would hold its text alone", UNREAD_FIELD
+            )
+    system = row.get(SYSTEM_KEY)
+    if _empty(system):
+        return None
+    if not isinstance(system, str):
+        raise BadRowError(f"{where}: 'system' must be a string (the system prompt), got {type(system).__name__}")
+    if turns and turns[0][1].lower() == "system":
+        raise BadRowError(
+            f"{where}: the row holds both a 'system' prompt and a system turn: which one the target should read "
+            "cannot be told; keep one",
+            UNREAD_FIELD,
+        )
+    return {"from": "system", "value": system}
 
 
 def chat_role(where: str, i: int, given: str) -> str:
@@ -155,9 +212,14 @@ def _calls(where: str, i: int, turn: dict, role: str, content) -> list[dict] | N
 
 
 def read_chat(where: str, row) -> ChatRow:
-    """The row's turns and tool definitions, or BadRowError naming the row and turn."""
-    out = []
-    for i, (turn, role, content) in enumerate(raw_turns(where, row)):
+    """The row's turns and tool definitions, or BadRowError naming the row and turn. A row-level ``system`` prompt
+    is its first turn; a field that would change the sample and is not read (a turn's ``reasoning_content``,
+    ``weight`` 0, media) refuses the row."""
+    given = raw_turns(where, row)
+    system = _system(where, row, given)
+    out = [system] if system else []
+    for i, (turn, role, content) in enumerate(given):
+        _unread(where, i, turn, role.lower())
         calls = _calls(where, i, turn, role.lower(), content)
         if role.lower() == CALL_ROLE:
             content = ""  # the call is its tool_calls

@@ -33,7 +33,7 @@ from speculators_v016.run.pipeline import fingerprint
 from speculators_v016.run.prepared import prepare_samples
 from speculators_v016.run.regenerate import plan
 from speculators_v016.run.tool_turns import TOOLS_REFUSED
-from speculators_v016.run.turns import UNKNOWN_ROLE
+from speculators_v016.run.turns import UNKNOWN_ROLE, UNREAD_FIELD
 from speculators_v016.testing.tiny_models import CHAT_TEMPLATE, DEFAULT_CORPUS, train_tokenizer
 
 SKIP_HINT = "; --skip-bad-rows skips and counts such rows"
@@ -181,6 +181,65 @@ def test_a_role_that_is_not_read_is_refused_naming_it(tmp_path, tok, role, why):
     assert message.endswith(SKIP_HINT) and raised.value.reason == UNKNOWN_ROLE
     samples = prepare_samples([data], tok, 256, num_proc=1, skip_bad_rows=True)
     assert len(samples) == 2 and dict(samples.skipped) == {UNKNOWN_ROLE: 1}
+
+
+def test_a_rows_system_prompt_is_its_first_turn(tmp_path, tok):
+    """A row-level 'system' (LLaMA-Factory's ShareGPT format) is rendered as the first turn, as a system turn is; an
+    empty one is none; rows differing only by it are not duplicates, rows equal with it are (hostile review,
+    2026-12-07)."""
+    turns = [{"from": "human", "value": "how do I sort a list"}, {"from": "gpt", "value": "use sorted(items)"}]
+    rows = [{"system": "be brief", "conversations": turns}, {"system": "be kind", "conversations": turns},
+            {"system": "", "conversations": turns}, {"system": "be brief", "conversations": turns}]  # fmt: skip
+    samples = prepare_samples([write(tmp_path / "d.jsonl", rows)], tok, 256, num_proc=1)
+    answer, wanted = "use sorted(items)", []
+    for system in ("be brief", "be kind", None):
+        head = [("system", system)] if system else []
+        text = chatml(*head, ("user", "how do I sort a list"), ("assistant", answer))
+        wanted.append(expected(tok, text, [span(text, answer)]))
+    assert sorted(zip(samples.input_ids, samples.loss_masks, strict=True)) == sorted(wanted)  # in the run's order
+    assert len(samples) == 3 and dict(samples.skipped) == {"duplicate row": 1}  # the second "be brief" row
+
+
+@pytest.mark.parametrize(
+    "row, named",
+    [
+        ({"system": "a", "messages": [{"role": "system", "content": "b"}, {"role": "user", "content": "q"},
+                                      {"role": "assistant", "content": "x"}]}, "both a 'system' prompt and a system turn"),
+        ({"messages": [{"role": "user", "content": "q"},
+                       {"role": "assistant", "content": "x", "reasoning_content": "step by step"}]},
+         "turn 1 holds 'reasoning_content', which is not read"),
+        ({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "x", "weight": 0}]},
+         "turn 1 holds 'weight', which is not read"),
+        ({"messages": [{"role": "user", "content": "q", "name": "alice"}, {"role": "assistant", "content": "x"}]},
+         "turn 0 holds 'name', which is not read"),
+        ({"images": ["cat.png"], "messages": [{"role": "user", "content": "<image>q"},
+                                              {"role": "assistant", "content": "x"}]}, "the row holds 'images'"),
+    ],
+    ids=["system-twice", "reasoning", "weight-0", "name-on-user", "images"],
+)  # fmt: skip
+def test_a_field_that_is_not_read_refuses_the_row(tmp_path, tok, row, named):
+    """A field that would change the sample and is not read (a system prompt given twice, reasoning_content,
+    weight 0, a user's name, media) is a BadRowError naming file:line and the field; --skip-bad-rows counts it."""
+    data = write(tmp_path / "d.jsonl", [conversations(1)[0], row])
+    with pytest.raises(BadRowError) as raised:
+        prepare_samples([data], tok, 256, num_proc=1)
+    assert str(raised.value).startswith(f"{data}:2: ") and named in str(raised.value), str(raised.value)
+    samples = prepare_samples([data], tok, 256, num_proc=1, skip_bad_rows=True)
+    assert len(samples) == 1 and sum(samples.skipped.values()) == 1
+
+
+def test_empty_and_default_turn_fields_are_read_as_nothing(tmp_path, tok):
+    """Fields exporters leave empty (refusal null, annotations [], audio null), weight 1 and an empty 'images' list
+    change nothing: the sample equals the row's without them."""
+    plain = {"messages": [{"role": "user", "content": "how do I sort a list"},
+                          {"role": "assistant", "content": "use sorted(items)"}]}  # fmt: skip
+    noisy = {"images": [], "messages": [
+        {"role": "user", "content": "how do I sort a list", "name": None},
+        {"role": "assistant", "content": "use sorted(items)", "refusal": None, "annotations": [], "audio": None,
+         "weight": 1}]}  # fmt: skip
+    first = prepare_samples([write(tmp_path / "a.jsonl", [plain])], tok, 256, num_proc=1)
+    second = prepare_samples([write(tmp_path / "b.jsonl", [noisy])], tok, 256, num_proc=1)
+    assert second.input_ids == first.input_ids and second.loss_masks == first.loss_masks and not second.skipped
 
 
 def test_regenerate_counts_an_unknown_role_as_such(tok):
