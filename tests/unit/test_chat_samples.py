@@ -224,8 +224,9 @@ def test_a_field_that_is_not_read_refuses_the_row(tmp_path, tok, row, named):
     with pytest.raises(BadRowError) as raised:
         prepare_samples([data], tok, 256, num_proc=1)
     assert str(raised.value).startswith(f"{data}:2: ") and named in str(raised.value), str(raised.value)
+    assert raised.value.reason == UNREAD_FIELD
     samples = prepare_samples([data], tok, 256, num_proc=1, skip_bad_rows=True)
-    assert len(samples) == 1 and sum(samples.skipped.values()) == 1
+    assert len(samples) == 1 and dict(samples.skipped) == {UNREAD_FIELD: 1}
 
 
 def test_empty_and_default_turn_fields_are_read_as_nothing(tmp_path, tok):
