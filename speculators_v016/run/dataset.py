@@ -319,11 +319,11 @@ def scan_rows(
     def judge(where, row):
         try:
             kind, value = read_row(where, row, reader)
-        except BadRowError:
+        except BadRowError as exc:
             if not skip_bad_rows:
                 raise
             logger.warning("skipping bad row {}", where)
-            skipped["bad row"] += 1
+            skipped[exc.reason] += 1  # "bad row", or what it is (a field that is not read)
             return None
         kinds.add(kind)
         if value is None:
