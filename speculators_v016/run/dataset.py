@@ -182,6 +182,7 @@ def _array_rows(path: Path, fh):
     reader.pos += 1
     index = 0
     if reader.peek() == "]":
+        _array_end(path, reader)
         return
     while True:
         where = f"{path} row {index}"
@@ -202,6 +203,7 @@ def _array_rows(path: Path, fh):
         index += 1
         after = reader.peek()
         if after == "]":
+            _array_end(path, reader)
             return
         if after != ",":
             raise BadRowError(
@@ -209,6 +211,19 @@ def _array_rows(path: Path, fh):
                 f"found {after or 'the end of the file'!r})"
             )
         reader.pos += 1
+
+
+def _array_end(path: Path, reader: _ArrayReader) -> None:
+    """Past the array's closing ``]`` only JSON whitespace may follow: anything else (a second array of two files
+    joined, a stray line) would be rows never read, so it is a BadRowError naming the byte it starts at."""
+    reader.pos += 1
+    rest = reader.peek()
+    if rest:
+        raise BadRowError(
+            f"{path}: text after the JSON array's closing ']' (byte {reader.byte_at()}: {rest!r}): the file is not "
+            "one JSON array (two files joined?), and what follows the array would never be read; make it one array, "
+            "or JSON Lines"
+        )
 
 
 def _is_array(path: Path, fh) -> bool:

@@ -2,6 +2,7 @@
 refused, and reading streams: memory for the largest row, not the file."""
 
 import json
+import re
 import tracemalloc
 
 import pytest
@@ -167,3 +168,28 @@ def test_a_row_the_chat_template_rejects_names_file_and_line(tmp_path, rejecting
     )
     samples = prepare_samples([str(data)], rejecting_tokenizer, 64, num_proc=1, skip_bad_rows=True)
     assert len(samples) == 3 and dict(samples.skipped) == {"bad row": 1}
+
+
+@pytest.mark.parametrize(
+    "tail, text",
+    [(b"\n[" + json.dumps(chat(9)).encode() + b"]\n", "'['"), (b" trailing words", "'t'"), (b"]", "']'")],
+    ids=["two-arrays-joined", "words", "a-second-bracket"],
+)
+@pytest.mark.parametrize("empty", [False, True], ids=["rows", "empty-array"])
+def test_text_after_a_json_arrays_end_is_refused(tmp_path, tail, text, empty):
+    """Anything but whitespace after a .json array's closing ']' (two files joined, a stray word) is an error
+    naming the file and the byte it starts at, with --skip-bad-rows too: those rows would never be read (hostile
+    review, 2026-12-07); whitespace and a newline after it are fine."""
+    body = b"[]" if empty else b"[" + json.dumps(chat(0)).encode() + b", " + json.dumps(chat(1)).encode() + b"]"
+    data = tmp_path / "chats.json"
+    data.write_bytes(body + tail)
+    at = len(body) + len(tail) - len(tail.lstrip())  # the first byte past the whitespace
+    for skip in (False, True):
+        with pytest.raises(
+            BadRowError, match=rf"{data}: text after the JSON array's closing '\]' \(byte {at}: {re.escape(text)}"
+        ):
+            load_rows([str(data)], skip_bad_rows=skip, hf_cache_dir=None)
+    data.write_bytes(body + b" \n\t\n")
+    if not empty:
+        _, rows, _, skipped = load_rows([str(data)], skip_bad_rows=False, hf_cache_dir=None)
+        assert len(rows) == 2 and not skipped
