@@ -333,13 +333,17 @@ def build(where: str, chat: ChatRow, keep: int | None, tokenizer, settings: Sett
     spans = assistant_spans(where, tokenizer, turns, tools, text)
     if settings.assistant_pattern is not None:
         spans = _narrowed(spans, settings.assistant_pattern, text)
+    # the tokenizer's own truncation only where it cuts the end: one set to cut from the left (truncation_side)
+    # would drop the conversation's head; then the whole text (bounded: rows far past seq_length were skipped
+    # unread) and the cut below, always at the end, as for pre-tokenized rows
+    right = getattr(tokenizer, "truncation_side", "right") == "right"
     try:
         encoding = tokenizer(
             text,
             add_special_tokens=False,
             return_offsets_mapping=True,
-            truncation=True,
-            max_length=settings.seq_length + 1,  # one more: whether it was cut
+            truncation=right,
+            max_length=settings.seq_length + 1 if right else None,  # one more: whether it was cut
         )
     except Exception as exc:  # noqa: BLE001 - e.g. text that is not valid Unicode (a lone surrogate)
         reason = f"{type(exc).__name__}: {str(exc)[:200]}"

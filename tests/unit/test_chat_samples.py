@@ -603,3 +603,23 @@ def test_the_fingerprint_records_how_conversations_become_samples():
         temperature=0.0,
     )
     assert "conversations" not in fingerprint(regen, work, [1])["preprocessing"]
+
+
+def test_a_tokenizer_that_truncates_from_the_left_still_cuts_the_end(tmp_path, tok):
+    """A tokenizer set to truncate from the left (truncation_side) gives the same sample as one cutting the end: the
+    conversation's head kept, its tail cut and counted (hostile review, 2026-12-07); the tokenizer is not changed."""
+    answer = "hello world " * 40
+    row = {"messages": [{"role": "user", "content": "say it"}, {"role": "assistant", "content": answer}]}
+    data = write(tmp_path / "d.jsonl", [row])
+    right = prepare_samples([data], tok, 30, num_proc=1)
+    tok.truncation_side = "left"
+    try:
+        left = prepare_samples([data], tok, 30, num_proc=1)
+        assert tok.truncation_side == "left"
+    finally:
+        tok.truncation_side = "right"
+    text = chatml(("user", "say it"), ("assistant", answer))
+    want_ids, want_mask = expected(tok, text, [span(text, answer.strip())], seq=30)
+    assert left.input_ids == [want_ids] and right.input_ids == [want_ids]
+    assert left.loss_masks == [want_mask] and right.loss_masks == [want_mask]
+    assert left.truncated == right.truncated == 1
