@@ -258,10 +258,21 @@ def _row_at(path: Path, fh, array: bool, locator) -> tuple[str, object]:
     )
 
 
+#: the largest token id a row may hold as it is read (int32, every tokenizer's and vLLM's range): one past it, or
+#: a negative one, is a bad row named by file and line; the target's own vocabulary is checked before the engine
+#: takes a sample
+MAX_TOKEN_ID = 2**31 - 1
+
+
 def _pretokenized(where: str, row) -> tuple[list[int], list[int]]:
     ids, mask = row.get("input_ids"), row.get("loss_mask")
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise BadRowError(f"{where}: 'input_ids' must be a list of integers")
+    if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
+        bad = next(t for t in ids if t < 0 or t > MAX_TOKEN_ID)
+        raise BadRowError(
+            f"{where}: 'input_ids' holds {bad} at position {ids.index(bad)}, not a token id (0 to {MAX_TOKEN_ID})"
+        )
     if not isinstance(mask, list) or len(mask) != len(ids) or not all(m in (0, 1) for m in mask):
         raise BadRowError(f"{where}: 'loss_mask' must be a list of 0/1 as long as input_ids ({len(ids)})")
     return ids, mask

@@ -193,3 +193,16 @@ def test_text_after_a_json_arrays_end_is_refused(tmp_path, tail, text, empty):
     if not empty:
         _, rows, _, skipped = load_rows([str(data)], skip_bad_rows=False, hf_cache_dir=None)
         assert len(rows) == 2 and not skipped
+
+
+@pytest.mark.parametrize("bad", [-1, 2**31, 2**70], ids=["negative", "past-int32", "huge"])
+def test_a_pretokenized_id_outside_the_token_range_is_a_bad_row(tmp_path, bad):
+    """An id below 0 or past int32 in a pre-tokenized row is a bad row naming file, line, the id and its position,
+    read as the rows are (skippable), not a crash once the run has started (hostile review, 2026-12-07)."""
+    good = {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [good, {"input_ids": [5, bad, 7], "loss_mask": [0, 1, 1]}]))
+    with pytest.raises(BadRowError, match=rf"{data}:2: 'input_ids' holds {bad} at position 1, not a token id"):
+        load_rows([str(data)], skip_bad_rows=False, hf_cache_dir=None)
+    _, rows, _, skipped = load_rows([str(data)], skip_bad_rows=True, hf_cache_dir=None)
+    assert [where for where, _ in rows] == [f"{data}:1"] and skipped == {"bad row": 1}
