@@ -128,11 +128,24 @@ def chat_role(where: str, i: int, given: str) -> str:
     )
 
 
+def _one_of(where: str, holder: dict, first: str, second: str, what: str) -> None:
+    """BadRowError where ``holder`` gives both keys different values, neither empty: ShareGPT's and OpenAI's names
+    for one thing, of which only ``first`` would be read (the other dropped without a word)."""
+    a, b = holder.get(first), holder.get(second)
+    if not _empty(a) and not _empty(b) and a != b:
+        raise BadRowError(
+            f"{where}: {what} holds both {first!r} and {second!r}, with different values: which one is meant cannot "
+            "be told; keep one",
+            UNREAD_FIELD,
+        )
+
+
 def raw_turns(where: str, row) -> list[tuple[dict, str, object]]:
     """(turn, role, content as given) of each of the row's turns (ShareGPT's or OpenAI's keys), or BadRowError
     naming the row and turn; the content is the caller's to judge."""
     if not isinstance(row, dict):
         raise BadRowError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+    _one_of(where, row, "conversations", "messages", "the row")
     turns = row.get("conversations", row.get("messages"))
     if not isinstance(turns, list):
         raise BadRowError(f"{where}: no 'conversations' or 'messages' list")
@@ -140,6 +153,8 @@ def raw_turns(where: str, row) -> list[tuple[dict, str, object]]:
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise BadRowError(f"{where}: turn {i} is not an object")
+        _one_of(where, turn, "from", "role", f"turn {i}")
+        _one_of(where, turn, "value", "content", f"turn {i}")
         role = turn.get("from", turn.get("role"))
         if not isinstance(role, str):
             raise BadRowError(f"{where}: turn {i} needs string 'from'/'role' and 'value'/'content'")

@@ -54,12 +54,20 @@ class OutputDirError(RuntimeError):
     """The output folder cannot be used; the message says why and what to do."""
 
 
+#: a temporary file of ours: ``.tmp-NAME.PID`` (speculators_v016.store.atomic_files), NAME a file of ours
+_OUR_TMP = re.compile(rf"^{re.escape(TMP_PREFIX)}(?P<name>.+)\.\d+$")
+
+
+def is_our_tmp(name: str) -> bool:
+    """Whether ``name`` is a temporary file this tool writes (and removes as an interrupted write's leftover): a
+    user's ``.tmp-notes.txt`` is not, and is never deleted."""
+    match = _OUR_TMP.match(name)
+    return match is not None and (match["name"] in OURS or parse_sample_name(match["name"]) is not None)
+
+
 def is_ours(name: str) -> bool:
     return (
-        name in OURS
-        or name.startswith(TMP_PREFIX)
-        or parse_sample_name(name) is not None
-        or SHM_RECORDS.match(name) is not None
+        name in OURS or is_our_tmp(name) or parse_sample_name(name) is not None or SHM_RECORDS.match(name) is not None
     )
 
 
@@ -208,7 +216,7 @@ class OutputDir:
             self._check_contents()  # again, under the lock: a sharded run may have started meanwhile
             os.ftruncate(fd, 0)
             os.pwrite(fd, str(os.getpid()).encode(), 0)
-            self.removed_leftovers = [n for n in os.listdir(self.path) if n.startswith(TMP_PREFIX)]
+            self.removed_leftovers = [n for n in os.listdir(self.path) if is_our_tmp(n)]
             for name in self.removed_leftovers:
                 (self.path / name).unlink()
         except OSError as exc:

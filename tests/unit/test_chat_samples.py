@@ -623,3 +623,28 @@ def test_a_tokenizer_that_truncates_from_the_left_still_cuts_the_end(tmp_path, t
     assert left.input_ids == [want_ids] and right.input_ids == [want_ids]
     assert left.loss_masks == [want_mask] and right.loss_masks == [want_mask]
     assert left.truncated == right.truncated == 1
+
+
+@pytest.mark.parametrize(
+    "row, named",
+    [
+        ({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "x"}],
+          "messages": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "y"}]},
+         "the row holds both 'conversations' and 'messages'"),
+        ({"messages": [{"role": "user", "content": "hi", "value": "VAL"}, {"role": "assistant", "content": "x"}]},
+         "turn 0 holds both 'value' and 'content'"),
+        ({"messages": [{"role": "user", "from": "gpt", "content": "hi"}, {"role": "assistant", "content": "x"}]},
+         "turn 0 holds both 'from' and 'role'"),
+    ],
+    ids=["conversations-and-messages", "value-and-content", "from-and-role"],
+)  # fmt: skip
+def test_two_names_for_one_thing_with_different_values_refuse_the_row(tmp_path, tok, row, named):
+    """ShareGPT's and OpenAI's keys for one thing given different values (only one would be read): refused naming
+    them; the same value under both is read as one (hostile review, 2026-12-07)."""
+    data = write(tmp_path / "d.jsonl", [row])
+    with pytest.raises(BadRowError, match=named) as raised:
+        prepare_samples([data], tok, 256, num_proc=1)
+    assert raised.value.reason == UNREAD_FIELD
+    same = {"messages": [{"role": "user", "from": "user", "content": "hi", "value": "hi"},
+                         {"role": "assistant", "content": "x"}]}  # fmt: skip
+    assert len(prepare_samples([write(tmp_path / "s.jsonl", [same])], tok, 256, num_proc=1)) == 1

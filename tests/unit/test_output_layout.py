@@ -107,3 +107,22 @@ def test_a_deleted_lock_file_lets_no_second_run_into_the_folder(tmp_path):
             OutputDir(sharded).open()
     with OutputDir(out), OutputDir(sharded):  # the locks go with the runs
         pass
+
+
+def test_only_our_own_temporary_files_are_removed_as_leftovers(tmp_path):
+    """An interrupted write's temporary files (.tmp-NAME.PID, NAME ours) are removed when a run opens the folder; a
+    user's .tmp-notes.txt is not ours: the folder is refused and the file kept (hostile review, 2026-12-07)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    ours = [".tmp-data_3.safetensors.4242", ".tmp-data_config.json.17", ".tmp-manifest.jsonl.9"]
+    for name in ours:
+        (out / name).write_text("torn")
+    with OutputDir(out) as opened:
+        assert sorted(opened.removed_leftovers) == sorted(ours)
+    assert not list(p for p in out.iterdir() if p.name.startswith(".tmp-"))
+    for name in (".tmp-notes.txt", ".tmp-data_3.safetensors", ".tmp-my.safetensors.12"):
+        (out / name).write_text("the user's")
+        with pytest.raises(OutputDirError, match="holds files this tool did not write"):
+            OutputDir(out).open()
+        assert (out / name).read_text() == "the user's"
+        (out / name).unlink()
