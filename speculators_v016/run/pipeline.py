@@ -195,7 +195,7 @@ def run(opts: RunConfig, progress_to=None) -> RunSummary:
             finally:
                 bar.close()
         else:
-            wants_counts = bool(opts.token_freq_path) and not Path(opts.token_freq_path).exists()
+            wants_counts = bool(opts.token_freq_path) and not prefill.token_counts_kept(opts.token_freq_path)
             work = PrefillWork.prepare(opts, tokenizer, progress_to, token_counts=wants_counts)
         try:
             return _run_work(opts, work, target, model_config, directory, plan, summary, started, progress_to)

@@ -10,6 +10,8 @@ folder of an earlier release whose names could differ.
 
 from __future__ import annotations
 
+import io
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -22,6 +24,7 @@ from tqdm import tqdm
 from speculators_v016.run import prepared
 from speculators_v016.run.prepared import CHUNK_ROWS, NUMBERING, Options, Plan, Stream, plan_run
 from speculators_v016.store import prepared_cache
+from speculators_v016.store.atomic_files import write_atomic
 from speculators_v016.store.outdir import CONFIG
 from speculators_v016.store.run_config import ResumeMismatchError
 
@@ -256,13 +259,29 @@ class PrefillWork:
         return gone
 
 
+def token_counts_kept(path: str) -> bool:
+    """Whether ``path`` (--token-freq-path) already names something, kept as upstream keeps it: a file, or a link
+    (dangling or not: never written through); said as a warning, since its counts are not this run's."""
+    if not os.path.lexists(path):
+        return False
+    logger.warning(
+        "--token-freq-path {} exists and is kept (as upstream keeps it): its counts are not this run's; remove it, or "
+        "name another path, for this dataset's",
+        path,
+    )
+    return True
+
+
 def save_token_counts(counts: Counter, path: str) -> bool:
     """Upstream's token_freq.pt (a dict: token id -> how often it is trained); an existing file is kept, as
-    upstream keeps it. True where written."""
+    upstream keeps it (:func:`token_counts_kept`). Written under a temporary name and renamed, never through a
+    link: shards finishing together leave one whole file. True where written."""
     target = Path(path)
-    if target.exists():
+    if token_counts_kept(path):
         return False
     target.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({int(k): int(v) for k, v in counts.items()}, target)
+    buffer = io.BytesIO()
+    torch.save({int(k): int(v) for k, v in counts.items()}, buffer)
+    write_atomic(target.parent, target.name, buffer.getvalue())
     logger.info("token frequencies of {} tokens written to {}", len(counts), target)
     return True
