@@ -176,6 +176,12 @@ def build_index(
         raise
     index.key = key
     if cache is not None and key:
+        try:  # the inputs as they were opened, still: else the key (hashed beside the read) may name other rows
+            for source in sources:
+                getattr(source.reader, "check", lambda: None)()
+        except BaseException:
+            index.close()
+            raise
         _store(cache, key, index)
     return index
 

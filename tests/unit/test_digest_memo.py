@@ -73,3 +73,30 @@ def test_a_file_changed_just_now_is_not_kept(tmp_path, hashed):
     assert memo.sha256(data) == file_sha256(data)
     assert DigestMemo(tmp_path / "cache").sha256(data) == file_sha256(data)
     assert len(hashed) == 2 and not list((tmp_path / "cache").glob("*.prep"))
+
+
+def test_an_input_changed_while_it_is_indexed_leaves_no_cached_index(tmp_path, monkeypatch):
+    """A file replaced while its rows were read (and its sha256 taken beside): the build is refused naming it, and no
+    index is kept under either content's key, so a later run reads the file again (hostile review, 2026-12-07)."""
+    from speculators_v016.run import row_index  # noqa: PLC0415 - its reader wrapped for this test
+
+    monkeypatch.setattr(digest_memo, "SETTLE_NS", 0)
+    data, cache = tmp_path / "d.jsonl", tmp_path / "cache"
+    data.write_text(rows(5))
+    real_read = row_index._read
+
+    def read_then_change(*args, **kwargs):
+        index = real_read(*args, **kwargs)
+        time.sleep(0.05)
+        data.write_text(rows(7, word="other"))
+        return index
+
+    monkeypatch.setattr(row_index, "_read", read_then_change)
+    with pytest.raises(Exception, match=f"{data}: changed since the run read it"):
+        build_index([str(data)], False, None, cache=cache)
+    monkeypatch.setattr(row_index, "_read", real_read)
+    index = build_index([str(data)], False, None, cache=cache)
+    try:
+        assert len(index) == 7 and index.descriptions[0]["sha256"] == file_sha256(data)
+    finally:
+        index.close()
