@@ -26,6 +26,7 @@ import json
 import struct
 from pathlib import Path
 
+from speculators_v016.engine.arg_kinds import MODEL_CHANGING
 from speculators_v016.redact import redact, without_secrets
 from speculators_v016.store import no_links
 from speculators_v016.store.atomic_files import write_atomic
@@ -241,9 +242,11 @@ class ShardMismatchError(ResumeMismatchError):
 
 
 def shared_settings(fingerprint) -> dict:
-    """What every shard of one run must share: the fingerprint less the shard's own index and less the places
-    files were read from (``path``: a model or a dataset mounted elsewhere on another host), their contents'
-    digests kept; secrets left out as the resume check leaves them."""
+    """What every shard of one run must share: the fingerprint less the shard's own index, less the places files
+    were read from (``path``: a model or a dataset mounted elsewhere on another host; their contents' digests
+    kept) and less the engine arguments that do not change the model
+    (:data:`~speculators_v016.engine.arg_kinds.MODEL_CHANGING` kept); secrets left out as the resume check
+    leaves them."""
 
     def strip(value):
         if isinstance(value, dict):
@@ -255,6 +258,9 @@ def shared_settings(fingerprint) -> dict:
     out = strip(without_secrets(_with_defaults(fingerprint)))
     if isinstance(out, dict) and isinstance(out.get("generation"), dict):
         out["generation"].pop("shard_index", None)
+        given = out["generation"].get("engine_args")
+        if isinstance(given, dict):  # a host's memory or batching settings may differ; what changes the model not
+            out["generation"]["engine_args"] = {k: v for k, v in given.items() if k in MODEL_CHANGING}
     return out
 
 

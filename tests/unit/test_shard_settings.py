@@ -94,3 +94,18 @@ def test_verify_names_a_shard_made_with_other_settings(tmp_path):
     mixed = [p for p in verify(root).problems if "other settings" in p]
     assert mixed == [f"{folders[1]}: made with other settings than {folders[0]}, yet in one folder: "
                      "preprocessing.seed: 0 -> 3"]  # fmt: skip
+
+
+def test_engine_arguments_that_do_not_change_the_model_may_differ_between_shards(tmp_path):
+    """A host's gpu_memory_utilization or batching may differ between shards; an argument that changes the model
+    (hf_overrides) may not."""
+    theirs = fingerprint(0)
+    theirs["generation"]["engine_args"] = {"gpu_memory_utilization": 0.8, "max_num_seqs": 64}
+    shard(tmp_path, 0, theirs)
+    me = shard(tmp_path, 1, None)
+    mine = fingerprint(1)
+    mine["generation"]["engine_args"] = {"gpu_memory_utilization": 0.95}
+    check_shards_agree(me, mine, shard_siblings(tmp_path, 1, 2))
+    mine["generation"]["engine_args"]["hf_overrides"] = {"rope_theta": 1.0}
+    with pytest.raises(ShardMismatchError, match="generation.engine_args.hf_overrides"):
+        check_shards_agree(me, mine, shard_siblings(tmp_path, 1, 2))
