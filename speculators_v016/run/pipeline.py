@@ -167,7 +167,7 @@ def fingerprint(opts: RunConfig, samples, layer_ids: list[int]) -> dict:
 
 
 #: Engine arguments naming a tokenizer or a config whose contents the fingerprint holds.
-FILE_ARGS = ("tokenizer", "hf_config_path")
+FILE_ARGS = run_config.ENGINE_ARG_FILES
 
 
 def run(opts: RunConfig, progress_to=None) -> RunSummary:
@@ -210,7 +210,7 @@ def _run_work(opts, work, target, model_config, directory, plan, summary, starte
     if not work.count:
         raise PromptError(f"no usable sample in {list(opts.train_data_path)} (skipped: {dict(work.skipped)})")
     fp = fingerprint(opts, work, list(plan.layer_ids))
-    _check_shards(opts, directory, fp)
+    _check_shards(opts, directory, fp, summary.model_args)
     has_samples = any(parse_sample_name(p.name) for p in directory.iterdir())
     existing = run_config.check_resume(directory, fp, has_samples)
     if existing is not None and not opts.regenerate:
@@ -296,15 +296,17 @@ def _run_work(opts, work, target, model_config, directory, plan, summary, starte
     summary.seconds = time.monotonic() - started
     config["speculators_v016"]["last_run"] = asdict(summary)
     run_config.save(directory, config)
-    _check_shards(opts, directory, fp)  # again: a shard started beside this one, before either had its config
+    _check_shards(
+        opts, directory, fp, summary.model_args
+    )  # again: a shard started beside this one, before either had its config
     return summary
 
 
-def _check_shards(opts: RunConfig, directory: Path, fp: dict) -> None:
+def _check_shards(opts: RunConfig, directory: Path, fp: dict, model_args: dict) -> None:
     """A shard's settings against its sibling shards' (:func:`~speculators_v016.store.run_config.check_shards_agree`)."""
     if opts.num_shards > 1:
         siblings = shard_siblings(Path(opts.output_dir), opts.shard_index, opts.num_shards)
-        run_config.check_shards_agree(directory, fp, siblings)
+        run_config.check_shards_agree(directory, fp, siblings, model_args)
 
 
 def pending_positions(mine: np.ndarray, start_idx: int, done, settled) -> np.ndarray:

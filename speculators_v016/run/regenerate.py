@@ -42,7 +42,7 @@ from speculators_v016.engine.generation import Generated, Generation, sample_see
 from speculators_v016.run import tool_turns
 from speculators_v016.run.dataset import BadRowError, run_order
 from speculators_v016.run.row_index import build_index
-from speculators_v016.run.turns import messages
+from speculators_v016.run.turns import READ_RULES, messages
 from speculators_v016.store import regenerated
 from speculators_v016.store.regenerated import prompt_digest
 from speculators_v016.store.sample_format import read_input_ids
@@ -670,6 +670,7 @@ class RegenerationWork:
             "stop_token_ids": sorted(self.stop_ids),
             "samples": PER_TURN if self.per_turn else FOLDED,
             "conversations_file": "regenerated.jsonl",
+            "rows_read": READ_RULES,  # a folder of rows read otherwise (an earlier release's) is not resumed
         }
         if any(
             c.unanswered or any(t["role"] == "assistant" and t["content"] is None for t in c.turns)

@@ -36,12 +36,12 @@ from loguru import logger
 from speculators_v016.run.dataset import BadRowError, open_sources, read_row, scan_rows
 from speculators_v016.run.narrow_column import NarrowColumn
 from speculators_v016.run.sources import PREFETCH_ROWS
-from speculators_v016.run.turns import read_chat
+from speculators_v016.run.turns import READ_RULES, read_chat
 from speculators_v016.store import prepared_cache
 from speculators_v016.store.digest_memo import DigestMemo, NotRemembered
 
 #: what an index is, in its cache key: another version's entries are other entries
-VERSION = "row-index-2"
+VERSION = "row-index-3"
 
 
 @dataclass
@@ -129,6 +129,7 @@ def index_key(sources: list, skip_bad_rows: bool, reader, keep_duplicates: bool)
             "skip_bad_rows": skip_bad_rows,
             "keep_duplicate_rows": keep_duplicates,
             "reader": f"{reader.__module__}.{reader.__qualname__}",
+            "rows_read": READ_RULES,  # which rows are kept depends on how they are read
         },
         sort_keys=True,
     )

@@ -22,6 +22,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from speculators_v016.run.turns import MEDIA_KEYS, SYSTEM_KEY
+
 #: the roles of a plain row (exact spelling): any other, ``function_call`` above all, reads the row as before
 PLAIN_ROLES = ("user", "assistant", "system", "human", "gpt", "User", "Assistant", "System", "Human", "GPT")
 _Role = Literal[PLAIN_ROLES]
@@ -52,13 +54,16 @@ class PlainRow(msgspec.Struct, frozen=True, gc=False):
     tools: _Absent | UnsetType = UNSET
     input_ids: _Absent | UnsetType = UNSET
     system: _Absent | UnsetType = UNSET  # read as the first turn (run/turns.py): not plain
-    images: _Absent | UnsetType = UNSET  # media: refused (run/turns.py)
+    images: _Absent | UnsetType = UNSET  # media (run/turns.py MEDIA_KEYS): refused
     videos: _Absent | UnsetType = UNSET
     audios: _Absent | UnsetType = UNSET
+    image: _Absent | UnsetType = UNSET
+    video: _Absent | UnsetType = UNSET
+    audio: _Absent | UnsetType = UNSET
 
 
 #: top-level keys whose presence makes a row not plain (read as before, one json.loads and read_chat)
-PLAIN_ABSENT = ("tools", "system", "images", "videos", "audios")
+PLAIN_ABSENT = ("tools", SYSTEM_KEY, *MEDIA_KEYS)
 
 #: a JSON text -> PlainRow (msgspec.ValidationError / DecodeError where it is not one)
 DECODER = msgspec.json.Decoder(PlainRow)

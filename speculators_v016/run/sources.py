@@ -75,11 +75,11 @@ from loguru import logger
 
 from speculators_v016.run import row_shape
 from speculators_v016.run.key_table import KeyTable
-from speculators_v016.run.turns import BadRowError
+from speculators_v016.run.turns import MEDIA_KEYS, SYSTEM_KEY, BadRowError
 from speculators_v016.store.run_config import file_sha256
 
 #: the fields of a conversation row that are read (speculators_v016.run.turns): its content, for duplicates
-CONVERSATION_FIELDS = ("conversations", "messages", "tools", "system", "images", "videos", "audios")
+CONVERSATION_FIELDS = ("conversations", "messages", "tools", SYSTEM_KEY, *MEDIA_KEYS)
 #: the fields of a pre-tokenized row
 PRETOKENIZED_FIELDS = ("input_ids", "loss_mask")
 #: what ``--skip-bad-rows``' summary calls a row dropped as a duplicate

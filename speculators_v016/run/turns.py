@@ -59,28 +59,36 @@ UNREAD_FIELD = "a field that is not read"
 
 #: a turn's keys that are read (:func:`read_chat`); any other with a value is refused, never dropped
 TURN_KEYS = frozenset({"from", "value", "role", "content", "tool_calls", "tool_call_id", "name"})
-#: a turn key read as its default only: ``weight`` 1 (FastChat's and axolotl's "train on this turn", which every
-#: assistant turn here is); another weight (0: a turn not to train on) is refused
+#: a turn key read as its default only, on an assistant turn: ``weight`` 1 (FastChat's, axolotl's and SlimOrca's
+#: "train on this turn", which every assistant turn here is); another weight there (0: an answer not to train on)
+#: is refused; on the other turns, never trained, any weight changes nothing
 DEFAULT_ONLY = {"weight": 1}
-#: row keys holding media (LLaMA-Factory's and others' columns): the sample would hold the text alone
-MEDIA_KEYS = ("images", "videos", "audios")
+#: row keys holding media (LLaMA-Factory's plural columns, LLaVA's singular ones): the sample would hold the text
+#: alone
+MEDIA_KEYS = ("images", "videos", "audios", "image", "video", "audio")
+#: how rows are read into turns, for the records that decide whether a folder or a cached index is this reading's
+#: (the resume fingerprint, the prepared-rows cache's key): rows read by the rules before it were read otherwise
+READ_RULES = "turns-2: a row's system prompt its first turn; fields not read, media and conflicting keys refused"
 #: the row key of a system prompt beside the turns (LLaMA-Factory's ShareGPT format): read as the first turn
 SYSTEM_KEY = "system"
 
 
 def _empty(value) -> bool:
-    return value is None or value in ("", [], {})
+    """Null, or an empty string, list or object (what exporters leave in unused fields); any other value is one."""
+    return value is None or (isinstance(value, (str, list, tuple, dict)) and len(value) == 0)
 
 
 def _unread(where: str, i: int, turn: dict, role: str) -> None:
     """BadRowError naming turn ``i``'s keys with a value that :func:`read_chat` does not read (``name`` is read on a
-    tool's result only); a key left empty (null, "", [], {}, as exporters write them) is nothing to lose."""
+    tool's result only; ``weight`` changes nothing but on an assistant turn); a key left empty (null, "", [], {},
+    as exporters write them) is nothing to lose."""
     read = TURN_KEYS if role in RESULT_ROLES else TURN_KEYS - {"name"}
-    unread = sorted(
-        k
-        for k, v in turn.items()
-        if k not in read and not _empty(v) and not (k in DEFAULT_ONLY and v == DEFAULT_ONLY[k])
-    )
+    answer = ROLES.get(role) == "assistant"
+
+    def default(key, value) -> bool:
+        return key in DEFAULT_ONLY and (not answer or (type(value) in (int, float) and value == DEFAULT_ONLY[key]))
+
+    unread = sorted(k for k, v in turn.items() if k not in read and not _empty(v) and not default(k, v))
     if unread:
         raise BadRowError(
             f"{where}: turn {i} holds {', '.join(repr(k) for k in unread)}, which is not read: the sample would be "
@@ -104,12 +112,14 @@ def _system(where: str, row: dict, turns: list) -> dict | None:
         return None
     if not isinstance(system, str):
         raise BadRowError(f"{where}: 'system' must be a string (the system prompt), got {type(system).__name__}")
-    if turns and turns[0][1].lower() == "system":
+    if turns and turns[0][1].lower() == "system" and turns[0][2] != system:
         raise BadRowError(
             f"{where}: the row holds both a 'system' prompt and a system turn: which one the target should read "
             "cannot be told; keep one",
             UNREAD_FIELD,
         )
+    if turns and turns[0][1].lower() == "system":
+        return None  # the same prompt, given twice: read once
     return {"from": "system", "value": system}
 
 
@@ -129,10 +139,11 @@ def chat_role(where: str, i: int, given: str) -> str:
 
 
 def _one_of(where: str, holder: dict, first: str, second: str, what: str) -> None:
-    """BadRowError where ``holder`` gives both keys different values, neither empty: ShareGPT's and OpenAI's names
-    for one thing, of which only ``first`` would be read (the other dropped without a word)."""
+    """BadRowError where ``holder`` gives both keys different values, neither null (an empty one too: ``"value":
+    ""`` beside a ``content``): ShareGPT's and OpenAI's names for one thing, of which only ``first`` would be read
+    (the other dropped without a word)."""
     a, b = holder.get(first), holder.get(second)
-    if not _empty(a) and not _empty(b) and a != b:
+    if a is not None and b is not None and a != b:
         raise BadRowError(
             f"{where}: {what} holds both {first!r} and {second!r}, with different values: which one is meant cannot "
             "be told; keep one",
@@ -219,10 +230,10 @@ def _calls(where: str, i: int, turn: dict, role: str, content) -> list[dict] | N
         except (TypeError, ValueError):
             raise BadRowError(f"{where}: turn {i} ({CALL_ROLE}) does not hold its call as JSON") from None
         calls = calls if isinstance(calls, list) else [calls]
-    if calls is None:
+    if calls is None or calls == []:  # exporters write an empty list for no calls
         return None
-    if not isinstance(calls, list) or not calls:
-        raise BadRowError(f"{where}: turn {i} has 'tool_calls' that is not a non-empty list")
+    if not isinstance(calls, list):
+        raise BadRowError(f"{where}: turn {i} has 'tool_calls' that is not a list")
     return [_call(where, i, c) for c in calls]
 
 

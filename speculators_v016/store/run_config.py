@@ -26,11 +26,11 @@ import json
 import struct
 from pathlib import Path
 
-from speculators_v016.engine.arg_kinds import MODEL_CHANGING
 from speculators_v016.redact import redact, without_secrets
 from speculators_v016.store import no_links
 from speculators_v016.store.atomic_files import write_atomic
 from speculators_v016.store.outdir import CONFIG
+from speculators_v016.store.sample_format import MODEL_ARGS_KEY
 
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -217,6 +217,10 @@ def check_resume(directory: Path, fingerprint: dict, has_samples: bool) -> dict 
 
 #: What a difference under a fingerprint path means, said after the list.
 _HINTS = {
+    "preprocessing.conversations": "this release reads conversation rows otherwise than the one that made the "
+    "folder (a row's system prompt, fields not read: see the CHANGELOG), so its samples and new ones would differ",
+    "generation.regenerate.rows_read": "this release reads conversation rows otherwise than the one that made the "
+    "folder (a row's system prompt, fields not read: see the CHANGELOG)",
     f"model.{WEIGHT_DIGESTS}.": "the target's weight files hold other contents than when the folder's samples were "
     "made: the checkpoint was replaced in place (same names and sizes, other weights)",
     "model.file_sha256.": "a small file of the target's folder (generation_config.json, its code, ...) changed",
@@ -237,6 +241,10 @@ def _refuse_sizes_only(directory: Path, ours, fingerprint: dict) -> None:
         )
 
 
+#: Engine arguments naming a tokenizer or a config whose contents the fingerprint holds (``engine_arg_files``).
+ENGINE_ARG_FILES = ("tokenizer", "hf_config_path")
+
+
 class ShardMismatchError(ResumeMismatchError):
     """Another shard folder of the same ``--output-dir`` was made with other settings."""
 
@@ -244,9 +252,8 @@ class ShardMismatchError(ResumeMismatchError):
 def shared_settings(fingerprint) -> dict:
     """What every shard of one run must share: the fingerprint less the shard's own index, less the places files
     were read from (``path``: a model or a dataset mounted elsewhere on another host; their contents' digests
-    kept) and less the engine arguments that do not change the model
-    (:data:`~speculators_v016.engine.arg_kinds.MODEL_CHANGING` kept); secrets left out as the resume check
-    leaves them."""
+    kept) and less the engine arguments (those that change the model are compared as the run recorded them:
+    :func:`shard_differences`); secrets left out as the resume check leaves them."""
 
     def strip(value):
         if isinstance(value, dict):
@@ -258,29 +265,43 @@ def shared_settings(fingerprint) -> dict:
     out = strip(without_secrets(_with_defaults(fingerprint)))
     if isinstance(out, dict) and isinstance(out.get("generation"), dict):
         out["generation"].pop("shard_index", None)
-        given = out["generation"].get("engine_args")
-        if isinstance(given, dict):  # a host's memory or batching settings may differ; what changes the model not
-            out["generation"]["engine_args"] = {k: v for k, v in given.items() if k in MODEL_CHANGING}
+        # a host's memory or batching settings may differ: the engine arguments that change the model are compared
+        # as the run recorded them (shard_differences)
+        out["generation"].pop("engine_args", None)
     return out
 
 
-def check_shards_agree(directory: Path, fingerprint: dict, siblings: list[Path]) -> None:
+def _model_args(given) -> dict:
+    """The model-changing engine arguments a run recorded (``data_config.json``'s ``MODEL_ARGS_KEY``, vLLM's
+    defaults left out), less those naming files, whose contents ``engine_arg_files`` compares."""
+    return {k: v for k, v in given.items() if k not in ENGINE_ARG_FILES} if isinstance(given, dict) else {}
+
+
+def shard_differences(theirs: dict, fingerprint: dict, model_args: dict) -> list[str]:
+    """Where a sibling shard's ``speculators_v016`` section (its fingerprint, its model-changing engine
+    arguments) differs from this shard's ``fingerprint`` and ``model_args``: the settings every shard of one run
+    shares (:func:`shared_settings`)."""
+    diff = differences(shared_settings(theirs.get("fingerprint")), shared_settings(fingerprint))
+    return diff + differences(_model_args(theirs.get(MODEL_ARGS_KEY)), _model_args(model_args), f"{MODEL_ARGS_KEY}.")
+
+
+def check_shards_agree(directory: Path, fingerprint: dict, siblings: list[Path], model_args: dict) -> None:
     """Raise ShardMismatchError where a sibling shard folder's ``data_config.json`` holds other shared settings
     (:func:`shared_settings`) than ``fingerprint``: their samples would be one dataset to a trainer, its rows
     drawn in another order, other layers or another target mixed in. A sibling without the file yet (a shard
     starting) is passed over; one whose file is not ours is refused."""
-    mine = shared_settings(fingerprint)
     for other in siblings:
         config = load(other)
         if config is None:
             continue
-        theirs = config.get("speculators_v016", {}).get("fingerprint") if isinstance(config, dict) else None
+        ours = config.get("speculators_v016") if isinstance(config, dict) else None
+        theirs = ours.get("fingerprint") if isinstance(ours, dict) else None
         if not isinstance(theirs, dict):
             raise ShardMismatchError(
                 f"{other}/{CONFIG} was not written by speculators-data-gen (no fingerprint): {directory} cannot be "
                 "proven to belong to the same run; use another --output-dir"
             )
-        diff = differences(shared_settings(theirs), mine)
+        diff = shard_differences(ours, fingerprint, model_args)
         if diff:
             raise ShardMismatchError(
                 f"{directory} would be a shard of the same run as {other}, which was made with other settings: "

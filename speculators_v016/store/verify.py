@@ -38,9 +38,8 @@ from speculators_v016 import fp8
 from speculators_v016.checks.degenerate import degenerate_layers
 from speculators_v016.redact import redact
 from speculators_v016.store import checksum, no_links, regenerated, run_config
-from speculators_v016.store.atomic_files import TMP_PREFIX
 from speculators_v016.store.manifest import Manifest, ManifestError
-from speculators_v016.store.outdir import CONFIG, SHARD_DIR, is_ours, unsharded_run_files
+from speculators_v016.store.outdir import CONFIG, SHARD_DIR, is_our_tmp, is_ours, unsharded_run_files
 from speculators_v016.store.run_config import file_sha256
 from speculators_v016.store.sample_format import (
     FORMATS,
@@ -185,24 +184,21 @@ def _tokenizer_of(folder: Path, settings: FolderSettings, report: Report):
 
 
 def _shards_agree(folders: list[Path], report: Report) -> None:
-    """Shard folders made with other shared settings (another seed, layers, sequence length, target, dataset: a
-    trainer would mix them as one dataset) are a finding, naming the first folder and what differs."""
+    """Shard folders made with other shared settings (another seed, layers, sequence length, target, dataset,
+    model-changing engine arguments: a trainer would mix them as one dataset) are a finding, naming the first
+    folder and what differs."""
     made = []
     for folder in folders:
         try:
             config = run_config.load(folder)
         except run_config.ResumeMismatchError:
             continue  # the folder's own check names it
-        fingerprint = config.get("speculators_v016", {}).get("fingerprint") if isinstance(config, dict) else None
-        if isinstance(fingerprint, dict):
-            made.append((folder, fingerprint))
-    for folder, fingerprint in made[1:]:
-        try:
-            run_config.check_shards_agree(folder, fingerprint, [made[0][0]])
-        except run_config.ShardMismatchError:
-            diff = run_config.differences(
-                run_config.shared_settings(made[0][1]), run_config.shared_settings(fingerprint)
-            )
+        ours = config.get("speculators_v016") if isinstance(config, dict) else None
+        if isinstance(ours, dict) and isinstance(ours.get("fingerprint"), dict):
+            made.append((folder, ours))
+    for folder, ours in made[1:]:
+        diff = run_config.shard_differences(made[0][1], ours["fingerprint"], ours.get(MODEL_ARGS_KEY) or {})
+        if diff:
             report.problems.append(
                 f"{folder}: made with other settings than {made[0][0]}, yet in one folder: "
                 + "; ".join(redact(diff[:6]))
@@ -355,9 +351,7 @@ def _verify_folder(
     fmt, ext = settings.format, FORMATS[settings.format]
     hidden, dtype = settings.hidden_size, settings.dtype
     names = sorted(os.listdir(folder))
-    leftovers = [
-        f"{folder / n}: temporary file left by an interrupted write" for n in names if n.startswith(TMP_PREFIX)
-    ]
+    leftovers = [f"{folder / n}: temporary file left by an interrupted write" for n in names if is_our_tmp(n)]
     (report.notes if partial else report.problems).extend(leftovers)  # the next run removes them
     report.problems += [
         f"{folder / n}: not a file of this tool (not opened)"

@@ -16,6 +16,7 @@ from helpers.cli import CPU, invoke, load_all, write_jsonl
 from helpers.reference import TOLERANCE, hf_layer_outputs
 from speculators_v016 import fp8
 from speculators_v016.run.demo import corpus_lines
+from speculators_v016.run.turns import READ_RULES
 from speculators_v016.store.manifest import Manifest
 from speculators_v016.store.sample_format import load_sample
 from speculators_v016.testing.faults import VARIABLE as FAULT
@@ -100,6 +101,7 @@ def test_samples_are_the_prompts_the_target_saw_and_what_it_sampled(reference_ru
     regen = config["speculators_v016"]["regenerate"]
     assert regen["on_policy"] is True and regen["sampling"]["temperature"] == 0.7
     assert "unanswered_user_turns" not in regen  # every user turn answered by the source: folders as before
+    assert regen["rows_read"] == READ_RULES  # a folder of rows read otherwise is not resumed
     assert regen["sampling"]["max_new_tokens"] == 20 and regen["stop_token_ids"]
     assert lines[0]["sampling"]["seed"] == 3
     assert torch.load(reference_run.parent / "tf.pt")  # token frequencies of the generated tokens

@@ -648,3 +648,50 @@ def test_two_names_for_one_thing_with_different_values_refuse_the_row(tmp_path, 
     same = {"messages": [{"role": "user", "from": "user", "content": "hi", "value": "hi"},
                          {"role": "assistant", "content": "x"}]}  # fmt: skip
     assert len(prepare_samples([write(tmp_path / "s.jsonl", [same])], tok, 256, num_proc=1)) == 1
+
+
+def test_weights_of_turns_never_trained_and_empty_calls_change_nothing(tmp_path, tok):
+    """SlimOrca's weights (null on the system turn, 0.0 on the user's, 1.0 on the answer), an identical 'system'
+    beside the system turn and 'tool_calls': [] read as the row without them; a weight of 0 on an answer is refused
+    (second review, 2026-12-07)."""
+    plain = {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "how do I sort"},
+                               {"from": "gpt", "value": "use sorted"}]}  # fmt: skip
+    slim = {"system": "be brief", "conversations": [
+        {"from": "system", "value": "be brief", "weight": None}, {"from": "human", "value": "how do I sort", "weight": 0.0},
+        {"from": "gpt", "value": "use sorted", "weight": 1.0, "tool_calls": []}]}  # fmt: skip
+    first = prepare_samples([write(tmp_path / "a.jsonl", [plain])], tok, 256, num_proc=1)
+    second = prepare_samples([write(tmp_path / "b.jsonl", [slim])], tok, 256, num_proc=1)
+    assert second.input_ids == first.input_ids and second.loss_masks == first.loss_masks and not second.skipped
+    slim["conversations"][2]["weight"] = 0
+    with pytest.raises(BadRowError, match="turn 2 holds 'weight'"):
+        prepare_samples([write(tmp_path / "c.jsonl", [slim])], tok, 256, num_proc=1)
+
+
+@pytest.mark.parametrize(
+    "row, named",
+    [
+        ({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "", "content": "REAL"}]},
+         "turn 1 holds both 'value' and 'content'"),
+        ({"conversations": [], "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x"}]},
+         "the row holds both 'conversations' and 'messages'"),
+        ({"image": "coco/1.jpg", "conversations": [{"from": "human", "value": "<image>\\nWhat?"},
+                                                   {"from": "gpt", "value": "a cat"}]}, "the row holds 'image'"),
+    ],
+    ids=["empty-value-beside-content", "empty-conversations-beside-messages", "llava-image"],
+)  # fmt: skip
+def test_an_empty_name_beside_a_full_one_and_a_single_image_refuse_the_row(tmp_path, tok, row, named):
+    """An empty 'value' beside a 'content', empty 'conversations' beside 'messages', LLaVA's 'image': refused (only
+    the empty one, or the text alone, would be read; second review, 2026-12-07)."""
+    with pytest.raises(BadRowError, match=named):
+        prepare_samples([write(tmp_path / "d.jsonl", [row])], tok, 256, num_proc=1)
+
+
+def test_the_fast_row_shape_and_the_duplicate_check_read_the_same_fields_as_the_turns():
+    """PlainRow leaves every field the turns read besides the conversation (tools, system, media) to the slow path,
+    and the duplicate check's content holds them all: one list, three places."""
+    from speculators_v016.run import row_shape, sources  # noqa: PLC0415 - their field lists compared
+    from speculators_v016.run.turns import MEDIA_KEYS, SYSTEM_KEY  # noqa: PLC0415
+
+    absent = set(row_shape.PlainRow.__struct_fields__) - {"conversations", "messages", "input_ids"}
+    assert absent == set(row_shape.PLAIN_ABSENT) == {"tools", SYSTEM_KEY, *MEDIA_KEYS}
+    assert set(sources.CONVERSATION_FIELDS) == {"conversations", "messages", *row_shape.PLAIN_ABSENT}

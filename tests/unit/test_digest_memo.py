@@ -100,3 +100,23 @@ def test_an_input_changed_while_it_is_indexed_leaves_no_cached_index(tmp_path, m
         assert len(index) == 7 and index.descriptions[0]["sha256"] == file_sha256(data)
     finally:
         index.close()
+
+
+def test_an_index_cached_by_other_reading_rules_is_not_reused(tmp_path, monkeypatch):
+    """The cache key holds how rows are read (turns.READ_RULES): an index an earlier release cached, whose rules
+    kept other rows, is not taken for this one's (second review, 2026-12-07)."""
+    from speculators_v016.run import row_index  # noqa: PLC0415 - its rules changed for this test
+
+    monkeypatch.setattr(digest_memo, "SETTLE_NS", 0)
+    data, cache = tmp_path / "d.jsonl", tmp_path / "cache"
+    data.write_text(rows(5))
+    first = build_index([str(data)], False, None, cache=cache)
+    first.close()
+    assert json.loads(first.key)["rows_read"] == row_index.READ_RULES
+    monkeypatch.setattr(row_index, "READ_RULES", "an earlier release's rules")
+    reads = []
+    real_read = row_index._read
+    monkeypatch.setattr(row_index, "_read", lambda *a, **k: reads.append(1) or real_read(*a, **k))
+    again = build_index([str(data)], False, None, cache=cache)
+    again.close()
+    assert reads == [1] and json.loads(again.key)["rows_read"] == "an earlier release's rules"

@@ -10,6 +10,7 @@ from helpers.folders import make_folder
 from speculators_v016.store import run_config
 from speculators_v016.store.outdir import shard_siblings
 from speculators_v016.store.run_config import ShardMismatchError, check_shards_agree, shared_settings
+from speculators_v016.store.sample_format import MODEL_ARGS_KEY
 from speculators_v016.store.verify import verify
 
 
@@ -22,11 +23,12 @@ def fingerprint(index: int, seed: int = 0, model_path: str = "/models/a", layers
     }
 
 
-def shard(root, index: int, fp: dict | None) -> object:
+def shard(root, index: int, fp: dict | None, model_args: dict | None = None) -> object:
     folder = root / f"shard-{index:05d}-of-00002"
     folder.mkdir(parents=True)
     if fp is not None:
-        (folder / "data_config.json").write_text(json.dumps({"speculators_v016": {"fingerprint": fp}}))
+        ours = {"fingerprint": fp, MODEL_ARGS_KEY: model_args or {}}
+        (folder / "data_config.json").write_text(json.dumps({"speculators_v016": ours}))
     return folder
 
 
@@ -60,7 +62,7 @@ def test_a_shard_with_other_settings_than_its_sibling_is_refused(tmp_path, chang
     siblings = shard_siblings(tmp_path, 1, 2)
     assert siblings == [tmp_path / "shard-00000-of-00002"]
     with pytest.raises(ShardMismatchError, match="made with other settings") as err:
-        check_shards_agree(me, mine, siblings)
+        check_shards_agree(me, mine, siblings, {})
     assert named in str(err.value) and "shard-00000-of-00002" in str(err.value)
     assert isinstance(err.value, run_config.ResumeMismatchError)  # the CLI reports it as a refused resume
 
@@ -70,12 +72,12 @@ def test_siblings_of_the_same_run_pass_and_a_starting_one_is_passed_over(tmp_pat
     whose config is not ours is refused."""
     shard(tmp_path, 0, fingerprint(0, model_path="/mnt/x"))
     me = shard(tmp_path, 1, None)
-    check_shards_agree(me, fingerprint(1), shard_siblings(tmp_path, 1, 2))
+    check_shards_agree(me, fingerprint(1), shard_siblings(tmp_path, 1, 2), {})
     assert shard_siblings(tmp_path, 0, 2) == [me]
-    check_shards_agree(tmp_path / "shard-00000-of-00002", fingerprint(0), [me])  # me: no data_config.json yet
+    check_shards_agree(tmp_path / "shard-00000-of-00002", fingerprint(0), [me], {})  # me: no data_config.json yet
     (me / "data_config.json").write_text(json.dumps({"model": {}}))
     with pytest.raises(ShardMismatchError, match="not written by speculators-data-gen"):
-        check_shards_agree(tmp_path / "shard-00000-of-00002", fingerprint(0), [me])
+        check_shards_agree(tmp_path / "shard-00000-of-00002", fingerprint(0), [me], {})
 
 
 def test_verify_names_a_shard_made_with_other_settings(tmp_path):
@@ -97,15 +99,25 @@ def test_verify_names_a_shard_made_with_other_settings(tmp_path):
 
 
 def test_engine_arguments_that_do_not_change_the_model_may_differ_between_shards(tmp_path):
-    """A host's gpu_memory_utilization or batching may differ between shards; an argument that changes the model
-    (hf_overrides) may not."""
+    """A host's gpu_memory_utilization or batching, and the path of a tokenizer with the same contents, may differ
+    between shards; a model-changing argument as the run recorded it (hf_overrides) may not."""
     theirs = fingerprint(0)
-    theirs["generation"]["engine_args"] = {"gpu_memory_utilization": 0.8, "max_num_seqs": 64}
-    shard(tmp_path, 0, theirs)
+    theirs["generation"]["engine_args"] = {"gpu_memory_utilization": 0.8, "tokenizer": "/hostA/tok"}
+    shard(tmp_path, 0, theirs, {"tokenizer": "/hostA/tok"})
     me = shard(tmp_path, 1, None)
     mine = fingerprint(1)
-    mine["generation"]["engine_args"] = {"gpu_memory_utilization": 0.95}
-    check_shards_agree(me, mine, shard_siblings(tmp_path, 1, 2))
-    mine["generation"]["engine_args"]["hf_overrides"] = {"rope_theta": 1.0}
-    with pytest.raises(ShardMismatchError, match="generation.engine_args.hf_overrides"):
-        check_shards_agree(me, mine, shard_siblings(tmp_path, 1, 2))
+    mine["generation"]["engine_args"] = {"gpu_memory_utilization": 0.95, "tokenizer": "/hostB/tok"}
+    check_shards_agree(me, mine, shard_siblings(tmp_path, 1, 2), {"tokenizer": "/hostB/tok"})
+    with pytest.raises(ShardMismatchError, match="model_changing_engine_args.hf_overrides"):
+        check_shards_agree(me, mine, shard_siblings(tmp_path, 1, 2), {"hf_overrides": {"rope_theta": 1.0}})
+
+
+def test_an_odd_sibling_config_is_refused_and_verify_reports_no_traceback(tmp_path):
+    """A sibling's data_config.json whose section is null: refused as not ours (no AttributeError); verify of the
+    root reports findings, it does not raise."""
+    shard(tmp_path, 0, None)
+    (tmp_path / "shard-00000-of-00002" / "data_config.json").write_text(json.dumps({"speculators_v016": None}))
+    me = shard(tmp_path, 1, fingerprint(1))
+    with pytest.raises(ShardMismatchError, match="not written by speculators-data-gen"):
+        check_shards_agree(me, fingerprint(1), shard_siblings(tmp_path, 1, 2), {})
+    assert not verify(tmp_path).ok
