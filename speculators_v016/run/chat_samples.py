@@ -46,14 +46,14 @@ from dataclasses import dataclass
 
 from speculators_v016.config import ConfigError
 from speculators_v016.run import tool_turns
-from speculators_v016.run.turns import BadRowError, ChatRow, messages
+from speculators_v016.run.turns import READ_RULES, BadRowError, ChatRow, messages
 
 #: how conversation rows become samples, as the fingerprint records it (a folder whose record differs, an earlier
 #: release's among them, is not resumed: its samples were made otherwise)
 READING = (
     "roles read in any case, tool turns rendered (tools=), loss mask on each assistant turn's text found by "
     "rendering turn by turn, special tokens in a turn's text refused, rows far past seq_length skipped unread, "
-    "turn dropout drawn in the run's order, a row's 'system' prompt its first turn, turn fields not read refused"
+    f"turn dropout drawn in the run's order; {READ_RULES}"
 )
 
 #: a turn's probe text: letters and digits only, which no template trims, splits or escapes

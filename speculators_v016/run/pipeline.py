@@ -296,9 +296,8 @@ def _run_work(opts, work, target, model_config, directory, plan, summary, starte
     summary.seconds = time.monotonic() - started
     config["speculators_v016"]["last_run"] = asdict(summary)
     run_config.save(directory, config)
-    _check_shards(
-        opts, directory, fp, summary.model_args
-    )  # again: a shard started beside this one, before either had its config
+    # again: a shard started beside this one, before either had written its config
+    _check_shards(opts, directory, fp, summary.model_args)
     return summary
 
 

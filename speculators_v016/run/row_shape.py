@@ -1,8 +1,8 @@
 """The plain conversation row, as a type: what the row index reads in bulk, and its content as a hashable key.
 
 Most conversation rows are plain: ``messages`` of ``{"role", "content"}`` (or ``conversations`` of ``{"from",
-"value"}``), every role one of :data:`PLAIN_ROLES`, every content a string, no ``tools``, ``system`` or media fields, no ``input_ids``. Such a
-row is decoded by ``msgspec`` straight into :class:`PlainRow` (no dict per turn, no Python per turn), and
+"value"}``), every role one of :data:`PLAIN_ROLES`, every content a string, no ``tools``, ``system`` or media
+fields, no ``input_ids``. Such a row is decoded by ``msgspec`` straight into :class:`PlainRow` (no dict per turn, no Python per turn), and
 :func:`speculators_v016.run.turns.read_chat` would read it as it stands (no tool turns, no call to parse: a turn
 is ``{"from": role, "value": content}``), so its only facts for the index are its turns' count and its content.
 

@@ -99,28 +99,33 @@ def _unread(where: str, i: int, turn: dict, role: str) -> None:
         )
 
 
-def _system(where: str, row: dict, turns: list) -> dict | None:
-    """The row's ``system`` prompt as its first turn, where given and not empty; BadRowError where it is not a
-    string or the turns open with a system turn of their own (which of the two is meant cannot be told)."""
+def _no_media(where: str, row: dict) -> None:
+    """BadRowError where the row holds media (:data:`MEDIA_KEYS`, not empty): the sample would hold its text alone."""
     for key in MEDIA_KEYS:
         if not _empty(row.get(key)):
             raise BadRowError(
                 f"{where}: the row holds {key!r}, which is not read: the sample would hold its text alone", UNREAD_FIELD
             )
+
+
+def _system(where: str, row: dict, turns: list) -> dict | None:
+    """The row's ``system`` prompt as its first turn, where given and not empty (None: none, or the same prompt as
+    the first turn's); BadRowError where it is not a string or the turns open with another system prompt (which of
+    the two is meant cannot be told)."""
     system = row.get(SYSTEM_KEY)
     if _empty(system):
         return None
     if not isinstance(system, str):
         raise BadRowError(f"{where}: 'system' must be a string (the system prompt), got {type(system).__name__}")
-    if turns and turns[0][1].lower() == "system" and turns[0][2] != system:
+    if not (turns and turns[0][1].lower() == "system"):
+        return {"from": "system", "value": system}
+    if turns[0][2] != system:
         raise BadRowError(
             f"{where}: the row holds both a 'system' prompt and a system turn: which one the target should read "
             "cannot be told; keep one",
             UNREAD_FIELD,
         )
-    if turns and turns[0][1].lower() == "system":
-        return None  # the same prompt, given twice: read once
-    return {"from": "system", "value": system}
+    return None  # the same prompt, given twice: read once
 
 
 def chat_role(where: str, i: int, given: str) -> str:
@@ -242,6 +247,7 @@ def read_chat(where: str, row) -> ChatRow:
     is its first turn; a field that would change the sample and is not read (a turn's ``reasoning_content``,
     ``weight`` 0, media) refuses the row."""
     given = raw_turns(where, row)
+    _no_media(where, row)
     system = _system(where, row, given)
     out = [system] if system else []
     for i, (turn, role, content) in enumerate(given):
