@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "tools" / "benchmarks"
 #: the scripts' shared modules (helpers, no page of their own): the rest are benchmarks
-SHARED = ("common", "kept_side", "report", "trace_gaps")
+SHARED = ("aux_only", "common", "kept_side", "report", "trace_gaps")
 SCRIPTS = sorted(p for p in BENCHMARKS.glob("*.py") if p.stem not in SHARED)
 
 

@@ -7,7 +7,10 @@ Sides, each a process of its own holding its engine warm for the whole run (comp
   core in a process of its own as vLLM runs it;
 * ``uni``: the generator (``stream()``, 4 layers captured, states dropped as a writer would take them),
   the worker in the driving process (the uniprocess executor, the default on one GPU);
-* ``mp``: the same with the multiprocess executor (TP 1: the worker in a process of its own).
+* ``mp``: the same with the multiprocess executor (TP 1: the worker in a process of its own);
+* ``vllm-aux`` (asked for by name): vLLM's own loop as ``vllm``, its model computing the capture's aux states
+  (vLLM's built-in ids and our taps, installed as the generator installs them) that nothing copies and vLLM's
+  runner drops (``aux_only.py``): ``vllm-aux / vllm`` is the capture's arithmetic, ``uni / vllm-aux`` the rest.
 
 Shapes: a few layers of a Llama at hidden 256 (a trial), 4096 and 7168; and ``kimi``, a 3-layer slice of
 Kimi-K2.5's real geometry (:mod:`speculators_v016.testing.kimi_slice`: hidden 7168, MLA with YaRN, a dense
@@ -137,11 +140,22 @@ def side(args: dict) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # a spawned core would not have them (as ours, in-process)
         gpu_kit.install()
     memory, engine_stats = None, lambda: {}
-    if args["side"] == "vllm":
+    if args["side"] in ("vllm", "vllm-aux"):
         from vllm import SamplingParams  # noqa: PLC0415 - each side imports what it measures
         from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415 - the same
         from vllm.v1.engine.llm_engine import LLMEngine  # noqa: PLC0415 - the same
 
+        if args["side"] == "vllm-aux":  # vLLM's loop, its model computing the capture's aux states (aux_only.py)
+            import aux_only  # noqa: PLC0415 - this side only: it imports vLLM's executor
+
+            from speculators_v016.engine.engine_args import EXTENSION  # noqa: PLC0415 - the same
+            from speculators_v016.layers import LayerPlan  # noqa: PLC0415 - the same
+
+            plan = LayerPlan.build(args["layers"], layer_ids(args["layers"]))
+            os.environ[aux_only.IDS_VARIABLE] = json.dumps(list(plan.capture_ids))  # before the engine core starts
+            settings = {**settings, "worker_extension_cls": EXTENSION,
+                        "distributed_executor_backend": aux_only.AuxOnlyExecutor,
+                        "additional_config": {"speculators_v016": aux_only.capture_config().as_dict()}}  # fmt: skip
         engine = LLMEngine.from_engine_args(EngineArgs(model=args["model"], enable_prefix_caching=False, **settings))
         params = SamplingParams(max_tokens=1, temperature=0.0)
 
@@ -600,7 +614,9 @@ def cli_writers(hidden: int, layers: int, dtype: str, workers: int | None, helpe
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", type=shape_key, nargs="+", default=[4096, 7168], choices=list(SHAPES))
-    ap.add_argument("--sides", nargs="+", default=["vllm", "uni", "mp"], choices=["vllm", "uni", "mp"])
+    ap.add_argument("--sides", nargs="+", default=["vllm", "uni", "mp"], choices=["vllm", "vllm-aux", "uni", "mp"],
+                    help="vllm-aux: vLLM's own loop with the capture's aux states computed and dropped "
+                         "(aux_only.py): vllm-aux / vllm is the capture's arithmetic, uni / vllm-aux the rest")  # fmt: skip
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--low", type=int, default=1024, help="shortest prompt (tokens)")
     ap.add_argument("--high", type=int, help="longest prompt (tokens; default 4096, kimi 8192)")
@@ -758,6 +774,7 @@ def main() -> None:
         print(f"{opts.prompts} prompts a pass{cli_prompts}, bf16, {'eager' if opts.eager else 'compiled (CUDA graphs)'}, "
               f"max_num_batched_tokens {opts.batched_tokens}, max_num_seqs {opts.max_num_seqs}, up to {CAPTURE} "
               f"layers captured, {opts.rounds} interleaved rounds, medians; vllm = LLMEngine (add_request, step), "
+              "vllm-aux = the same computing the capture's aux states, nothing copied, "
               "uni / mp = the generator's stream() with the uniprocess / multiprocess (TP 1) executor")  # fmt: skip
         if warmups:
             print(f"the CLI's runs each follow one untimed warm-up run per shape and folder (--cli-warmup; shape, "
@@ -772,11 +789,14 @@ def main() -> None:
                 print(f"hidden {hidden}, {s['layers']} layers, vocabulary {s['vocab']}, MLP {s['intermediate']}, "
                       f"prompts of {opts.low}-{high} tokens:")  # fmt: skip
             for name, values in rates.items():
-                print(f"  {name:5} {med[name]:12,.0f} tokens/s   (rounds: {', '.join(f'{v:,.0f}' for v in values)})")
-            for name in med:
-                if name != "vllm" and "vllm" in med:
-                    per_round = [a / b for a, b in zip(rates[name], rates["vllm"])]
-                    print(f"  ratio {name} / vllm: {med[name] / med['vllm']:.3f}x (per round: "
+                print(f"  {name:8} {med[name]:12,.0f} tokens/s   (rounds: {', '.join(f'{v:,.0f}' for v in values)})")
+            pairs = [(name, "vllm") for name in med if name != "vllm"] + [
+                (name, "vllm-aux") for name in med if name not in ("vllm", "vllm-aux")
+            ]
+            for name, against in pairs:
+                if against in med:
+                    per_round = [a / b for a, b in zip(rates[name], rates[against])]
+                    print(f"  ratio {name} / {against}: {med[name] / med[against]:.3f}x (per round: "
                           f"{', '.join(f'{r:.3f}' for r in per_round)})")  # fmt: skip
             for name, passes in streams.items():
                 if passes:
