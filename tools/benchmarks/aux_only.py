@@ -29,6 +29,23 @@ def capture_config() -> CaptureConfig:
     return CaptureConfig(tuple(json.loads(os.environ[IDS_VARIABLE])))
 
 
+def engine(engine_args):
+    """vLLM's ``LLMEngine`` for ``engine_args`` with :class:`AuxOnlyExecutor`, built as ``from_engine_args`` builds
+    it (its engine core in a process of its own where vLLM's multiprocessing is on). The class is handed to the
+    engine, not given as ``distributed_executor_backend``: vLLM 0.16 turns async scheduling off for a class there,
+    and the ``vllm`` side keeps it on."""
+    from vllm import envs  # noqa: PLC0415 - read as vLLM reads it when the engine is made
+    from vllm.v1.engine.llm_engine import LLMEngine  # noqa: PLC0415 - the same
+
+    config = engine_args.create_engine_config()
+    return LLMEngine(
+        vllm_config=config,
+        executor_class=AuxOnlyExecutor,
+        log_stats=not engine_args.disable_log_stats,
+        multiprocess_mode=bool(envs.VLLM_ENABLE_V1_MULTIPROCESSING),
+    )
+
+
 class AuxOnlyExecutor(UniProcExecutor):
     """vLLM's uniprocess executor, its worker's model returning the capture's aux states (installed, not copied)."""
 

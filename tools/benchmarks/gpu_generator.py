@@ -153,11 +153,18 @@ def side(args: dict) -> None:
 
             plan = LayerPlan.build(args["layers"], layer_ids(args["layers"]))
             os.environ[aux_only.IDS_VARIABLE] = json.dumps(list(plan.capture_ids))  # before the engine core starts
-            settings = {**settings, "worker_extension_cls": EXTENSION,
-                        "distributed_executor_backend": aux_only.AuxOnlyExecutor,
-                        "additional_config": {"speculators_v016": aux_only.capture_config().as_dict()}}  # fmt: skip
-        engine = LLMEngine.from_engine_args(EngineArgs(model=args["model"], enable_prefix_caching=False, **settings))
+            engine_args = EngineArgs(model=args["model"], enable_prefix_caching=False, worker_extension_cls=EXTENSION,
+                                     additional_config={"speculators_v016": aux_only.capture_config().as_dict()},
+                                     **settings)  # fmt: skip
+            # The executor class handed to the engine, its backend left to vLLM ("uni", as for the vllm side): a
+            # class as distributed_executor_backend turns vLLM 0.16's async scheduling off.
+            engine = aux_only.engine(engine_args)
+        else:
+            engine = LLMEngine.from_engine_args(
+                EngineArgs(model=args["model"], enable_prefix_caching=False, **settings)
+            )
         params = SamplingParams(max_tokens=1, temperature=0.0)
+        async_scheduling = bool(engine.vllm_config.scheduler_config.async_scheduling)
 
         def one_pass(items):
             for i, ids in enumerate(items):
@@ -179,6 +186,7 @@ def side(args: dict) -> None:
             stats = gen.engine.stats
             return {name: getattr(stats, name) for name in STREAM_STATS}
 
+        async_scheduling = bool(gen.engine.async_scheduling)
         ring, info = gen.engine.ring, gen.engine.capture_info[0]
         memory = {
             "copy_path": info.get("copy_path"),
@@ -190,7 +198,7 @@ def side(args: dict) -> None:
             memory.update(ring=ring.spec.describe(), ring_bytes=ring.spec.total_bytes)
 
     one_pass(warm)
-    print(json.dumps({"ready": True, "memory": memory}), flush=True)
+    print(json.dumps({"ready": True, "memory": memory, "async_scheduling": async_scheduling}), flush=True)
     for line in sys.stdin:
         if line.strip() == "profile":
             print(json.dumps(profile(one_pass, batch)), flush=True)
@@ -692,6 +700,12 @@ def main() -> None:
         if opts.cli and opts.cli_prompts and opts.cli_prompts != opts.prompts:  # uni passes over the CLI's own too
             args["cli_count"] = opts.cli_prompts
         sides = [start_side({**args, "side": name}) for name in opts.sides]
+        modes = {x.name: x.ready.get("async_scheduling") for x in sides}
+        print(f"hidden {hidden}: async scheduling by side {modes}", file=sys.stderr, flush=True)
+        if len({modes[k] for k in ("vllm", "vllm-aux") if k in modes}) > 1:  # vLLM's two loops must match
+            for running in sides:
+                running.close()
+            raise SystemExit(f"vllm and vllm-aux do not schedule alike (async scheduling by side: {modes})")
         memory_lines = {x.name: x.ready["memory"] for x in sides if x.ready.get("memory")}
         rates: dict[str, list[float]] = {name: [] for name in opts.sides}
         streams: dict[str, list[dict]] = {name: [] for name in opts.sides}  # each timed pass's engine stats
