@@ -21,6 +21,10 @@ every side (vLLM's own loop included; a full vLLM build keeps its compiled kerne
 print the capture ring (host memory, registered as pinned memory by the output worker) and the GPU
 staging buffers.
 
+``--before CHECKOUT`` adds the side ``uni-before``: ``uni`` with the package of another checkout (its
+``speculators_v016`` first on the side's path; its ready line names the package it imported), timed in the same
+rounds, so that a change's effect on the generator is measured side by side (``uni / uni-before``).
+
 Each round times one pass of every side over the same prompts, in turn (interleaved: the machine's noise
 hits all alike); ratios are of medians. ``--cli`` also times ``speculators-data-gen`` writing the files
 (its own summary line: tokens/s from the first step to the last file made durable, the writers drained)
@@ -175,7 +179,8 @@ def side(args: dict) -> None:
         from speculators_v016.generator import VllmHiddenStatesGenerator  # noqa: PLC0415 - the same
 
         extra = {k: settings.pop(k) for k in list(settings) if k not in OURS}
-        gen = VllmHiddenStatesGenerator(args["model"], layer_ids=layer_ids(args["layers"]), executor=args["side"],
+        executor = "uni" if args["side"] == "uni-before" else args["side"]  # the same, another checkout's package
+        gen = VllmHiddenStatesGenerator(args["model"], layer_ids=layer_ids(args["layers"]), executor=executor,
                                         extra_engine_args=extra, **settings)  # fmt: skip
 
         def one_pass(items):
@@ -191,6 +196,7 @@ def side(args: dict) -> None:
         memory = {
             "copy_path": info.get("copy_path"),
             "staging": info.get("staging") or {},
+            "in_place": info.get("staging_in_place"),  # an experiment's set-up line, where a --before checkout has it
             "ring": "none",
             "ring_bytes": 0,
         }
@@ -198,7 +204,10 @@ def side(args: dict) -> None:
             memory.update(ring=ring.spec.describe(), ring_bytes=ring.spec.total_bytes)
 
     one_pass(warm)
-    print(json.dumps({"ready": True, "memory": memory, "async_scheduling": async_scheduling}), flush=True)
+    import speculators_v016  # noqa: PLC0415 - which checkout's package this side runs (--before)
+
+    print(json.dumps({"ready": True, "memory": memory, "async_scheduling": async_scheduling,
+                      "package": str(Path(speculators_v016.__file__).resolve().parent)}), flush=True)  # fmt: skip
     for line in sys.stdin:
         if line.strip() == "profile":
             print(json.dumps(profile(one_pass, batch)), flush=True)
@@ -310,10 +319,18 @@ def side_py_spy(running: Side, path: Path) -> None:
     print(f"py-spy of side {running.name}: {path}.gz ({rate:,.0f} tokens/s while sampled)", file=sys.stderr, flush=True)
 
 
-def start_side(args: dict) -> Side:
-    """A running side, started: ask it for passes (its ready line says its memory)."""
+def start_side(args: dict, before: Path | None = None) -> Side:
+    """A running side, started: ask it for passes (its ready line says its memory); ``uni-before`` with the package
+    of the checkout ``before`` first on its path, refused unless it imported that one."""
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", **({STAND_INS: "1"} if args.get("kimi") else {})}
-    return Side(__file__, args, env)
+    if args["side"] == "uni-before":
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(before), env.get("PYTHONPATH")]))
+    running = Side(__file__, args, env)
+    wanted = (before / "speculators_v016").resolve() if args["side"] == "uni-before" else None
+    if wanted is not None and running.ready.get("package") != str(wanted):
+        running.close()
+        raise SystemExit(f"side uni-before imported {running.ready.get('package')}, not {wanted} (--before)")
+    return running
 
 
 def write_rate(folder: Path, gib: int = 4) -> float:
@@ -681,11 +698,18 @@ def main() -> None:
                     "gzipped into this folder")  # fmt: skip
     ap.add_argument("--eager", action="store_true", help="eager engines (a trial; measurements are compiled)")
     ap.add_argument("--where", default="/tmp/speculators-v016-gpu-bench")
+    ap.add_argument("--before", type=Path, help="also the side uni-before: uni with this checkout's package "
+                    "(a folder holding speculators_v016/), in the same rounds: uni / uni-before is the change")  # fmt: skip
     opts = ap.parse_args()
+    if opts.before is not None:
+        opts.before = opts.before.resolve()
+        if not (opts.before / "speculators_v016" / "__init__.py").is_file():
+            ap.error(f"--before {opts.before}: no speculators_v016 package there")
     for hidden in opts.shapes:  # before anything runs
         memory = opts.memory or SHAPES[hidden].get("memory", 0.25)
-        if memory * len(opts.sides) > 0.95:
-            ap.error(f"shape {hidden}: {len(opts.sides)} sides at --memory {memory} hold more than the GPU; "
+        count = len(opts.sides) + (opts.before is not None)
+        if memory * count > 0.95:
+            ap.error(f"shape {hidden}: {count} sides at --memory {memory} hold more than the GPU; "
                      "run fewer --sides or a smaller --memory")  # fmt: skip
     lines = []
     cli_tokens: dict[int, int] = {}  # each shape's CLI prompts' tokens
@@ -699,7 +723,8 @@ def main() -> None:
                     eager=opts.eager, kimi=s.get("kimi", False))  # fmt: skip
         if opts.cli and opts.cli_prompts and opts.cli_prompts != opts.prompts:  # uni passes over the CLI's own too
             args["cli_count"] = opts.cli_prompts
-        sides = [start_side({**args, "side": name}) for name in opts.sides]
+        names = [*opts.sides, *(["uni-before"] if opts.before else [])]
+        sides = [start_side({**args, "side": name}, opts.before) for name in names]
         modes = {x.name: x.ready.get("async_scheduling") for x in sides}
         print(f"hidden {hidden}: async scheduling by side {modes}", file=sys.stderr, flush=True)
         if len({modes[k] for k in ("vllm", "vllm-aux") if k in modes}) > 1:  # vLLM's two loops must match
@@ -707,8 +732,8 @@ def main() -> None:
                 running.close()
             raise SystemExit(f"vllm and vllm-aux do not schedule alike (async scheduling by side: {modes})")
         memory_lines = {x.name: x.ready["memory"] for x in sides if x.ready.get("memory")}
-        rates: dict[str, list[float]] = {name: [] for name in opts.sides}
-        streams: dict[str, list[dict]] = {name: [] for name in opts.sides}  # each timed pass's engine stats
+        rates: dict[str, list[float]] = {name: [] for name in names}
+        streams: dict[str, list[dict]] = {name: [] for name in names}  # each timed pass's engine stats
         own: list[dict] = []  # uni's timed passes (tokens_per_s, stream)
         same: list[dict] = []  # uni's passes over the CLI's prompts, where they are not the sides' (cli_count)
         for _ in range(opts.rounds):
@@ -803,12 +828,14 @@ def main() -> None:
                 print(f"hidden {hidden}, {s['layers']} layers, vocabulary {s['vocab']}, MLP {s['intermediate']}, "
                       f"prompts of {opts.low}-{high} tokens:")  # fmt: skip
             for name, values in rates.items():
-                print(f"  {name:8} {med[name]:12,.0f} tokens/s   (rounds: {', '.join(f'{v:,.0f}' for v in values)})")
-            pairs = [(name, "vllm") for name in med if name != "vllm"] + [
-                (name, "vllm-aux") for name in med if name not in ("vllm", "vllm-aux")
-            ]
+                print(f"  {name:10} {med[name]:12,.0f} tokens/s   (rounds: {', '.join(f'{v:,.0f}' for v in values)})")
+            pairs = (
+                [(name, "vllm") for name in med if name != "vllm"]
+                + [(name, "vllm-aux") for name in med if name not in ("vllm", "vllm-aux")]
+                + [("uni", "uni-before")]
+            )
             for name, against in pairs:
-                if against in med:
+                if name in med and against in med:
                     per_round = [a / b for a, b in zip(rates[name], rates[against])]
                     print(f"  ratio {name} / {against}: {med[name] / med[against]:.3f}x (per round: "
                           f"{', '.join(f'{r:.3f}' for r in per_round)})")  # fmt: skip
@@ -865,7 +892,8 @@ def main() -> None:
                 print(f"  {name}: capture ring {m['ring']} (host memory; on a GPU the output worker registers it as pinned memory: "
                       f"{m['ring_bytes'] / 2**20:,.0f} MiB); copy path {m['copy_path']}; GPU staging "
                       f"{staging.get('buffers', 0)} buffers, {staging.get('bytes', 0) / 2**20:,.0f} MiB "
-                      f"({'used' if staging.get('staged') else 'not used'})")  # fmt: skip
+                      f"({'used' if staging.get('staged') else 'not used'})"
+                      + (f"; read in place: {m['in_place']}" if m.get("in_place") else ""))  # fmt: skip
 
 
 if __name__ == "__main__":
