@@ -5,7 +5,9 @@ Issue 53: the wide CPU CLI's first steps grow its heap by about 2 GB, and on the
 about 5 CPU-s a GB (``perf``: the kernel zeroing pages on first touch). This measures the machine, not the
 generator: a child process maps ``--gib`` GiB of anonymous memory and writes one byte into each 4 KiB page
 (``4k``; ``huge``: the mapping advised ``MADV_HUGEPAGE`` first), timed; just before, another child touched and
-freed as much, then the parent waited ``--delays`` seconds. A host that keeps the guest's freed pages shows
+freed as much, then the parent waited ``--delays`` seconds ("after 0 s": the timed child's own start-up, some
+tens of milliseconds). The timed child's memory is whatever the kernel hands it, not necessarily the pages the
+first child freed; on a machine with most memory free, the delay says how long the freed memory has been free. A host that keeps the guest's freed pages shows
 one rate at every delay. A VM whose balloon reports free pages to its host (virtio-balloon's free page
 reporting, feature bit 5, ``page_reporting_order`` in ``/sys/module/page_reporting/parameters``) gets them
 back only after the host backs them again: fast at once, slow a few seconds later. A long run keeps its heap
@@ -52,15 +54,21 @@ def child(gib: float, huge: bool) -> float:
 
 
 def reporting() -> str:
-    """Whether this machine's virtio balloon reports free pages to its host, and at what order."""
+    """Whether this machine's virtio balloon reports free pages to its host, at what order, and the kernel's
+    transparent huge page mode (``never``: the huge row measures 4 KiB pages too)."""
     parts = []
     for features in sorted(Path("/sys/bus/virtio/drivers/virtio_balloon").glob("virtio*/features")):
         bits = features.read_text().strip()
         parts.append(f"virtio-balloon free page reporting {'on' if len(bits) > 5 and bits[5] == '1' else 'off'}")
-    order = Path("/sys/module/page_reporting/parameters/page_reporting_order")
-    if order.is_file():
-        parts.append(f"page_reporting_order {order.read_text().strip()} ({(PAGE << int(order.read_text())) >> 10} KiB)")
-    return "; ".join(parts) or "no virtio balloon"
+    path = Path("/sys/module/page_reporting/parameters/page_reporting_order")
+    if path.is_file():
+        order = int(path.read_text())
+        parts.append(f"page_reporting_order {order} ({(PAGE << order) >> 10} KiB)")
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    words = thp.read_text().split() if thp.is_file() else []
+    mode = next((w[1:-1] for w in words if w.startswith("[")), "unknown")
+    parts.append(f"transparent huge pages: {mode}")
+    return "; ".join(parts)
 
 
 def main() -> None:

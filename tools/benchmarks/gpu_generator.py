@@ -189,7 +189,7 @@ def side(args: dict) -> None:
 
         def engine_stats() -> dict:
             stats = gen.engine.stats
-            return {name: getattr(stats, name) for name in STREAM_STATS}
+            return {name: getattr(stats, name) for name in STREAM_STATS if hasattr(stats, name)}  # older: fewer
 
         async_scheduling = bool(gen.engine.async_scheduling)
         ring, info = gen.engine.ring, gen.engine.capture_info[0]
@@ -317,6 +317,16 @@ def side_py_spy(running: Side, path: Path) -> None:
         spy.kill()
     subprocess.run(["gzip", "-f", str(path)], check=False)
     print(f"py-spy of side {running.name}: {path}.gz ({rate:,.0f} tokens/s while sampled)", file=sys.stderr, flush=True)
+
+
+def checkout_commit(folder: Path) -> str:
+    """``commit abc1234`` (``, with local changes`` where its tree differs) of the git checkout ``folder``, or what
+    it is not."""
+    head = subprocess.run(["git", "-C", str(folder), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        return "not a git checkout: its commit unknown"
+    dirty = subprocess.run(["git", "-C", str(folder), "status", "--porcelain"], capture_output=True, text=True)
+    return f"commit {head.stdout.strip()}" + (", with local changes" if dirty.stdout.strip() else "")
 
 
 def start_side(args: dict, before: Path | None = None) -> Side:
@@ -701,6 +711,8 @@ def main() -> None:
     ap.add_argument("--before", type=Path, help="also the side uni-before: uni with this checkout's package "
                     "(a folder holding speculators_v016/), in the same rounds: uni / uni-before is the change")  # fmt: skip
     opts = ap.parse_args()
+    if opts.before is not None and "uni" not in opts.sides:
+        ap.error("--before compares uni-before with uni: add uni to --sides")
     if opts.before is not None:
         opts.before = opts.before.resolve()
         if not (opts.before / "speculators_v016" / "__init__.py").is_file():
@@ -712,6 +724,7 @@ def main() -> None:
             ap.error(f"shape {hidden}: {count} sides at --memory {memory} hold more than the GPU; "
                      "run fewer --sides or a smaller --memory")  # fmt: skip
     lines = []
+    imported: dict[str, str] = {}  # side -> the package it imported (the ready line)
     cli_tokens: dict[int, int] = {}  # each shape's CLI prompts' tokens
     warmups: list[str] = []  # the untimed CLI runs (--cli-warmup): shape, dtype, tokens/s
     for hidden in opts.shapes:
@@ -724,7 +737,17 @@ def main() -> None:
         if opts.cli and opts.cli_prompts and opts.cli_prompts != opts.prompts:  # uni passes over the CLI's own too
             args["cli_count"] = opts.cli_prompts
         names = [*opts.sides, *(["uni-before"] if opts.before else [])]
-        sides = [start_side({**args, "side": name}, opts.before) for name in names]
+        sides = []
+        try:
+            for name in names:
+                sides.append(start_side({**args, "side": name}, opts.before))
+            packages = {x.name: x.ready.get("package") for x in sides}
+            if opts.before and packages["uni"] == packages["uni-before"]:
+                raise SystemExit(f"uni and uni-before both imported {packages['uni']}: nothing to compare (--before)")
+        except BaseException:
+            for running in sides:
+                running.close()
+            raise
         modes = {x.name: x.ready.get("async_scheduling") for x in sides}
         print(f"hidden {hidden}: async scheduling by side {modes}", file=sys.stderr, flush=True)
         if len({modes[k] for k in ("vllm", "vllm-aux") if k in modes}) > 1:  # vLLM's two loops must match
@@ -806,6 +829,7 @@ def main() -> None:
                         subprocess.run(["gzip", "-f", str(profiled)], check=False)
                         print(f"py-spy profile {profiled}.gz; host path: {host}", file=sys.stderr, flush=True)
         lines.append((hidden, s, rates, cli, prof, high, memory, memory_lines, streams, same or own))
+        imported.update(packages)
     from speculators_v016.store.disk_forecast import stored_token_bytes  # noqa: PLC0415 - parent only
 
     with recording(__file__):
@@ -815,6 +839,9 @@ def main() -> None:
               f"layers captured, {opts.rounds} interleaved rounds, medians; vllm = LLMEngine (add_request, step), "
               "vllm-aux = the same computing the capture's aux states, nothing copied, "
               "uni / mp = the generator's stream() with the uniprocess / multiprocess (TP 1) executor")  # fmt: skip
+        if opts.before:
+            print(f"uni-before: the package at {imported.get('uni-before')} ({checkout_commit(opts.before)}); uni: "
+                  f"the package at {imported.get('uni')}")  # fmt: skip
         if warmups:
             print(f"the CLI's runs each follow one untimed warm-up run per shape and folder (--cli-warmup; shape, "
                   f"stored, tokens/s: {'; '.join(warmups)})")  # fmt: skip
@@ -840,7 +867,10 @@ def main() -> None:
                     print(f"  ratio {name} / {against}: {med[name] / med[against]:.3f}x (per round: "
                           f"{', '.join(f'{r:.3f}' for r in per_round)})")  # fmt: skip
             for name, passes in streams.items():
-                if passes:
+                missing = sorted({k for x in passes for k in STREAM_STATS if k not in x})
+                if passes and missing:  # a --before checkout older than these counters
+                    print(f"  {name}: its EngineStats have no {', '.join(missing)} (an older checkout)")
+                elif passes:
                     drained = ", ".join(f"{x['drained'] * 1e3:,.0f}" for x in passes)
                     thread = statistics.median(x["copy_thread"] for x in passes)
                     waited = statistics.median(x["copy_waited"] for x in passes)
