@@ -2,13 +2,13 @@
 """What a fresh process pays to touch new memory, by how long ago another process gave the same amount back.
 
 Issue 53: the wide CPU CLI's first steps grow its heap by about 2 GB, and on the CI's VMs that growth cost
-about 5 CPU-s a GB (``perf``: the kernel zeroing pages on first touch). This measures the machine, not the
+2.6-5 CPU-s a GB (``perf``: the kernel zeroing pages on first touch). This measures the machine, not the
 generator: a child process maps ``--gib`` GiB of anonymous memory and writes one byte into each 4 KiB page
 (``4k``; ``huge``: the mapping advised ``MADV_HUGEPAGE`` first), timed; just before, another child touched and
 freed as much, then the parent waited ``--delays`` seconds ("after 0 s": the timed child's own start-up, some
 tens of milliseconds). The timed child's memory is whatever the kernel hands it, not necessarily the pages the
-first child freed; on a machine with most memory free, the delay says how long the freed memory has been free. A host that keeps the guest's freed pages shows
-one rate at every delay. A VM whose balloon reports free pages to its host (virtio-balloon's free page
+first child freed; on a machine with most memory free, the delay says how long the freed memory has been free.
+A host that keeps the guest's freed pages shows one rate at every delay. A VM whose balloon reports free pages to its host (virtio-balloon's free page
 reporting, feature bit 5, ``page_reporting_order`` in ``/sys/module/page_reporting/parameters``) gets them
 back only after the host backs them again: fast at once, slow a few seconds later. A long run keeps its heap
 (``run/huge_pages.py``) and pays it once; a short benchmark run pays it in its first steps.
