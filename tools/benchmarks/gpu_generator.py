@@ -38,7 +38,8 @@ those to the host: a step waiting on the host shows as one).
     . .gpu-vllm/install.sh && python3 tools/benchmarks/gpu_generator.py [--shapes 4096 7168] [--rounds 3] [--cli]
     . .gpu-vllm/install.sh && python3 tools/benchmarks/gpu_generator.py --shapes kimi --sides vllm uni --prompts 64
     # kimi: two sides need an H200; on an 80 GB H100 the second side's expert layout ran out of memory (2026-12-07),
-    # so there one side a process, alternately: --sides vllm --memory 0.6, then --sides uni (not side by side)
+    # so there one side a process, alternately: --sides vllm --memory 0.6, then --sides uni --memory 0.6
+    # (not side by side)
 """
 
 from __future__ import annotations
