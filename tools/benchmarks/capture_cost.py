@@ -11,7 +11,8 @@ Timed here at the wide row's settings, in one process per page kind (glibc asked
 pages, as the command and the benchmarks' engines are, then not), interleaved over --rounds, medians of
 --reps calls each: one aux add, the copies of one layer's step rows into --length-row tensors (made fresh, as
 the generator's samples are, and the CLI's on a CPU engine too while a layer is under glibc's mmap ceiling; and
-kept ones, as a pool's reused blocks are), and
+kept ones, as a pool's reused blocks are, and as the generator's fresh samples are in the command's kept heap,
+which reuses freed memory: the child processes here run without it), and
 vLLM's own RMSNorm with its residual add (`RMSNorm.forward_static`, the op a Llama layer runs twice) as
 the unit of the forward's own work. Then the capture's ms per step (--aux adds, one tap, --aux + 1 layers
 copied), and, given --step-tokens-per-s (the generator's rate in the wide row), its share of a step (huge pages: the engines' setting).
@@ -84,7 +85,8 @@ def measure(args: dict) -> dict:
 
 def child(args: dict, huge: bool) -> dict:
     """The ops timed in a child whose glibc was asked for huge pages as the command asks for them, or not (its heap
-    as glibc keeps it by itself either way: the fresh tensors' cost is what this measures)."""
+    as glibc keeps it by itself either way, so fresh tensors are faulted in: what they cost without the command's
+    kept heap; with it, the generator's fresh samples reuse freed memory, which the copies into kept tensors time)."""
     env = {**os.environ, huge_pages.OPT_OUT: "1" if huge else "0"}
     ours = {huge_pages.TUNABLE, *huge_pages.HEAP}
     users = {k: v for k, v in huge_pages.given(env.pop("GLIBC_TUNABLES", "")).items() if k not in ours}
@@ -127,15 +129,19 @@ def main() -> None:
         for huge in (True, False):
             med = {k: statistics.median(r[k] for r in got[huge]) for k in ("add", "copy", "fresh", "norm")}
             capture = (opts.aux + 1) * (med["add"] + med["fresh"])
+            kept = (opts.aux + 1) * (med["add"] + med["copy"])
             line = (
                 f"  {'huge pages' if huge else '4 KiB pages'}: an add {med['add']:.1f} ms, a layer's row copies "
                 f"{med['fresh']:.1f} ms into fresh tensors ({med['copy']:.1f} into kept ones), vLLM's RMSNorm with "
-                f"its residual {med['norm']:.1f} ms; capture {capture:.0f} ms a step (fresh tensors, as the "
-                f"generator's) = {capture / med['norm']:.2f} RMSNorms"
+                f"its residual {med['norm']:.1f} ms; capture {capture:.0f} ms a step into fresh tensors faulted in "
+                f"(glibc's own heap), {kept:.0f} ms into memory already faulted in (the command's kept heap, in which "
+                f"the generator's fresh samples reuse freed memory) = {capture / med['norm']:.2f}, "
+                f"{kept / med['norm']:.2f} RMSNorms"
             )
             if step_ms and huge:  # the rate given is the engines' own, measured with huge pages
                 line += (
-                    f"; {capture / step_ms:.1%} of a {step_ms:,.0f} ms step at {opts.step_tokens_per_s:,.0f} tokens/s"
+                    f"; {capture / step_ms:.1%}, {kept / step_ms:.1%} of a {step_ms:,.0f} ms step at "
+                    f"{opts.step_tokens_per_s:,.0f} tokens/s"
                 )
             print(line)
 
