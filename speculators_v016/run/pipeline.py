@@ -400,7 +400,9 @@ def host_line(host: dict) -> str:
             else f"copied rows for {host['engine_copied']:.1f} s"
         )
         + f" and waited {host['waited']:.1f} s for the writers (queue full); "
-        f"{host['workers']} write workers busy {host['busy']:.0%} of the time"
+        f"{host['workers']} write workers"
+        + (" (SCHED_BATCH)" if host.get("batched") else "")
+        + f" busy {host['busy']:.0%} of the time"
         + (f" ({host['helped']} files written by their helper processes)" if host.get("helped") else "")
         + (f", {host['drainers']} more for the last samples" if host.get("drainers") else "")
         + (
@@ -519,6 +521,7 @@ def _generate(
         opts.format,
         layer_ids,
         workers=opts.write_workers,
+        batch=engine.device_type == "cpu",  # a waking writer must not stall the forward's OpenMP team at once
         non_finite=non_finite_reason(layer_ids),
         cpus=cpus,
         checksum=algorithm,

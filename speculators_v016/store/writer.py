@@ -64,15 +64,21 @@ class WriterThreadError(RuntimeError):
     """A writer thread failed for a reason other than a file that could not be written (a bug, said so)."""
 
 
-def lower_this_thread(increment: int) -> None:
-    """Run the calling thread ``increment`` nice levels lower (Linux: per thread); left as is where not allowed."""
-    if increment <= 0:
-        return
+def lower_this_thread(increment: int, batch: bool = False) -> None:
+    """Run the calling thread ``increment`` nice levels lower (Linux: per thread) and, with ``batch``, under
+    ``SCHED_BATCH`` (its nice level kept): a writer waking from its disk then waits for the running thread's
+    slice instead of preempting it at once. Left as is where not allowed."""
     tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
-    except (AttributeError, OSError):
-        pass
+    if increment > 0:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+        except (AttributeError, OSError):
+            pass
+    if batch:
+        try:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # 0: the calling thread
+        except (AttributeError, OSError):
+            pass
 
 
 class SampleWriter:
@@ -88,6 +94,9 @@ class SampleWriter:
     reason :meth:`take_rejected` reports (None for a clean sample), and is
     called on such samples only (``.pt``: on every sample, before its write), never on those :meth:`put`
     with ``finite=True``.
+    ``batch``: the workers run under ``SCHED_BATCH`` (:func:`lower_this_thread`); the CLI asks for it on a CPU
+    engine, where a waking writer preempted one of the forward's two OpenMP threads and its partner waited at the
+    next barrier for as long (docs/benchmarks/README.md, issue 53's writers section).
     ``direct``: files written with ``O_DIRECT`` where the file system takes it (False: through the page cache);
     a file system that takes the flag but refuses a direct write gets that file written again buffered, and
     every later file buffered (:attr:`refused` counts such files). A folder on tmpfs or ramfs is written
@@ -116,6 +125,7 @@ class SampleWriter:
         cpus: Iterable[int] | None = None,
         commit_interval: float = DEFAULT_COMMIT_INTERVAL,
         nice: int = WRITER_NICE_INCREMENT,
+        batch: bool = False,
         checksum: str = checksums.DEFAULT,
         model_args: dict | None = None,
         direct: bool = True,
@@ -131,7 +141,8 @@ class SampleWriter:
         self.queue: queue.Queue = queue.Queue(maxsize=bound)
         self.reject, self.non_finite, self.screen = reject, non_finite, screen
         self.cpus = set(cpus) if cpus else None
-        self.nice = nice
+        self.nice, self.batch = nice, batch
+        self.batched = 0  # workers that run under SCHED_BATCH
         self.error: BaseException | None = None
         self.written = 0  # samples committed (file durable, manifest line fsynced)
         self.bytes = 0
@@ -171,7 +182,10 @@ class SampleWriter:
         try:
             if self.cpus:
                 os.sched_setaffinity(0, self.cpus)  # this thread only
-            lower_this_thread(self.nice)
+            lower_this_thread(self.nice, self.batch)
+            if self.batch and getattr(os, "sched_getscheduler", None) and os.sched_getscheduler(0) == os.SCHED_BATCH:
+                with self._lock:
+                    self.batched += 1  # the threads that run under SCHED_BATCH (asked for; where allowed)
         except BaseException as exc:  # noqa: BLE001 - handed to the producer; the thread still drains the queue
             self._fail(exc)
         while (job := self.queue.get()) is not None:
@@ -313,7 +327,7 @@ class SampleWriter:
         ramfs; else None), ``helped`` (files written by the workers' helper processes), ``drainers`` (threads
         :meth:`close` added for the last samples; ``busy`` is of ``workers`` alone), ``finite_proven`` /
         ``finite_tested`` (samples whose NaN/Inf test was the device's, put with ``finite=True``, / the writers'
-        own)."""
+        own), ``batched`` (workers running under ``SCHED_BATCH``)."""
         with self._lock:
             busy, cpu, written, paths = self.busy, self.cpu, self.bytes, dict(self.paths)
         span = max(time.monotonic() - self.started, 1e-9)
@@ -329,6 +343,7 @@ class SampleWriter:
             "helped": self.helped,
             "finite_proven": self.proven,
             "finite_tested": self.tested,
+            "batched": self.batched,
             **paths,
         }
 

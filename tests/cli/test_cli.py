@@ -61,7 +61,7 @@ def test_demo_runs_and_verifies(tmp_path):
     assert "eagle_aux_hidden_state_layer_ids = [3, 5, 6]" in result.output
     assert "torch.bfloat16" in result.output  # what a sample holds: the dtype users run
     assert_one_voice(result.output, [tmp_path / "logs"], dtype="bfloat16")
-    host = re.search(r"host path: .* spent ([\d.]+) s in vLLM's steps, .* (\d+) write workers busy (\d+)% .* buffer pool: "
+    host = re.search(r"host path: .* spent ([\d.]+) s in vLLM's steps, .* (\d+) write workers \(SCHED_BATCH\) busy (\d+)% .* buffer pool: "
                      r"(\d+) blocks made, (\d+) reused(?:, (\d+) samples in fresh memory \(CPU engine\))?",
                      result.output)  # fmt: skip
     assert host and float(host[1]) > 0 and int(host[2]) >= 1 and int(host[3]) <= 100, result.output[-3000:]

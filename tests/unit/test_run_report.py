@@ -105,6 +105,10 @@ def test_the_summary_says_where_the_host_time_went(tmp_path):
     summary.host.update(on_cpu=0.5, cpu_per_gib=1.234)  # the writers' own CPU time
     (line,) = [line for line in summary.lines() if line.startswith("host path:")]
     assert "8 write workers busy 62% of the time (on a CPU 50% of it, 1.23 CPU-s per GiB written); buffer" in line
+    summary.host.update(batched=8)  # a CPU engine's writers, under SCHED_BATCH
+    (line,) = [line for line in summary.lines() if line.startswith("host path:")]
+    assert "8 write workers (SCHED_BATCH) busy 62% of the time (on a CPU 50%" in line
+    summary.host.update(batched=0)
     summary.host.update(finite_proven=250, finite_tested=6)  # a GPU engine's staged run: the device's NaN/Inf proof
     (line,) = [line for line in summary.lines() if line.startswith("host path:")]
     assert "GiB written); NaN/Inf test: 250 samples proven on the device, 6 tested by the writers; buffer" in line

@@ -208,6 +208,31 @@ def test_workers_run_below_the_engine_and_drop_written_pages(tmp_path, monkeypat
     assert sorted(dropped) == [(size, os.POSIX_FADV_DONTNEED) for size in sizes]
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+@pytest.mark.parametrize("batch", [True, False])
+def test_workers_run_under_sched_batch_where_asked(tmp_path, batch):
+    """batch=True: every writer thread runs under SCHED_BATCH at its lowered nice level, the caller's thread untouched."""
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = set()
+    writer = SampleWriter(
+        tmp_path,
+        "safetensors",
+        [1, 2],
+        workers=2,
+        batch=batch,
+        reject=lambda s: seen.add(
+            (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        ),
+    )
+    for i in range(4):
+        writer.put(i, sample(i))
+    writer.close()
+    policy = os.SCHED_BATCH if batch else os.SCHED_OTHER
+    assert seen == {(policy, min(19, mine + WRITER_NICE_INCREMENT))}
+    assert writer.load()["batched"] == (2 if batch else 0)
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's thread is untouched
+
+
 def test_a_refused_cache_drop_is_not_a_write_error(tmp_path, monkeypatch):
     """posix_fadvise failing (advice only) leaves the sample written and listed."""
 
