@@ -66,8 +66,8 @@ class WriterThreadError(RuntimeError):
 
 def lower_this_thread(increment: int, batch: bool = False) -> None:
     """Run the calling thread ``increment`` nice levels lower (Linux: per thread) and, with ``batch``, under
-    ``SCHED_BATCH`` (its nice level kept): a writer waking from its disk then waits for the running thread's
-    slice instead of preempting it at once. Left as is where not allowed."""
+    ``SCHED_BATCH`` (its nice level kept): the scheduler then does not preempt the running thread for it the moment
+    it wakes. Left as is where not allowed."""
     tid = threading.get_native_id()
     if increment > 0:
         try:
@@ -95,8 +95,8 @@ class SampleWriter:
     called on such samples only (``.pt``: on every sample, before its write), never on those :meth:`put`
     with ``finite=True``.
     ``batch``: the workers run under ``SCHED_BATCH`` (:func:`lower_this_thread`); the CLI asks for it on a CPU
-    engine, where a waking writer preempted one of the forward's two OpenMP threads and its partner waited at the
-    next barrier for as long (docs/benchmarks/README.md, issue 53's writers section).
+    engine, where a core a writer takes from one of the forward's two OpenMP threads stalls its partner at the
+    next barrier too (measured faster there, docs/benchmarks/README.md, issue 53's writers section).
     ``direct``: files written with ``O_DIRECT`` where the file system takes it (False: through the page cache);
     a file system that takes the flag but refuses a direct write gets that file written again buffered, and
     every later file buffered (:attr:`refused` counts such files). A folder on tmpfs or ramfs is written
