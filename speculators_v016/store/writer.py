@@ -64,10 +64,10 @@ class WriterThreadError(RuntimeError):
     """A writer thread failed for a reason other than a file that could not be written (a bug, said so)."""
 
 
-def lower_this_thread(increment: int, batch: bool = False) -> None:
+def lower_this_thread(increment: int, batch: bool = False) -> bool:
     """Run the calling thread ``increment`` nice levels lower (Linux: per thread) and, with ``batch``, under
     ``SCHED_BATCH`` (its nice level kept): the scheduler then does not preempt the running thread for it the moment
-    it wakes. Left as is where not allowed."""
+    it wakes. Left as is where not allowed; returns whether the thread now runs under ``SCHED_BATCH``."""
     tid = threading.get_native_id()
     if increment > 0:
         try:
@@ -77,8 +77,10 @@ def lower_this_thread(increment: int, batch: bool = False) -> None:
     if batch:
         try:
             os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # 0: the calling thread
+            return True
         except (AttributeError, OSError):
             pass
+    return False
 
 
 class SampleWriter:
@@ -142,7 +144,7 @@ class SampleWriter:
         self.reject, self.non_finite, self.screen = reject, non_finite, screen
         self.cpus = set(cpus) if cpus else None
         self.nice, self.batch = nice, batch
-        self.batched = 0  # workers that run under SCHED_BATCH
+        self.batched = 0  # writer threads (workers, then any drainers) that run under SCHED_BATCH
         self.error: BaseException | None = None
         self.written = 0  # samples committed (file durable, manifest line fsynced)
         self.bytes = 0
@@ -182,10 +184,9 @@ class SampleWriter:
         try:
             if self.cpus:
                 os.sched_setaffinity(0, self.cpus)  # this thread only
-            lower_this_thread(self.nice, self.batch)
-            if self.batch and getattr(os, "sched_getscheduler", None) and os.sched_getscheduler(0) == os.SCHED_BATCH:
+            if lower_this_thread(self.nice, self.batch):
                 with self._lock:
-                    self.batched += 1  # the threads that run under SCHED_BATCH (asked for; where allowed)
+                    self.batched += 1
         except BaseException as exc:  # noqa: BLE001 - handed to the producer; the thread still drains the queue
             self._fail(exc)
         while (job := self.queue.get()) is not None:
@@ -327,7 +328,7 @@ class SampleWriter:
         ramfs; else None), ``helped`` (files written by the workers' helper processes), ``drainers`` (threads
         :meth:`close` added for the last samples; ``busy`` is of ``workers`` alone), ``finite_proven`` /
         ``finite_tested`` (samples whose NaN/Inf test was the device's, put with ``finite=True``, / the writers'
-        own), ``batched`` (workers running under ``SCHED_BATCH``)."""
+        own), ``batched`` (writer threads, drainers included, running under ``SCHED_BATCH``)."""
         with self._lock:
             busy, cpu, written, paths = self.busy, self.cpu, self.bytes, dict(self.paths)
         span = max(time.monotonic() - self.started, 1e-9)
