@@ -1,5 +1,7 @@
 """Values that cannot run are usage errors (exit 2) naming the option or variable, before anything starts."""
 
+import gc
+
 import pytest
 from click.testing import CliRunner
 
@@ -82,3 +84,15 @@ def test_layer_ids_are_joined_in_every_spelling():
     assert _join_multi_value(["--layer-ids=2", "16", "-q"], "--layer-ids") == ["--layer-ids", "2 16", "-q"]
     assert _join_multi_value(["--layer-ids", "-1", "-v"], "--layer-ids") == ["--layer-ids", "-1", "-v"]
     assert _join_multi_value(["--layer-ids"], "--layer-ids") == ["--layer-ids", ""]
+
+
+def test_main_freezes_the_collector_at_exit_after_the_runs_own_handlers(monkeypatch):
+    """main() registers gc.freeze before the run starts: at exit it runs after the handlers the run registered."""
+    from speculators_v016.run import cli as command  # noqa: PLC0415 - the module, not its click group
+
+    calls = []
+    monkeypatch.setattr(command.atexit, "register", calls.append)
+    monkeypatch.setattr(command.huge_pages, "reexec", lambda: calls.append("reexec"))
+    monkeypatch.setattr(command.cli, "main", lambda **kwargs: calls.append("run"))
+    command.main()
+    assert calls == ["reexec", gc.freeze, "run"]
