@@ -158,6 +158,9 @@ class WorkerSetup:
     #: the output rank hands its aux states over as they are, no ring and no copy (an in-process CPU engine:
     #: :mod:`~speculators_v016.worker.held_states`); ``StepCapture.states`` is then one tensor per layer
     by_reference: bool = False
+    #: the pid of the process driving the engine (0: not said): a worker in another process is one of vLLM's,
+    #: which freezes its objects at exit (:mod:`~speculators_v016.shared.exit_gc`)
+    driver_pid: int = 0
 
     @property
     def capturing_ranks(self) -> tuple[int, ...]:

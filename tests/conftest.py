@@ -163,11 +163,13 @@ def pytest_runtest_logreport(report):
 
 def pytest_terminal_summary(terminalreporter):
     """The 12 files that took longest in this round (a whole file runs on one worker: what a round's length
-    is made of, for keeping CI under its limit)."""
+    is made of, for keeping CI under its limit), and all of its files' seconds summed: against the round's wall
+    time and its workers, how evenly the files were spread."""
     if _FILE_SECONDS:
         terminalreporter.write_sep("=", "slowest files (seconds, setup + call + teardown)")
         for name, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:12]:
             terminalreporter.write_line(f"{seconds:8.1f}s  {name}")
+        terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f}s  all {len(_FILE_SECONDS)} files")
 
 
 #: The in-process round's longest files (seconds on a 2-core CI clone, 2026-12-04), started first: a long file

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 from loguru import logger
 
@@ -73,6 +74,7 @@ def capture_executor(
             setup = WorkerSetup(
                 capture, self.capture_output_rank, ring.spec if ring is not None else None,
                 capture_ranks=self.capture_ranks, staging_buffers=in_flight, by_reference=by_reference,
+                driver_pid=os.getpid(),
             )  # fmt: skip
             self.capture_info = list(self.collective_rpc("speculators_capture_setup", args=(setup,)))
 

@@ -8,9 +8,7 @@ atomic output and the ``verify``, ``check``, ``demo`` and ``clean-shm`` subcomma
 
 from __future__ import annotations
 
-import atexit
 import difflib
-import gc
 import json
 import os
 import re
@@ -44,6 +42,7 @@ from speculators_v016.config import (
 )
 from speculators_v016.exit_codes import ExitCode, help_text
 from speculators_v016.run import huge_pages
+from speculators_v016.shared import exit_gc
 
 EXIT_CODES = f"""\b
 {help_text()}
@@ -471,11 +470,7 @@ def _join_multi_value(argv: list[str], option: str) -> list[str]:
 
 def main() -> None:
     huge_pages.reexec()  # on a CPU build: this process again, glibc asked for huge pages (run/huge_pages.py)
-    # Python's last collections at exit walk every object the run made (vLLM, torch, transformers): 2-3 s of CPU on
-    # 2 cores, for nothing: every file is closed and made durable before the summary, and no cleanup of ours waits on
-    # the collector (shared memory and processes are released explicitly, weakref.finalize's run at exit anyway).
-    # Registered here, it runs after the exit handlers the run registers and before those its imports did.
-    atexit.register(gc.freeze)
+    exit_gc.freeze_at_exit()  # after the run's own exit handlers: Python's last collections skip what it made
     cli.main(args=_join_multi_value(sys.argv[1:], "--layer-ids"), prog_name="speculators-data-gen")
 
 

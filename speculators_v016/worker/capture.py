@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +80,7 @@ import torch
 
 from speculators_v016 import fp8
 from speculators_v016.protocol import RingSpec, StepCapture, WorkerSetup
+from speculators_v016.shared import exit_gc
 from speculators_v016.shared.slot_ring import SlotRing
 from speculators_v016.worker import cpu_async, cpu_rope
 from speculators_v016.worker.aux_outputs import find_decoder_stack, install_aux_outputs
@@ -490,6 +492,16 @@ class Capture:
         return ring.slot(slot)[first:end, :total], (scales[first:end, :total] if scales is not None else None)
 
 
+def freeze_at_exit_if_apart(setup: WorkerSetup) -> bool:
+    """In a worker process of vLLM's (not the process driving the engine, as with the multiprocess executor), have
+    the objects frozen at exit (:mod:`~speculators_v016.shared.exit_gc`): the executor waits for its workers to
+    end at shutdown. Whether it did."""
+    if not setup.driver_pid or setup.driver_pid == os.getpid():
+        return False
+    exit_gc.freeze_at_exit()
+    return True
+
+
 class CaptureWorkerExtension:
     """Mixed into vLLM's worker by ``ParallelConfig.worker_extension_cls``: the RPC entry points, and one
     attribute on vLLM's worker, ``_speculators_capture`` (a :class:`Capture`, None until set up)."""
@@ -499,6 +511,7 @@ class CaptureWorkerExtension:
 
     def speculators_capture_setup(self, setup: WorkerSetup) -> dict:
         """Prove the stream, install aux outputs and map the ring; run after model load, before profiling and warm-up."""
+        freeze_at_exit_if_apart(setup)
         runner = self.model_runner
         capture = setup.capture
         rope_native = cpu_rope.install(runner.get_model(), runner.device)

@@ -91,7 +91,7 @@ def test_main_freezes_the_collector_at_exit_after_the_runs_own_handlers(monkeypa
     from speculators_v016.run import cli as command  # noqa: PLC0415 - the module, not its click group
 
     calls = []
-    monkeypatch.setattr(command.atexit, "register", calls.append)
+    monkeypatch.setattr(command.exit_gc.atexit, "register", calls.append)
     monkeypatch.setattr(command.huge_pages, "reexec", lambda: calls.append("reexec"))
     monkeypatch.setattr(command.cli, "main", lambda **kwargs: calls.append("run"))
     command.main()

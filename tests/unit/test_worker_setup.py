@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import os
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -12,8 +14,16 @@ from test_ring_registration import Runner, Worker, cudart  # noqa: F401 - cudart
 from helpers.capture import worker_setup
 from speculators_v016.engine.executor import capture_executor
 from speculators_v016.protocol import CaptureConfig, WorkerSetup
+from speculators_v016.shared import exit_gc
 from speculators_v016.shared.slot_ring import SlotRing
-from speculators_v016.worker.capture import DirectCopy, DirectQuantize, HostCopy, HostQuantize, Reference
+from speculators_v016.worker.capture import (
+    DirectCopy,
+    DirectQuantize,
+    HostCopy,
+    HostQuantize,
+    Reference,
+    freeze_at_exit_if_apart,
+)
 
 
 @pytest.fixture
@@ -49,7 +59,8 @@ def test_the_setup_rpc_sends_one_worker_setup_with_the_capture_the_rank_and_the_
     """One RPC, one argument: the engine's CaptureConfig, the output rank and the ring's spec, as one object."""
     capture = CaptureConfig((3, 9), "taps", "auto")
     executor = setup_executor("UniProcExecutor", ring, capture)
-    assert executor.calls == [("speculators_capture_setup", (WorkerSetup(capture, 0, ring.spec),), None)]
+    setup = WorkerSetup(capture, 0, ring.spec, driver_pid=os.getpid())
+    assert executor.calls == [("speculators_capture_setup", (setup,), None)]
     assert executor.capture_info == [{"num_layers": 2}] * 2
 
 
@@ -117,3 +128,16 @@ def test_states_by_reference_are_refused_off_an_in_process_cpu_engine(cudart, de
             Worker(Runner(device)).speculators_capture_attach(replace(setup, by_reference=True))
     finally:
         made.close()
+
+
+def test_a_worker_apart_from_the_driving_process_freezes_its_objects_at_exit(monkeypatch):
+    """A worker in another process than the engine's driver registers gc.freeze at exit; in the driver's, or
+    where the driver is not said, nothing is registered (a library user's process keeps Python's own exit)."""
+    calls = []
+    monkeypatch.setattr(exit_gc.atexit, "register", calls.append)
+    capture = CaptureConfig((3, 9), "taps", "auto")
+    assert not freeze_at_exit_if_apart(WorkerSetup(capture, 0))
+    assert not freeze_at_exit_if_apart(WorkerSetup(capture, 0, driver_pid=os.getpid()))
+    assert calls == []
+    assert freeze_at_exit_if_apart(WorkerSetup(capture, 0, driver_pid=os.getpid() + 1))
+    assert calls == [gc.freeze]
