@@ -493,7 +493,7 @@ class Capture:
 
 
 def freeze_at_exit_if_apart(setup: WorkerSetup) -> bool:
-    """In a worker process of vLLM's (not the process driving the engine, as with the multiprocess executor), have
+    """In a worker process of vLLM's (not the process driving the engine: the multiprocess executor's, Ray's actors), have
     the objects frozen at exit (:mod:`~speculators_v016.shared.exit_gc`): the executor waits for its workers to
     end at shutdown. Whether it did."""
     if not setup.driver_pid or setup.driver_pid == os.getpid():
