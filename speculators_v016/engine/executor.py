@@ -59,7 +59,8 @@ def capture_executor(
     The set-up sends every worker one :class:`~speculators_v016.protocol.WorkerSetup`: ``capture``,
     the output rank (known once vLLM's workers exist), the ring's spec and ``in_flight``, the steps in
     flight (a GPU worker stages one per step; 0: one fewer than the ring's slots), and ``by_reference``
-    (an in-process CPU engine: the states handed over as they are, no ring)."""
+    (an in-process CPU engine: the states handed over as they are, no ring), and the driving process's pid (a
+    worker in another process freezes its objects at exit: shared/exit_gc.py)."""
     one_reply = executor_kind(base) == "mp"  # the multiprocess executor can ask one rank alone
 
     class CaptureExecutor(base):

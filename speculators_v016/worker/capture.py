@@ -493,9 +493,9 @@ class Capture:
 
 
 def freeze_at_exit_if_apart(setup: WorkerSetup) -> bool:
-    """In a worker process of vLLM's (not the process driving the engine: the multiprocess executor's, Ray's actors), have
-    the objects frozen at exit (:mod:`~speculators_v016.shared.exit_gc`): the executor waits for its workers to
-    end at shutdown. Whether it did."""
+    """In a worker process of vLLM's (not the one driving the engine: the multiprocess executor's workers, Ray's
+    actors), have the objects frozen at exit (:mod:`~speculators_v016.shared.exit_gc`): the executor waits for its
+    workers to end at shutdown. Whether it did."""
     if not setup.driver_pid or setup.driver_pid == os.getpid():
         return False
     exit_gc.freeze_at_exit()
